@@ -1,0 +1,1 @@
+"""Stateless array math, the runtime configuration and perf logging. No I/O, no model knowledge."""

@@ -1,0 +1,24 @@
+"""Errors a user can act on.
+
+Everything pyml raises for bad input derives from PymlError; the CLI prints its
+message as one line and exits with `exit_code` (2 for bad input). Anything else
+that escapes is an internal error (exit 1).
+"""
+
+
+class PymlError(Exception):
+    """Bad input: a file, a flag or a prompt the user can fix."""
+
+    exit_code = 2
+
+
+class ModelFormatError(PymlError):
+    """A model file that is truncated, corrupt, or disagrees with its config."""
+
+
+class UnsupportedError(PymlError):
+    """A well-formed input that pyml does not implement (architecture, quant type)."""
+
+
+class ResolveError(PymlError):
+    """A model name that cannot be found locally or fetched."""

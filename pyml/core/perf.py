@@ -1,0 +1,283 @@
+"""Hierarchical perf events: the `[perf]` log lines and their structured records.
+
+A call site asks its PerfLogger for a span and times a region with it:
+
+    _perf = perf.get("pyml.nn.linear")
+    with _perf.trace("linear::forward", "{}->{} {}", x.shape, w.shape, dtype, module=self.name):
+        y = ...
+
+With logging off the call returns a shared do-nothing span after one flag check:
+no clock read, no string formatting. When on, the span reads the clock twice and,
+on exit, (1) delivers a record dict to every registered collector and (2) logs
+one line `[perf] name details elapsed_ms` at the span's level.
+
+Nesting is explicit: a thread-local stack gives every record its parent's id, and
+`perf.context(phase=..., step=...)` stamps the generation phase on every record
+opened inside it. A span can also time named parts of itself (`span.part("ffn")`);
+parts are reported in the span's own line and record (`attn=1.2ms ffn=3.4ms`),
+not as separate events.
+
+Levels: TRACE (5) sits below DEBUG. `configure("pyml=debug,pyml.nn=trace")` or the
+LOG environment variable sets them; collectors force their level on without
+printing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+# Read through the module so tests can count clock reads on the hot path.
+clock = time.perf_counter
+
+_LEVEL_NAMES = {"trace": TRACE, "debug": logging.DEBUG, "info": logging.INFO,
+                "warning": logging.WARNING, "warn": logging.WARNING,
+                "error": logging.ERROR, "off": logging.CRITICAL + 10}
+
+_tls = threading.local()
+_ids = itertools.count(1)
+_loggers: dict[str, "PerfLogger"] = {}
+_collectors: list = []        # [(callable, level)]
+_collect_level = logging.CRITICAL + 10
+
+
+def _stack() -> list:
+    s = getattr(_tls, "stack", None)
+    if s is None:
+        s = _tls.stack = []
+        _tls.ctx = {}
+    return s
+
+
+def _fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}ms"
+
+
+class _NullSpan:
+    """Returned when the level is off: every method is a no-op."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def part(self, name):
+        return self
+
+    def set(self, **attrs):
+        pass
+
+
+NULL_SPAN = _NullSpan()
+
+
+class _Part:
+    __slots__ = ("span", "name", "t0")
+
+    def __init__(self, span, name):
+        self.span, self.name = span, name
+
+    def __enter__(self):
+        self.t0 = clock()
+        return self
+
+    def __exit__(self, *exc):
+        parts = self.span.parts
+        parts[self.name] = parts.get(self.name, 0.0) + (clock() - self.t0)
+        return False
+
+
+class Span:
+    __slots__ = ("perf", "level", "name", "fmt", "args", "attrs", "parts",
+                 "id", "parent", "t0")
+
+    def __init__(self, perf, level, name, fmt, args, attrs):
+        self.perf, self.level, self.name = perf, level, name
+        self.fmt, self.args, self.attrs = fmt, args, attrs
+        self.parts = {}
+
+    def part(self, name):
+        """Time a named part of this span (reported inline, e.g. `attn=1.2ms`)."""
+        return _Part(self, name)
+
+    def set(self, **attrs):
+        """Attach attributes known only inside the span (e.g. a sampled token)."""
+        self.attrs.update(attrs)
+
+    def __enter__(self):
+        stack = _stack()
+        self.parent = stack[-1].id if stack else None
+        self.id = next(_ids)
+        stack.append(self)
+        self.t0 = clock()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        t1 = clock()
+        _tls.stack.pop()
+        if exc_type is None:
+            self.perf._emit(self, t1 - self.t0)
+        return False
+
+    def details(self) -> str:
+        return self.fmt.format(*self.args) if self.args else self.fmt
+
+
+class PerfLogger:
+    """Perf events of one component (a logger name under `pyml`).
+
+    `debug_on` / `trace_on` are plain attributes so that a call site's check is
+    one attribute load; `refresh()` recomputes them when levels or collectors change.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.logger = logging.getLogger(name)
+        self.debug_on = False
+        self.trace_on = False
+        self._refresh()
+
+    def _refresh(self):
+        self.debug_on = self.logger.isEnabledFor(logging.DEBUG) or _collect_level <= logging.DEBUG
+        self.trace_on = self.logger.isEnabledFor(TRACE) or _collect_level <= TRACE
+
+    def debug(self, name, fmt="", *args, **attrs):
+        if not self.debug_on:
+            return NULL_SPAN
+        return Span(self, logging.DEBUG, name, fmt, args, attrs)
+
+    def trace(self, name, fmt="", *args, **attrs):
+        if not self.trace_on:
+            return NULL_SPAN
+        return Span(self, TRACE, name, fmt, args, attrs)
+
+    def _emit(self, span: Span, elapsed: float):
+        level = span.level
+        details = span.details()
+        if _collectors:
+            ctx = _tls.ctx
+            record = {
+                "id": span.id, "parent": span.parent, "name": span.name,
+                "level": "trace" if level == TRACE else "debug",
+                "logger": self.name, "thread": threading.get_ident(),
+                "start": span.t0, "dur_ms": elapsed * 1e3,
+                "phase": ctx.get("phase"), "step": ctx.get("step"),
+                "details": details,
+                "parts": {k: v * 1e3 for k, v in span.parts.items()},
+            }
+            record.update(span.attrs)
+            for fn, min_level in _collectors:
+                if level >= min_level:
+                    fn(record)
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, "[perf] %s", format_line(span.name, details, span.parts, elapsed))
+
+
+def format_line(name: str, details: str, parts: dict, elapsed: float) -> str:
+    """`name details [k=v ms ...] elapsed` — with parts, the elapsed reads `total=`."""
+    pieces = [name]
+    if details:
+        pieces.append(details)
+    if parts:
+        pieces.extend(f"{k}={_fmt_ms(v)}" for k, v in parts.items())
+        pieces.append(f"total={_fmt_ms(elapsed)}")
+    else:
+        pieces.append(_fmt_ms(elapsed))
+    return " ".join(pieces)
+
+
+def get(name: str) -> PerfLogger:
+    """The PerfLogger for a logger name (created once, refreshed on reconfiguration)."""
+    p = _loggers.get(name)
+    if p is None:
+        p = _loggers[name] = PerfLogger(name)
+    return p
+
+
+def refresh():
+    """Recompute every PerfLogger's flags (after changing levels by hand)."""
+    for p in _loggers.values():
+        p._refresh()
+
+
+class context:
+    """Stamp records opened inside with generation state: `with perf.context(phase="decode", step=3):`."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def __enter__(self):
+        _stack()
+        self.saved = dict(_tls.ctx)
+        _tls.ctx.update(self.values)
+        return self
+
+    def __exit__(self, *exc):
+        _tls.ctx = self.saved
+        return False
+
+
+def add_collector(fn, level: int = TRACE):
+    """Deliver every record at `level` or above to `fn(record)`; forces that level on."""
+    global _collect_level
+    _collectors.append((fn, level))
+    _collect_level = min(lv for _, lv in _collectors)
+    refresh()
+
+
+def remove_collector(fn):
+    global _collect_level
+    _collectors[:] = [(f, lv) for f, lv in _collectors if f != fn]
+    _collect_level = min((lv for _, lv in _collectors), default=logging.CRITICAL + 10)
+    refresh()
+
+
+def parse_level(text: str) -> int:
+    try:
+        return _LEVEL_NAMES[text.strip().lower()]
+    except KeyError:
+        from pyml.core.errors import PymlError
+        raise PymlError(f"unknown log level {text!r}: use one of "
+                        + ", ".join(k for k in _LEVEL_NAMES if k != "warn")) from None
+
+
+class _LineFormatter(logging.Formatter):
+    def format(self, record):
+        msg = record.getMessage()
+        if msg.startswith("[perf]"):
+            return msg
+        return f"{record.levelname.lower()}: {msg}"
+
+
+def configure(spec: str | None = None, stream=None):
+    """Set levels from a spec like `debug`, `trace` or `pyml.nn=trace,pyml=debug`.
+
+    With no spec, the LOG environment variable is read. Lines go to stderr.
+    """
+    if spec is None:
+        spec = os.environ.get("LOG", "")
+    root = logging.getLogger("pyml")
+    if not any(getattr(h, "_pyml", False) for h in root.handlers):
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.setFormatter(_LineFormatter())
+        handler._pyml = True
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(logging.WARNING)
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, level = item.rpartition("=")
+        if name and not (name == "pyml" or name.startswith("pyml.")):
+            from pyml.core.errors import PymlError
+            raise PymlError(f"log filter {item!r}: logger names start with 'pyml'")
+        logging.getLogger(name or "pyml").setLevel(parse_level(level))
+    refresh()

@@ -1,0 +1,63 @@
+"""Runtime configuration: thread count and warm-up.
+
+Numba's thread pool and the BLAS under NumPy each start their threads lazily on
+first use, and every jitted kernel compiles (or loads from its on-disk cache) on
+its first call. Left alone, all of that lands inside the first measured prefill
+or decode step; `warmup_thread_pool()` moves it before the clock starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+
+from pyml.core import perf
+from pyml.core.errors import PymlError
+
+_perf = perf.get("pyml.core.runtime")
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RuntimeConfig:
+    threads: int = field(default_factory=cpu_count)
+    warmup: bool = True
+
+    def __post_init__(self):
+        if self.threads < 1:
+            raise PymlError(f"--threads must be at least 1, got {self.threads}")
+        self.threads = min(self.threads, numba.config.NUMBA_NUM_THREADS)
+
+    def apply(self) -> "RuntimeConfig":
+        """Set the thread count for Numba kernels and for NumPy's BLAS."""
+        numba.set_num_threads(self.threads)
+        try:
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(self.threads)
+        except ImportError:  # optional: BLAS then keeps its own default
+            pass
+        return self
+
+    def warmup_thread_pool(self, extra=()):
+        """Start the thread pools and run every jitted kernel once on tiny inputs.
+
+        `extra` holds further callables (a model's own warm-up forward pass).
+        """
+        with _perf.debug("runtime::warmup", "threads={}", self.threads):
+            from pyml.core import ops
+            ops.warmup()
+            from pyml import quant
+            quant.warmup()
+            a = np.ones((64, 64), np.float32)
+            a @ a  # starts the BLAS threads
+            for fn in extra:
+                fn()

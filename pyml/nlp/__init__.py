@@ -1,0 +1,1 @@
+"""Language models: configs, loaders, tokenizers, architectures, the generator and the CLI."""

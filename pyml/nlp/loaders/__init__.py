@@ -1,0 +1,1 @@
+"""Model file readers: each maps its format onto one TensorStore of Hugging Face names."""

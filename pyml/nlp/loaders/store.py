@@ -1,0 +1,90 @@
+"""TensorStore: a model file's tensors under one naming scheme, with shape checks.
+
+Loaders fill it with (array, type name[, logical shape]) entries — zero-copy views
+into the mapped file — and models take their weights from it by Hugging Face
+name, stating the shape the config implies. A mismatch is a clear error naming
+the tensor, never a broadcast or a crash later in a kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyml.core.errors import ModelFormatError
+from pyml.nn.linear import Weight
+from pyml.quant import QuantType
+
+_FLOAT_TYPES = {"F32": QuantType.F32, "F16": QuantType.F16, "BF16": QuantType.BF16}
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class TensorStore:
+    def __init__(self, tensors: dict, source: str):
+        # name -> (data, type_name, logical_shape); logical_shape defaults to data.shape
+        self.tensors = {n: (e[0], e[1], tuple(e[2]) if len(e) > 2 else tuple(e[0].shape))
+                        for n, e in tensors.items()}
+        self.source = source
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self):
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple:
+        return self._entry(name)[2]
+
+    def type_name(self, name: str) -> str:
+        return self._entry(name)[1]
+
+    def rename(self, mapping):
+        """Apply `mapping(name) -> new name or None` (None drops the tensor)."""
+        renamed = {}
+        for name, entry in self.tensors.items():
+            new = mapping(name)
+            if new is not None:
+                renamed[new] = entry
+        self.tensors = renamed
+
+    def _entry(self, name: str):
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.source}: required tensor {name!r} is missing") from None
+
+    def _check(self, name: str, shape, expected):
+        if tuple(shape) != tuple(expected):
+            raise ModelFormatError(f"{self.source}: tensor {name!r} has shape {list(shape)}, "
+                                   f"the config implies {list(expected)}")
+
+    def weight(self, name: str, shape, transposed: bool = False) -> Weight:
+        """A 2-D weight of logical shape (out, in) = `shape`.
+
+        `transposed`: the file stores it (in, out) (GPT-2's Conv1D); kept as is for BLAS.
+        """
+        data, type_name, stored = self._entry(name)
+        self._check(name, stored, tuple(shape)[::-1] if transposed else shape)
+        self.used.add(name)
+        qtype = _FLOAT_TYPES.get(type_name) or QuantType[type_name]
+        if transposed and qtype != QuantType.F32:
+            data = np.ascontiguousarray(data.T)  # only float32 keeps the transposed layout (BLAS)
+            if qtype == QuantType.BF16:
+                data = data.view(np.uint16)
+            transposed = False
+        return Weight(data, qtype, tuple(shape), transposed)
+
+    def vector(self, name: str, shape) -> np.ndarray:
+        """A small tensor (norm weight, bias) as float32."""
+        data, type_name, stored = self._entry(name)
+        self._check(name, stored, shape)
+        self.used.add(name)
+        if type_name == "BF16":
+            return bf16_to_f32(np.asarray(data))
+        if type_name in ("F32", "F16", "F64"):
+            return np.ascontiguousarray(data, dtype=np.float32)
+        from pyml import quant
+        return quant.dequantize(data.reshape(1, -1), QuantType[type_name], int(np.prod(shape))).reshape(shape)

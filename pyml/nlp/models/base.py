@@ -1,0 +1,71 @@
+"""DecoderModel: embed, run the blocks, normalise, project to the vocabulary.
+
+Architectures differ in their embedding (GPT-2 adds learned positions, Gemma
+scales by sqrt(d)), their blocks and their head; the forward pass and its
+`[perf] model::forward` breakdown are the same for all of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyml.core import perf
+from pyml.nn import KVCache
+
+_perf = perf.get("pyml.nlp.model")
+
+
+class DecoderModel:
+    """Subclasses set: config, embed_tokens (Embedding), blocks, final_norm, lm_head (Linear),
+    n_kv_heads, head_dim, max_positions; and may override `embed`."""
+
+    arch = "decoder"
+    logit_softcap: float | None = None
+
+    def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:  # [T] -> [T, d]
+        return self.embed_tokens(tokens)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """A KV cache for `max_len` positions (default: the whole context window)."""
+        n = self.max_positions if max_len is None else min(max_len, self.max_positions)
+        return KVCache(len(self.blocks), self.n_kv_heads, self.head_dim, n)
+
+    def forward(self, tokens, cache: KVCache, pos: int | None = None, all_logits: bool = False) -> np.ndarray:
+        """Logits for the last position [vocab] (or every position [T, vocab] with `all_logits`).
+
+        Tokens are written to `cache` at positions pos .. pos+T-1 (default: after
+        what the cache holds).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        pos = cache.length if pos is None else pos
+        T = tokens.shape[0]
+        with _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
+            with span.part("embedding"):
+                x = self.embed(tokens, pos)
+            with span.part("layers"):
+                for block in self.blocks:
+                    x = block(x, pos, cache)
+            with span.part("norm"):
+                x = self.final_norm(x if all_logits else x[-1:])
+            with span.part("projection"):
+                logits = self.lm_head(x)
+                if self.logit_softcap:
+                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+        cache.length = pos + T
+        return logits if all_logits else logits[0]
+
+    def describe(self) -> str:
+        """One line for the debug log: architecture, sizes and weight storage."""
+        from collections import Counter
+        linears = [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
+        types = Counter(lin.weight.type_name for lin in linears)
+        fusions = sum(1 for lin in linears if lin.name.endswith(("qkv_proj", "gate_up_proj")))
+        return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
+                f"types={dict(types)} fusions={fusions}")
+
+
+def _linears(block):
+    attn, ffn = block.attn, block.ffn
+    qkv = [attn.qkv] if not isinstance(attn.qkv, tuple) else list(attn.qkv)
+    ffn_lins = [getattr(ffn, n) for n in ("up", "gate_up", "gate", "down") if getattr(ffn, n, None) is not None]
+    return qkv + [attn.o_proj] + ffn_lins

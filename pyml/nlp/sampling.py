@@ -1,0 +1,73 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+
+Nothing here sorts the whole vocabulary: greedy is an argmax, top-k an
+argpartition, and top-p widens a partial sort until the kept mass reaches p —
+on a 262K-token vocabulary a full sort costs more than some models' layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyml.core.errors import PymlError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0      # 0 = greedy
+    top_k: int = 0                # 0 = off
+    top_p: float = 1.0            # 1 = off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise PymlError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise PymlError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise PymlError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise PymlError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray, history=()) -> int:
+        c = self.config
+        if c.repetition_penalty != 1.0 and len(history):
+            logits = logits.copy()
+            seen = np.unique(np.asarray(history, dtype=np.int64))
+            vals = logits[seen]
+            logits[seen] = np.where(vals > 0, vals / c.repetition_penalty, vals * c.repetition_penalty)
+        if c.temperature == 0.0:
+            return int(np.argmax(logits))
+        ids = np.arange(logits.shape[0])
+        if 0 < c.top_k < logits.shape[0]:
+            ids = np.argpartition(logits, -c.top_k)[-c.top_k:]
+        scaled = logits[ids].astype(np.float64) / c.temperature
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if c.top_p < 1.0:
+            ids, probs = _top_p(ids, probs, c.top_p)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+def _top_p(ids: np.ndarray, probs: np.ndarray, p: float):
+    """The smallest set of most likely tokens whose mass reaches p, renormalised."""
+    n = len(probs)
+    k = min(n, 64)
+    while True:
+        top = np.argpartition(probs, -k)[-k:] if k < n else np.arange(n)
+        top = top[np.argsort(-probs[top], kind="stable")]
+        cum = np.cumsum(probs[top])
+        if cum[-1] >= p or k == n:
+            keep = top[:int(np.searchsorted(cum, p)) + 1]
+            kept = probs[keep]
+            return ids[keep], kept / kept.sum()
+        k = min(n, 4 * k)

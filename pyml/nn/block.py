@@ -1,0 +1,38 @@
+"""A transformer block: pre-norm attention and feed-forward, each with a residual."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyml.core import perf
+
+_perf = perf.get("pyml.nn.block")
+
+
+class TransformerBlock:
+    """x + attn(norm(x)), then + ffn(norm(x)).
+
+    post_attn_norm / post_ffn_norm, when given, normalise each branch before its
+    residual add (Gemma 3's four-norm "sandwich").
+    """
+
+    def __init__(self, index: int, attn_norm, attn, ffn_norm, ffn, post_attn_norm=None,
+                 post_ffn_norm=None, name: str = ""):
+        self.index, self.attn_norm, self.attn, self.ffn_norm, self.ffn = index, attn_norm, attn, ffn_norm, ffn
+        self.post_attn_norm, self.post_ffn_norm, self.name = post_attn_norm, post_ffn_norm, name
+        self._event = f"transformer[{index}]::forward"
+
+    def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
+        with _perf.debug(self._event, "", module=self.name, op="block", layer=self.index,
+                         kind=self.attn.kind) as span:
+            with span.part("attn"):
+                h = self.attn(self.attn_norm(x), pos, cache, self.index)
+                if self.post_attn_norm is not None:
+                    h = self.post_attn_norm(h)
+                x = x + h
+            with span.part("ffn"):
+                h = self.ffn(self.ffn_norm(x))
+                if self.post_ffn_norm is not None:
+                    h = self.post_ffn_norm(h)
+                x += h
+            return x

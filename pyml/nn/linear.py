@@ -1,0 +1,112 @@
+"""Linear: the one thing a model multiplies through.
+
+It hides how a weight is stored — float32 (maybe transposed, as GPT-2's Conv1D
+keeps it), float16, bfloat16 bits, or ggml quantized blocks — behind `y = x W^T + b`.
+Quantized weights go to the fused kernels of pyml.quant, which read the blocks in
+place; float32 goes to BLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyml import quant
+from pyml.core import perf
+from pyml.quant import QuantType
+
+_perf = perf.get("pyml.nn.linear")
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """A 2-D weight as stored in the model file; its logical shape is (out, in).
+
+    data: float32 (out, in), or (in, out) when `transposed`; float16 (out, in);
+    uint16 bfloat16 bits (out, in); uint8 ggml blocks (out, row_bytes) for quant types.
+    Usually a read-only view into a memory-mapped file.
+    """
+
+    data: np.ndarray
+    qtype: QuantType
+    shape: tuple
+    transposed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    def rows(self, ids) -> np.ndarray:
+        """float32 rows `ids` of the (out, in) matrix: embedding lookups."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.qtype == QuantType.F32:
+            return np.ascontiguousarray(self.data[:, ids].T if self.transposed else self.data[ids],
+                                        dtype=np.float32)
+        return quant.dequantize_rows(self.data, self.qtype, self.shape[1], ids)
+
+    def dense(self) -> np.ndarray:
+        """The whole matrix as float32 (out, in): for tests and small tensors only."""
+        if self.qtype == QuantType.F32:
+            return np.ascontiguousarray(self.data.T if self.transposed else self.data)
+        return quant.dequantize(self.data, self.qtype, self.shape[1])
+
+
+def dense_weight(array: np.ndarray, transposed: bool = False) -> Weight:
+    """Wrap a float32 / float16 array (out, in) — or (in, out) with `transposed`."""
+    qtype = {np.dtype(np.float32): QuantType.F32, np.dtype(np.float16): QuantType.F16}[array.dtype]
+    shape = array.shape[::-1] if transposed else array.shape
+    if transposed and qtype != QuantType.F32:  # only BLAS copes with the transposed layout
+        array, transposed = np.ascontiguousarray(array.T), False
+    return Weight(array, qtype, tuple(shape), transposed)
+
+
+class Linear:
+    """y = x @ W^T + b for x [T, in] -> [T, out]."""
+
+    def __init__(self, weight: Weight, bias: np.ndarray | None = None, name: str = ""):
+        self.weight, self.bias, self.name = weight, bias, name
+        self.out_features, self.in_features = weight.shape
+        self._quant_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, in] -> [T, out]
+        w = self.weight
+        with _perf.trace("linear::forward", "{}->{} {}", list(x.shape),
+                         [self.in_features, self.out_features], w.type_name,
+                         module=self.name, op="linear", dtype=w.type_name):
+            if w.qtype == QuantType.F32:
+                y = x @ (w.data if w.transposed else w.data.T)
+            else:
+                with _perf.trace(self._quant_event, "[{}x{}]x[{}x{}]", x.shape[0], x.shape[1],
+                                 self.out_features, self.in_features, module=self.name, op="quant_matmul"):
+                    y = quant.matmul(x, w.data, w.qtype, self.in_features)
+            if self.bias is not None:
+                y += self.bias
+            return y
+
+    @staticmethod
+    def fuse(linears: list["Linear"], name: str) -> "Linear | None":
+        """One Linear computing the concatenation of several outputs (QKV, gate+up).
+
+        Fewer, larger matmuls mean fewer calls per layer — what small models are
+        bound by. Returns None when the weights cannot share one kernel (different
+        storage types, or GPT-2-style transposed storage).
+        """
+        ws = [lin.weight for lin in linears]
+        if len({w.qtype for w in ws}) != 1 or any(w.transposed for w in ws) \
+                or len({w.shape[1] for w in ws}) != 1:
+            return None
+        data = np.concatenate([w.data for w in ws], axis=0)
+        out = sum(w.shape[0] for w in ws)
+        biases = [lin.bias for lin in linears]
+        if any(b is not None for b in biases):
+            biases = [np.zeros(lin.out_features, np.float32) if b is None else b
+                      for lin, b in zip(linears, biases)]
+            bias = np.concatenate(biases)
+        else:
+            bias = None
+        return Linear(Weight(data, ws[0].qtype, (out, ws[0].shape[1])), bias, name)

@@ -1,0 +1,48 @@
+"""Rotary position embeddings.
+
+Two pairings of a head's values are in use: "half" rotates element i with
+i + head_dim/2 (Hugging Face `rotate_half`, NeoX; Gemma everywhere), and
+"interleaved" rotates 2i with 2i+1 (Meta's layout, which llama GGUF files keep
+because the converter permutes Q/K rows back into it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyml.core import perf
+
+_perf = perf.get("pyml.nn.rope")
+
+
+class RoPE:
+    def __init__(self, head_dim: int, base: float, max_positions: int, style: str = "half",
+                 scaling_factor: float = 1.0, rotary_dim: int | None = None):
+        if style not in ("half", "interleaved"):
+            raise ValueError(f"rope style {style!r}")
+        self.head_dim, self.base, self.style = head_dim, base, style
+        self.rotary_dim = rotary_dim or head_dim
+        half = self.rotary_dim // 2
+        inv_freq = 1.0 / (base ** (np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim))
+        inv_freq /= scaling_factor  # linear scaling stretches positions
+        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, half]
+        self.cos = np.cos(angles).astype(np.float32)
+        self.sin = np.sin(angles).astype(np.float32)
+        self.half = half
+
+    def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
+        """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""
+        T = x.shape[0]
+        with _perf.trace("rope", "{} pos={} {}", list(x.shape), pos, self.style, op="rope"):
+            cos = self.cos[pos:pos + T, None, :]  # [T, 1, half]
+            sin = self.sin[pos:pos + T, None, :]
+            h = self.half
+            if self.style == "half":
+                a, b = x[..., :h].copy(), x[..., h:2 * h]
+                x[..., :h] = a * cos - b * sin
+                x[..., h:2 * h] = b * cos + a * sin
+            else:
+                a, b = x[..., 0:2 * h:2].copy(), x[..., 1:2 * h:2]
+                x[..., 0:2 * h:2] = a * cos - b * sin
+                x[..., 1:2 * h:2] = b * cos + a * sin
+            return x

@@ -1,0 +1,51 @@
+"""Shared fixtures: small random checkpoints written by transformers (the oracle), real models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles never reach for a hub
+
+
+@pytest.fixture(scope="session")
+def torch():
+    return pytest.importorskip("torch")
+
+
+def save_hf_gpt2(directory: Path, seed: int = 0, **config):
+    """A random GPT2LMHeadModel saved as safetensors; returns the torch model (the oracle)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64,
+               bos_token_id=0, eos_token_id=0)
+    cfg.update(config)
+    model = GPT2LMHeadModel(GPT2Config(**cfg)).eval()
+    # random (not default-init) layer norms and biases, so their handling is tested too
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """Logits of every position, float32, from the transformers model."""
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def max_rel_err(got, ref) -> float:
+    return float(np.abs(np.asarray(got) - ref).max() / np.abs(ref).max())
