@@ -16,7 +16,7 @@ _perf = perf.get("pyml.nn.rope")
 
 
 class RoPE:
-    def __init__(self, head_dim: int, base: float, max_positions: int, style: str = "half",
+    def __init__(self, head_dim: int, base: float, style: str = "half",
                  scaling_factor: float = 1.0, rotary_dim: int | None = None):
         if style not in ("half", "interleaved"):
             raise ValueError(f"rope style {style!r}")
@@ -24,18 +24,25 @@ class RoPE:
         self.rotary_dim = rotary_dim or head_dim
         half = self.rotary_dim // 2
         inv_freq = 1.0 / (base ** (np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim))
-        inv_freq /= scaling_factor  # linear scaling stretches positions
-        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, half]
-        self.cos = np.cos(angles).astype(np.float32)
-        self.sin = np.sin(angles).astype(np.float32)
+        self.inv_freq = inv_freq / scaling_factor  # linear scaling stretches positions
         self.half = half
+        self._cached = (-1, 0, None, None)  # (pos, T, cos, sin): q and k share one computation
+
+    def _cos_sin(self, pos: int, T: int):
+        # Computed per call rather than tabled for the whole window: a 32K-position table
+        # costs tens of MB per base, a decode step's few angles cost a microsecond.
+        cached = self._cached  # one read: other threads may replace it (each with its own pos)
+        if cached[:2] != (pos, T):
+            angles = np.arange(pos, pos + T, dtype=np.float64)[:, None] * self.inv_freq  # [T, half]
+            cached = self._cached = (pos, T, np.cos(angles).astype(np.float32)[:, None, :],
+                                     np.sin(angles).astype(np.float32)[:, None, :])
+        return cached[2], cached[3]
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""
         T = x.shape[0]
         with _perf.trace("rope", "{} pos={} {}", list(x.shape), pos, self.style, op="rope"):
-            cos = self.cos[pos:pos + T, None, :]  # [T, 1, half]
-            sin = self.sin[pos:pos + T, None, :]
+            cos, sin = self._cos_sin(pos, T)  # [T, 1, half]
             h = self.half
             if self.style == "half":
                 a, b = x[..., :h].copy(), x[..., h:2 * h]
