@@ -101,6 +101,60 @@ def _gated(gate_up, act, out):  # gate_up [T, 2*f] -> out [T, f] = act(gate) * u
     return out
 
 
+@numba.njit(cache=True, fastmath=FASTMATH)
+def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
+    T, H, _ = x.shape
+    half = inv_freq.shape[0]
+    for t in range(T):
+        for i in range(half):
+            angle = (pos + t) * inv_freq[i]
+            c, s = np.float32(math.cos(angle)), np.float32(math.sin(angle))
+            for h in range(H):
+                if interleaved:
+                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    x[t, h, 2 * i] = a * c - b * s
+                    x[t, h, 2 * i + 1] = b * c + a * s
+                else:
+                    a, b = x[t, h, i], x[t, h, i + half]
+                    x[t, h, i] = a * c - b * s
+                    x[t, h, i + half] = b * c + a * s
+    return x
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _attend_one(q, keys, values, scale, out):
+    """Attention of one query position: q [H, hd], keys/values [Hkv, S, hd] -> out [H, hd].
+
+    Every visible key is attended (the caller slices the window), so no mask is needed.
+    """
+    H, hd = q.shape
+    S = keys.shape[1]
+    group = H // keys.shape[0]
+    for h in numba.prange(H):
+        kv = h // group
+        scores = np.empty(S, np.float32)
+        best = -np.inf
+        for s in range(S):
+            acc = np.float32(0.0)
+            for i in range(hd):
+                acc += q[h, i] * keys[kv, s, i]
+            acc *= scale
+            scores[s] = acc
+            best = max(best, acc)
+        total = np.float32(0.0)
+        for s in range(S):
+            e = np.float32(math.exp(scores[s] - best))
+            scores[s] = e
+            total += e
+        for i in range(hd):
+            out[h, i] = 0.0
+        for s in range(S):
+            w = scores[s] / total
+            for i in range(hd):
+                out[h, i] += w * values[kv, s, i]
+    return out
+
+
 # --- public ops -----------------------------------------------------------------
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -168,6 +222,24 @@ def gated(gate_up: np.ndarray, act: str) -> np.ndarray:
         return _gated(gate_up, GATED_ACTS[act], np.empty((T, f2 // 2), np.float32))
 
 
+def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1.
+
+    interleaved: pairs (2i, 2i+1) (Meta layout); otherwise (i, i + head_dim/2) (rotate-half).
+    """
+    return _rope_rows(x, pos, inv_freq, interleaved)
+
+
+def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """Softmax(q K^T * scale) V for one position, all heads at once: q [H, hd] -> [H, hd].
+
+    One jitted call instead of five NumPy ops and two batched matmuls: on a small
+    model the dispatch of those costs more than the arithmetic of a decode step.
+    """
+    with _perf.trace("attention::sdpa", "q={} kv={}", list(q.shape), list(keys.shape)):
+        return _attend_one(q, keys, values, np.float32(scale), np.empty_like(q))
+
+
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Elementwise a + b (residual connections); writes into `out` when given."""
     return np.add(a, b, out=out)
@@ -190,3 +262,10 @@ def warmup():
     _silu(x, np.empty_like(x))
     _gated(x, 0, np.empty((2, 4), np.float32))
     _gated(x, 1, np.empty((2, 4), np.float32))
+    q = np.ones((2, 1, 8), np.float32)
+    inv = np.ones(4, np.float64)
+    _rope_rows(q, 0, inv, True)
+    _rope_rows(q, 0, inv, False)
+    kv = np.ones((1, 4, 8), np.float32)
+    _attend_one(q[:, 0], kv, kv, np.float32(1.0), np.empty((2, 8), np.float32))
+    _attend_one(q[:, 0], kv[:, 1:3], kv[:, 1:3], np.float32(1.0), np.empty((2, 8), np.float32))

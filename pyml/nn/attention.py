@@ -55,12 +55,15 @@ class Attention:
             end = pos + T
             start = max(0, pos - self.window + 1) if self.window else 0
             keys, values = cache.view(layer, end, start)  # [Hkv, S, hd]
+            if T == 1:  # decode: one fused kernel over all heads
+                ctx = ops.attend_one(np.ascontiguousarray(q[0]), keys, values, self.scale)
+                return self.o_proj(ctx.reshape(1, -1))
             S, group = end - start, self.n_heads // self.n_kv_heads
             # [T, H, hd] -> [Hkv, group*T, hd]: the query heads of one kv head side by side
             qg = np.ascontiguousarray(q.transpose(1, 0, 2)).reshape(self.n_kv_heads, group * T, self.head_dim)
             qg *= self.scale
             scores = ops.batched_matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, group*T, S]
-            if T > 1 or (self.window and S > self.window):
+            if T > 1:
                 q_pos = np.arange(pos, end)[:, None]
                 k_pos = np.arange(start, end)[None, :]
                 masked = k_pos > q_pos

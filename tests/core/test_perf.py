@@ -79,8 +79,9 @@ def test_trace_lines(lm, log_to):
     lm.generate([1, 2, 3], max_tokens=2)
     text = stream.getvalue()
     for pattern in [r"linear::forward \[1, 64\]->\[64, 192\] F32 \S+ms",
-                    r"batched_matmul \[4, 1, 16\]x\[4, 16, 4\] \S+ms",
-                    r"softmax \[4, 1, 4\] \S+ms",
+                    r"batched_matmul \[4, 3, 16\]x\[4, 16, 3\] \S+ms",   # prefill
+                    r"softmax \[4, 3, 3\] \S+ms",
+                    r"attention::sdpa q=\[4, 16\] kv=\[4, 4, 16\] \S+ms",  # decode: one fused kernel
                     r"kv_cache::update layer=0 pos=3 \S+ms",
                     r"embedding::lookup tokens=1 dim=64 F32 \S+ms",
                     r"layer_norm \[1, 64\] \S+ms",
