@@ -1,0 +1,98 @@
+"""Chat templates: the Jinja2 template a model ships, rendered the way transformers renders it.
+
+A template is untrusted code from a model file, so it runs in Jinja2's immutable sandbox,
+with the helpers transformers gives templates (`raise_exception`, `strftime_now`, a `tojson`
+that does not escape HTML). Models whose file carries no template get a built-in one:
+Gemma's turn format for gemma architectures, ChatML otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pyml.core.errors import ModelFormatError, PymlError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Gemma 3's turn format: no system role, so a system message opens the first user turn,
+# followed by a blank line; the assistant is called "model"; contents are trimmed.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' -%}
+{%- set turns = messages[1:] if system else messages -%}
+{%- for message in turns -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}
+    {{- (system if loop.first else '') + message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+_FALLBACK_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE,
+                       "gemma3_text": GEMMA_TEMPLATE}
+
+
+class ChatTemplateError(PymlError):
+    """The chat template refused the messages (e.g. roles that do not alternate)."""
+
+
+def fallback_chat_template(architecture: str) -> str | None:
+    """The built-in template for a model family whose files may carry none (Gemma GGUFs)."""
+    return _FALLBACK_TEMPLATES.get(architecture)
+
+
+def apply_chat_template(template: str, messages: list, bos_token: str = "", eos_token: str = "",
+                        add_generation_prompt: bool = True, **variables) -> str:
+    """The prompt text for `messages` (a list of {"role", "content"} dicts).
+
+    `variables` reach the template too (transformers passes e.g. `tools`, other special tokens).
+    """
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ChatTemplateError("messages must be a list of dicts, each with a 'role' and a 'content'")
+    compiled = _compile(template)
+    context = dict(tools=None, documents=None, **variables)
+    try:
+        return compiled.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
+                               add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.TemplateError as e:  # raise_exception, an undefined key, a sandbox refusal
+        raise ChatTemplateError(f"chat template: {e}") from None
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelFormatError(f"chat template does not parse: line {e.lineno}: {e.message}") from None
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes <, >, & for HTML, which would change the prompt
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)

@@ -1,0 +1,128 @@
+"""Chat templates: SmolLM2's own template against transformers' apply_chat_template, and the
+built-in Gemma and ChatML templates against hand-written prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pyml.core.errors import ModelFormatError, PymlError
+from pyml.nlp.chat import (
+    CHATML_TEMPLATE,
+    GEMMA_TEMPLATE,
+    ChatTemplateError,
+    apply_chat_template,
+    fallback_chat_template,
+)
+
+MODELS = Path.home() / ".cache" / "pyml" / "models"
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} not downloaded (smollm2-135m)")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
+     {"role": "user", "content": "Tell me a joke about 日本 🤗."}],
+    [{"role": "user", "content": "  padded  \n"}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_oracle():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_template():
+    from gguf import GGUFReader
+    return GGUFReader(SMOLLM2).fields["tokenizer.chat_template"].contents()
+
+
+@needs_smollm2
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_template_matches_transformers(smollm2_oracle, smollm2_template, messages, add_generation_prompt):
+    ours = apply_chat_template(smollm2_template, messages, bos_token=smollm2_oracle.bos_token,
+                               eos_token=smollm2_oracle.eos_token, add_generation_prompt=add_generation_prompt)
+    theirs = smollm2_oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+
+
+@needs_smollm2
+def test_tokenizer_applies_the_file_template(smollm2_oracle):
+    from pyml.nlp.tokenizer import Tokenizer
+    from tests.nlp.test_tokenizer import read_metadata
+    tokenizer = Tokenizer.from_gguf_metadata(read_metadata(SMOLLM2))
+    messages = CONVERSATIONS[0]
+    prompt = tokenizer.apply_chat_template(messages)
+    assert prompt == smollm2_oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert tokenizer.encode(prompt)[:1] == [1]  # <|im_start|> is one token
+
+
+def test_gemma_template_by_hand():
+    messages = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": " Hello \n"},
+                {"role": "assistant", "content": "Hi there!"}, {"role": "user", "content": "Bye"}]
+    prompt = apply_chat_template(GEMMA_TEMPLATE, messages, bos_token="<bos>", eos_token="<eos>")
+    assert prompt == ("<bos><start_of_turn>user\nBe helpful.\n\nHello<end_of_turn>\n"
+                      "<start_of_turn>model\nHi there!<end_of_turn>\n"
+                      "<start_of_turn>user\nBye<end_of_turn>\n"
+                      "<start_of_turn>model\n")
+    no_prompt = apply_chat_template(GEMMA_TEMPLATE, messages[1:2], bos_token="<bos>", eos_token="<eos>",
+                                    add_generation_prompt=False)
+    assert no_prompt == "<bos><start_of_turn>user\nHello<end_of_turn>\n"
+
+
+def test_gemma_template_refuses_roles_that_do_not_alternate():
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="alternate") as raised:
+        apply_chat_template(GEMMA_TEMPLATE, messages, bos_token="<bos>")
+    assert isinstance(raised.value, PymlError)
+
+
+def test_fallbacks():
+    assert fallback_chat_template("gemma3") == GEMMA_TEMPLATE
+    assert fallback_chat_template("llama") is None
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    prompt = apply_chat_template(CHATML_TEMPLATE, messages)
+    assert prompt == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gemma_gguf_without_template_gets_the_fallback():
+    """gemma3 GGUFs may carry no tokenizer.chat_template: the tokenizer uses Gemma's format."""
+    from pyml.nlp.tokenizer import Tokenizer
+    from tests.nlp.test_tokenizer import spm_metadata
+    metadata = spm_metadata({"▁": -1}, add_space_prefix=False, **{"general.architecture": "gemma3"})
+    metadata["tokenizer.ggml.tokens"][1:3] = ["<bos>", "<eos>"]
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    assert tokenizer.chat_template == GEMMA_TEMPLATE
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tokenizer.encode(prompt).count(tokenizer.bos_id) == 1  # the template's <bos> is not doubled
+
+
+def test_template_helpers_match_transformers():
+    template = ("{{ strftime_now('%Y') | length }}|{{ {'a': '<b>'} | tojson }}|"
+                "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}")
+    out = apply_chat_template(template, [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+    assert out == '4|{"a": "<b>"}|x'
+
+
+def test_sandbox_refuses_escape():
+    with pytest.raises(ChatTemplateError):
+        apply_chat_template("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
+                            [{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError):
+        apply_chat_template("{% set x = messages.append(1) %}", [{"role": "user", "content": "x"}])
+
+
+def test_bad_template_and_bad_messages():
+    with pytest.raises(ModelFormatError, match="does not parse"):
+        apply_chat_template("{% for m in messages %}", [{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role"):
+        apply_chat_template(CHATML_TEMPLATE, [{"content": "no role"}])
+    with pytest.raises(ChatTemplateError):
+        apply_chat_template(CHATML_TEMPLATE, "not a list")
