@@ -49,6 +49,63 @@ def _precheck(path: Path, size: int):
                                f"{size}-byte file can hold")
 
 
+def _reader_class():
+    from gguf import GGUFReader, GGUFValueType
+
+    class Reader(GGUFReader):
+        """GGUFReader with bounds-checked, vectorised metadata arrays.
+
+        The stock reader parses an array element by element, each through a NumPy
+        memmap slice: ~12 s for Gemma's 262K-entry vocabulary, and an endless loop
+        when a hostile header claims 2^60 elements that each read as zero bytes.
+        Here a numeric array is one view, a string array one pass over memoryview
+        slices, and every length is checked against the file first.
+        """
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mapped):  # a plain ndarray view: memmap subclass slicing is 3x slower
+            self._plain = mapped.view(np.ndarray)
+            self._bytes = memoryview(self._plain)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            size = len(self._plain)
+            if orig_offs + 12 > size:
+                raise ValueError(f"array header at offset {orig_offs} runs past the end of the file")
+            item_type = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            n, offs = int(count[0]), orig_offs + 12
+            sub = GGUFValueType(int(item_type[0]))
+            np_type = self.gguf_scalar_to_np.get(sub)
+            if np_type is not None:
+                if offs + n * np.dtype(np_type).itemsize > size:
+                    raise ValueError(f"array of {n} {sub.name} at offset {orig_offs} runs past the end of the file")
+                values = self._get(offs, np_type, n)
+                return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, sub]
+            if sub != GGUFValueType.STRING:
+                raise ValueError(f"array of {sub.name} at offset {orig_offs} is not supported")
+            if n > (size - offs) // 8:
+                raise ValueError(f"array of {n} strings at offset {orig_offs} cannot fit in the file")
+            mv, parts = self._bytes, [item_type, count]
+            for _ in range(n):
+                if offs + 8 > size:
+                    raise ValueError(f"string at offset {offs} runs past the end of the file")
+                length = int.from_bytes(mv[offs:offs + 8], "little")
+                if offs + 8 + length > size:
+                    raise ValueError(f"string of {length} bytes at offset {offs} runs past the end of the file")
+                parts.append(mv[offs:offs + 8])
+                parts.append(mv[offs + 8:offs + 8 + length])
+                offs += 8 + length
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, sub]
+
+    return Reader
+
+
 def _value(field):
     v = field.contents()
     if isinstance(v, list) and v and not isinstance(v[0], (str, list)):
@@ -60,14 +117,13 @@ class GGUFFile:
     """A parsed, validated GGUF file: `metadata` (key -> Python value) and its tensors."""
 
     def __init__(self, path):
-        from gguf import GGUFReader
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFormatError(f"{self.path}: no such file")
         size = os.path.getsize(self.path)
         _precheck(self.path, size)
         try:
-            reader = GGUFReader(self.path, "r")
+            reader = _reader_class()(self.path, "r")
         except (ValueError, IndexError, KeyError, struct.error, OverflowError, TypeError,
                 UnicodeDecodeError, MemoryError) as e:
             raise ModelFormatError(f"{self.path}: corrupt GGUF header ({type(e).__name__}: {e})") from None

@@ -1,0 +1,104 @@
+"""pyml-quantize: rewrite a GGUF file's weights in another type (q8_0, q4_0, q4_1, f16, f32).
+
+Metadata (architecture, hyper-parameters, tokenizer, chat template) is copied as is;
+every 2-D weight whose rows fit the target's block size is converted, through
+float32 one tensor at a time, with pyml's quantizers (bit-compatible with ggml's
+reference ones); 1-D tensors (norms, biases) stay float32 as llama.cpp keeps them.
+The output is written with the `gguf` package's writer, so any GGUF reader loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pyml import quant
+from pyml.core.errors import PymlError
+from pyml.quant import QuantType
+
+TARGETS = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0, "q4_1": QuantType.Q4_1,
+           "f16": QuantType.F16, "f32": QuantType.F32}
+# general.file_type values (llama.cpp's LLAMA_FTYPE_*) so other tools report the type right
+FILE_TYPES = {QuantType.F32: 0, QuantType.F16: 1, QuantType.Q4_0: 2, QuantType.Q4_1: 3, QuantType.Q8_0: 7}
+
+
+def to_f32(data: np.ndarray, qtype: QuantType, n_cols: int) -> np.ndarray:
+    if qtype == QuantType.F32:
+        return np.asarray(data, np.float32).reshape(-1, n_cols)
+    if qtype == QuantType.F16:
+        return np.asarray(data).astype(np.float32).reshape(-1, n_cols)
+    return quant.dequantize(np.asarray(data).reshape(data.shape[0], -1), qtype, n_cols)
+
+
+def convert(f32: np.ndarray, target: QuantType) -> np.ndarray:
+    if target == QuantType.F32:
+        return f32
+    if target == QuantType.F16:
+        return f32.astype(np.float16)
+    return quant.quantize(f32, target)
+
+
+def quantize_gguf(src, dst, target: QuantType, progress: bool = True):
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from tqdm import tqdm
+
+    from pyml.nlp.loaders.gguf import GGUFFile
+    GGUFFile(src)  # validates the input before anything is written
+    reader = GGUFReader(src, "r")
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(FILE_TYPES[target])
+    block = quant.FORMATS[target].block_size
+    for t in tqdm(reader.tensors, desc=f"quantizing to {target.name}", unit="tensor", file=sys.stderr,
+                  disable=not progress):
+        qtype = QuantType(int(t.tensor_type))
+        ne = [int(n) for n in t.shape]
+        if len(ne) < 2 or ne[0] % block:  # norms, biases, odd rows: copied unchanged
+            data = np.asarray(t.data)
+            writer.add_tensor(t.name, data, raw_shape=list(reversed(ne)),
+                              raw_dtype=qtype if data.dtype == np.uint8 else None)
+            continue
+        f32 = to_f32(t.data, qtype, ne[0])
+        out = convert(f32, target)
+        writer.add_tensor(t.name, out, raw_shape=list(reversed(ne)),
+                          raw_dtype=target if out.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    return Path(dst)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pyml-quantize", description=__doc__.split("\n")[0])
+    p.add_argument("src", help="input GGUF file or known model name (smollm2-135m)")
+    p.add_argument("dst", help="output GGUF file")
+    p.add_argument("--type", required=True, choices=sorted(TARGETS))
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        from pyml.nlp import hub
+        src = hub.resolve_gguf(args.src)
+        if Path(args.dst).resolve() == Path(src).resolve():
+            raise PymlError("the output would overwrite the input")
+        quantize_gguf(src, args.dst, TARGETS[args.type], progress=sys.stderr.isatty())
+    except PymlError as e:
+        if args.debug:
+            raise
+        print(f"pyml-quantize: error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"pyml-quantize: wrote {args.dst} ({args.type})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
