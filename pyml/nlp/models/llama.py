@@ -41,7 +41,8 @@ class LlamaConfig:
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "LlamaConfig":
         hidden = require(cfg, "hidden_size", int, source)
         n_heads = require(cfg, "num_attention_heads", int, source)
-        scaling = cfg.get("rope_scaling") or {}
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older, `rope_scaling`
+        scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in (None, "default", "linear"):
             raise UnsupportedError(f"{source}: rope_scaling type {kind!r} is not supported")
@@ -52,7 +53,7 @@ class LlamaConfig:
                    intermediate_size=require(cfg, "intermediate_size", int, source),
                    max_positions=require(cfg, "max_position_embeddings", int, source),
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                   rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                   rope_theta=float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                    rope_scaling_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
                    tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
