@@ -16,3 +16,9 @@ def load_model(*args, **kwargs):
     """See pyml.nlp.api.load_model."""
     from pyml.nlp.api import load_model as _load
     return _load(*args, **kwargs)
+
+
+def profile(*args, **kwargs):
+    """Record every perf event into a directory and write the reports; see pyml.nlp.profile."""
+    from pyml.nlp.profile import profile as _profile
+    return _profile(*args, **kwargs)

@@ -9,7 +9,20 @@ A call site asks its PerfLogger for a span and times a region with it:
 With logging off the call returns a shared do-nothing span after one flag check:
 no clock read, no string formatting. When on, the span reads the clock twice and,
 on exit, (1) delivers a record dict to every registered collector and (2) logs
-one line `[perf] name details elapsed_ms` at the span's level.
+one line `[perf] name details elapsed_ms | context` at the span's level.
+
+The text after ` | ` is what a report needs to rebuild the records from a saved
+log (`pyml-report LOGFILE`): the module path (Hugging Face parameter prefix, when
+the span has one), the nesting depth, the start time (perf_counter seconds, µs
+resolution), and, on top-level spans only, the generation phase and step:
+
+    [perf] linear::forward [1, 768]->[768, 2304] F32 0.412ms | transformer.h.0.attn.c_attn depth=4 start=8.503116
+    [perf] generator::decode_step token=6 model=64.694ms sample=0.037ms total=64.731ms | depth=0 start=8.440050 \
+        phase=decode step=1          (one line)
+
+Lines are written when a span ends, so children come before their parent; the
+depth and start put them back in their tree. Spans on a thread other than the
+main thread add `thread=<ident>`.
 
 Nesting is explicit: a thread-local stack gives every record its parent's id, and
 `perf.context(phase=..., step=...)` stamps the generation phase on every record
@@ -180,11 +193,36 @@ class PerfLogger:
                 if level >= min_level:
                     fn(record)
         if self.logger.isEnabledFor(level):
-            self.logger.log(level, "[perf] %s", format_line(span.name, details, span.parts, elapsed))
+            self.logger.log(level, "[perf] %s", format_line(span.name, details, span.parts, elapsed,
+                                                            _context(span)))
 
 
-def format_line(name: str, details: str, parts: dict, elapsed: float) -> str:
-    """`name details [k=v ms ...] elapsed` — with parts, the elapsed reads `total=`."""
+def _context(span: Span) -> str:
+    """The ` | ` tail of a line: module, depth, start; phase and step on top-level spans."""
+    depth = len(_tls.stack)  # the span is already popped: its ancestors remain
+    module = span.attrs.get("module")
+    text = f"{module} depth={depth}" if module else f"depth={depth}"
+    text += f" start={span.t0:.6f}"
+    if depth == 0:
+        ctx = _tls.ctx
+        if ctx.get("phase") is not None:
+            text += f" phase={ctx['phase']}"
+        if ctx.get("step") is not None:
+            text += f" step={ctx['step']}"
+    ident = threading.get_ident()
+    if ident != _MAIN_THREAD:
+        text += f" thread={ident}"
+    return text
+
+
+_MAIN_THREAD = threading.main_thread().ident
+
+
+def format_line(name: str, details: str, parts: dict, elapsed: float, context: str = "") -> str:
+    """`name details [k=v ms ...] elapsed [| context]` — with parts, the elapsed reads `total=`.
+
+    Times are printed in ms with three decimals: a log holds durations to the µs.
+    """
     pieces = [name]
     if details:
         pieces.append(details)
@@ -193,6 +231,8 @@ def format_line(name: str, details: str, parts: dict, elapsed: float) -> str:
         pieces.append(f"total={_fmt_ms(elapsed)}")
     else:
         pieces.append(_fmt_ms(elapsed))
+    if context:
+        pieces.append("| " + context)
     return " ".join(pieces)
 
 

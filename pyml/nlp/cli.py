@@ -37,19 +37,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", metavar="LEVEL", default=None,
                    help="log level or filters: debug, trace, pyml.nn=trace,pyml=debug (or env LOG)")
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up (shows its effect)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="record every perf event into DIR (events.jsonl, run.json) and write the reports")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"pyml {__version__}")
     return p
 
 
 def run(args) -> int:
-    import pyml
-    from pyml.nlp.generator import GenerationResult
+    from contextlib import nullcontext
+
+    from pyml.nlp.profile import profile
     perf.configure(args.log)
     if args.max_tokens < 0:
         raise PymlError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    ctx = profile(args.profile, report=True, argv=sys.argv) if args.profile else nullcontext()
+    with ctx as prof:
+        code = _generate(args, prof)
+    if prof is not None:
+        print(f"pyml-infer: profile in {args.profile}: " + ", ".join(p.name for p in prof.written),
+              file=sys.stderr)
+    return code
+
+
+def _generate(args, prof) -> int:
+    import pyml
+    from pyml.nlp.generator import GenerationResult
     lm = pyml.load_model(gguf=args.gguf, safetensors=args.safetensors, threads=args.threads,
                          warmup=not args.no_warmup, lm_head_quant=args.lm_head_quant)
+    if prof is not None:
+        prof.set_model(lm)
     prompt = args.prompt
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -71,6 +88,8 @@ def run(args) -> int:
                     on_text=on_text, result=result)
     except KeyboardInterrupt:
         interrupted, result.stop_reason = True, "interrupted"
+    if prof is not None:
+        prof.set_result(result)
     out.write("\n")
     out.flush()
     if result.stop_reason == "context":

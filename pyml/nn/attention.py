@@ -54,10 +54,11 @@ class Attention:
             cache.update(layer, pos, k, v)
             end = pos + T
             start = max(0, pos - self.window + 1) if self.window else 0
-            keys, values = cache.view(layer, end, start)  # [Hkv, S, hd]
             if T == 1:  # decode: one fused kernel over all heads
-                ctx = ops.attend_one(np.ascontiguousarray(q[0]), keys, values, self.scale)
+                ctx = ops.attend_one(np.ascontiguousarray(q[0]), cache.k[layer], cache.v[layer], start, end,
+                                     self.scale)
                 return self.o_proj(ctx.reshape(1, -1))
+            keys, values = cache.view(layer, end, start)  # [Hkv, S, hd]
             S, group = end - start, self.n_heads // self.n_kv_heads
             # [T, H, hd] -> [Hkv, group*T, hd]: the query heads of one kv head side by side
             qg = np.ascontiguousarray(q.transpose(1, 0, 2)).reshape(self.n_kv_heads, group * T, self.head_dim)

@@ -11,7 +11,9 @@ import pyml
 from pyml.core import perf
 from pyml.nlp.standin import write_gpt2
 
-LINE = re.compile(r"^\[perf\] \S+( .*)? (total=)?\d+\.\d{3}ms$")
+# `[perf] name [details] [parts] elapsed | [module] depth=N start=S [phase=P step=K] [thread=T]`
+TAIL = r" \| (\S+ )?depth=\d+ start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?$"
+LINE = re.compile(r"^\[perf\] \S+( .*)? (total=)?\d+\.\d{3}ms" + TAIL)
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,11 @@ def test_debug_lines(lm, log_to):
     lines = stream.getvalue().splitlines()
     assert all(LINE.match(line) for line in lines), lines
     text = "\n".join(lines)
-    assert re.search(r"^\[perf\] generator::prefill tokens=5 .*\d\.\d{3}ms$", text, re.M)
+    assert re.search(r"^\[perf\] generator::prefill tokens=5 .*\d\.\d{3}ms" + TAIL, text, re.M)
     assert re.search(r"^\[perf\] model::forward tokens=5 pos=0 embedding=\S+ms layers=\S+ms "
-                     r"norm=\S+ms projection=\S+ms total=\S+ms$", text, re.M)
-    assert re.search(r"^\[perf\] transformer\[0\]::forward attn=\S+ms ffn=\S+ms total=\S+ms$", text, re.M)
-    assert re.search(r"^\[perf\] generator::decode_step token=5 model=\S+ms sample=\S+ms total=\S+ms$",
+                     r"norm=\S+ms projection=\S+ms total=\S+ms" + TAIL, text, re.M)
+    assert re.search(r"^\[perf\] transformer\[0\]::forward attn=\S+ms ffn=\S+ms total=\S+ms" + TAIL, text, re.M)
+    assert re.search(r"^\[perf\] generator::decode_step token=5 model=\S+ms sample=\S+ms total=\S+ms" + TAIL,
                      text, re.M)
     assert "linear::forward" not in text  # trace-level events stay out at debug
 
@@ -87,7 +89,24 @@ def test_trace_lines(lm, log_to):
                     r"layer_norm \[1, 64\] \S+ms",
                     r"attention::forward layer=2 global tokens=1 pos=3 \S+ms",
                     r"feed_forward \[1, 64\] mlp \S+ms"]:
-        assert re.search(r"^\[perf\] " + pattern + "$", text, re.M), pattern
+        assert re.search(r"^\[perf\] " + pattern + TAIL, text, re.M), pattern
+
+
+def test_line_tail_carries_module_depth_start_and_root_phase(lm, log_to):
+    stream = log_to("trace")
+    lm.generate([1, 2, 3], max_tokens=2)
+    lines = stream.getvalue().splitlines()
+    assert all(LINE.match(line) for line in lines), [x for x in lines if not LINE.match(x)]
+    text = "\n".join(lines)
+    assert re.search(r"^\[perf\] linear::forward .* \| transformer\.h\.0\.attn\.c_attn depth=4 start=\S+$",
+                     text, re.M)
+    assert re.search(r"^\[perf\] linear::forward .* \| lm_head depth=2 start=\S+$", text, re.M)
+    assert re.search(r"^\[perf\] model::forward .* \| model depth=1 start=\S+$", text, re.M)
+    assert re.search(r"^\[perf\] generator::prefill .* \| depth=0 start=\S+ phase=prefill step=0$", text, re.M)
+    assert re.search(r"^\[perf\] generator::decode_step .* \| depth=0 start=\S+ phase=decode step=1$",
+                     text, re.M)
+    # only top-level lines carry the phase: the rest inherit it from their tree
+    assert not re.search(r"depth=[1-9]\d* .*phase=", text)
 
 
 def test_per_logger_filters(log_to):

@@ -1,0 +1,81 @@
+"""Reports from perf records: where the time of a run went.
+
+    from pyml.nlp.report import load_run, write_reports
+    write_reports("prof/")            # a pyml.profile directory, an events.jsonl, or a LOG=trace log
+
+records   — loading events.jsonl / parsing saved logs into one list of records
+aggregate — the numbers (self time per op, module, layer, step; bandwidth; consistency)
+findings  — ranked bottlenecks with mitigations, the jitter verdict
+pages     — report.md, modules.md, jitter.md as documents; doc renders them to md or html
+chrome    — trace.json for Perfetto; plots — PNGs; compare — two runs side by side
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pyml.nlp.report.records import ReportInputError, Run, load_run
+
+__all__ = ["load_run", "write_reports", "Run", "ReportInputError", "FORMATS"]
+
+FORMATS = ("md", "json", "html")
+
+
+def _out_dir(run: Run, out) -> Path:
+    if out is not None:
+        return Path(out)
+    src = Path(run.source)
+    return src if src.is_dir() else src.with_name(src.stem + "-report")
+
+
+def write_reports(source, out_dir=None, formats=("md",), plots: bool = True, layer: int | None = None,
+                  top: int = 30, log=sys.stderr) -> list:
+    """Write the reports for a run (a Run, or a path for load_run); returns the files written.
+
+    Markdown/HTML: report, modules, jitter; JSON: one report.json with every table.
+    Always: trace.json, and the plots when matplotlib is importable (else one line to `log`).
+    """
+    from pyml.nlp.report import chrome, pages
+    from pyml.nlp.report import plots as plotting
+    from pyml.nlp.report.doc import render_html, render_md
+    run = source if isinstance(source, Run) else load_run(source)
+    for f in formats:
+        if f not in FORMATS:
+            raise ReportInputError(f"unknown report format {f!r}: use {', '.join(FORMATS)}")
+    out = _out_dir(run, out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportInputError(f"cannot write reports into {out}: {e.strerror}") from None
+    timing, timing_src = pages.timing_of(run)
+    if timing is None:
+        from pyml.nlp.profile import measure_timing_overhead
+        timing = measure_timing_overhead(with_lines=run.kind == "log")
+        timing_src = "measured on this machine when the report was written, not during the run"
+    written = []
+    pngs = []
+    if plots:
+        if plotting.available():
+            pngs = plotting.write_plots(run, out)
+            written += [out / name for name, _ in pngs]
+        elif log is not None:
+            print(plotting.MISSING, file=log)
+    docs = {"report": pages.report_page(run, layer, timing, timing_src, pngs),
+            "modules": pages.modules_page(run, top), "jitter": pages.jitter_page(run)}
+    for fmt in formats:
+        if fmt == "json":
+            path = out / "report.json"
+            path.write_text(json.dumps(pages.report_json(run, layer, timing), indent=1, default=str) + "\n")
+            written.append(path)
+            continue
+        render = render_md if fmt == "md" else render_html
+        for name, doc in docs.items():
+            path = out / f"{name}.{fmt}"
+            path.write_text(render(doc))
+            written.append(path)
+    path = out / "trace.json"
+    chrome.write_chrome_trace(run, path)
+    written.append(path)
+    return written

@@ -1,0 +1,136 @@
+"""Loading records: events.jsonl and saved logs give the same records; bad input fails in one line."""
+
+import json
+
+import pytest
+
+from pyml.core.errors import PymlError
+from pyml.nlp.report.records import (EventsFormatError, LogFormatError, load_run, normalize,
+                                     parse_log_line)
+from tests.report.streams import S, emit, generation, to_log
+
+
+def write_events(path, raws):
+    recs, _ = normalize(raws, main_thread=1)
+    path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in recs))
+    return path
+
+
+def test_normalize_links_tree_and_derives_fields():
+    recs, orphans = normalize(emit(generation(2)), main_thread=1)
+    assert orphans == 0
+    by_name = {}
+    for r in recs:
+        by_name.setdefault(r.name, []).append(r)
+    c_attn = [r for r in recs if r.module == "transformer.h.1.attn.c_attn" and r.phase == "decode"]
+    assert len(c_attn) == 2
+    q = c_attn[0]
+    assert (q.op, q.layer, q.dtype, q.step, q.depth, q.thread) == ("linear", 1, "F32", 1, 4, 0)
+    assert q.parent_rec.name == "attention::forward" and q.parent_rec.kind == "global"
+    sdpa = next(r for r in recs if r.name == "attention::sdpa")
+    assert sdpa.owner == "transformer.h.0.attn" and sdpa.module is None and sdpa.layer == 0
+    block = next(r for r in recs if r.name == "transformer[1]::forward" and r.phase == "decode")
+    assert block.kind == "global" and block.self_ms == pytest.approx(0.3)
+    assert [r.phase for r in by_name["model::load"]] == ["load"]
+
+
+def test_log_lines_parse_back():
+    rec = parse_log_line("model::forward tokens=1 pos=7 embedding=0.066ms layers=1.085ms norm=0.040ms "
+                         "projection=0.053ms total=1.249ms | model depth=1 start=2361.869871")
+    assert rec == {"name": "model::forward", "details": "tokens=1 pos=7", "dur_ms": 1.249, "module": "model",
+                   "depth": 1, "start": 2361.869871,
+                   "parts": {"embedding": 0.066, "layers": 1.085, "norm": 0.04, "projection": 0.053}}
+    rec = parse_log_line("linear::forward [1, 64]->[64, 192] F32 0.013ms | transformer.h.1.attn.c_attn depth=4 "
+                         "start=1.000002 thread=77")
+    assert (rec["details"], rec["module"], rec["thread"], rec["parts"]) == \
+        ("[1, 64]->[64, 192] F32", "transformer.h.1.attn.c_attn", 77, {})
+    assert parse_log_line("softmax [4, 1, 3] 0.020ms | depth=x start=1.0") is None
+    assert parse_log_line("softmax [4, 1, 3] fast") is None
+
+
+def test_log_and_events_give_identical_records(tmp_path):
+    raws = emit(generation(3))
+    events = write_events(tmp_path / "events.jsonl", raws)
+    log = tmp_path / "run.log"
+    log.write_text("debug: gpt2: layers=2 linears=9 types={'F32': 9} fusions=0\nHello world"
+                   + to_log(raws) + "[prompt 5 tokens, generated 4 tokens | prefill 20.0 ms]\n")
+    a, b = load_run(events), load_run(log)
+    assert b.kind == "log" and b.info["model"]["describe"].startswith("gpt2")
+    assert len(a.records) == len(b.records) == len(raws)
+    assert [r.key() for r in a.records] == [r.key() for r in b.records]
+
+
+def test_interrupted_span_leaves_orphans_as_top_level_events(tmp_path):
+    raws = emit(generation(2))
+    step2 = max(r["id"] for r in raws if r["name"] == "generator::decode_step")
+    raws = [r for r in raws if r["id"] != step2]  # the step raised: its own record never came
+    raws += emit([S("generator::prefill", 5.0, phase="prefill", step=0)], start=200.0)
+    for r in raws[-1:]:
+        r["id"] = 10 ** 5
+    events = write_events(tmp_path / "events.jsonl", raws)
+    log = tmp_path / "run.log"
+    log.write_text(to_log(raws))
+    a, b = load_run(events), load_run(log)
+    assert [r.key() for r in a.records] == [r.key() for r in b.records]
+    assert "1 events belong to spans that never ended" in a.notes[0] and b.notes == a.notes
+    orphan = next(r for r in b.records if r.name == "model::forward" and r.parent_rec is None)
+    assert orphan.phase is None and orphan.step is None  # a partial step stays out of the step tables
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": \n', r"events.jsonl:2: not a JSON record"),
+    ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": "y", "start": 0.0}\n',
+     r"events.jsonl:2: record has no 'dur_ms' field"),
+    ('{"id": 1, "name": "x", "dur_ms": "fast", "start": 0.0}\n', r"events.jsonl:1: field 'dur_ms' has the wrong type"),
+    ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": "y", "dur_ms": 1.0, "st',
+     r"events.jsonl:2: truncated"),
+    ('[1, 2]\n', r"events.jsonl:1: expected a JSON object"),
+])
+def test_bad_events_file_names_the_line(tmp_path, text, message):
+    (tmp_path / "events.jsonl").write_text(text)
+    with pytest.raises(EventsFormatError, match=message) as e:
+        load_run(tmp_path)
+    assert "\n" not in str(e.value) and isinstance(e.value, PymlError)
+
+
+def test_bad_log_names_the_line(tmp_path):
+    good = to_log(emit(generation(1))).splitlines()
+    log = tmp_path / "run.log"
+    log.write_text("\n".join(good[:3] + ["[perf] softmax [4, 1, 3] 0.0x2ms | depth=4 start=1.0"] + good[3:]) + "\n")
+    with pytest.raises(LogFormatError, match=r"run.log:4: cannot read this \[perf\] line"):
+        load_run(log)
+    log.write_text("\n".join(good)[:-7])  # cut off mid-line
+    with pytest.raises(LogFormatError, match=rf"run.log:{len(good)}: truncated"):
+        load_run(log)
+    log.write_text("[perf] softmax [4, 1, 3] 0.020ms\n" + good[0] + "\n")  # old and new lines mixed
+    with pytest.raises(LogFormatError, match=r"run.log:2: this \[perf\] line has the ' \| depth= start=' context"):
+        load_run(log)
+    log.write_text("nothing here\n")
+    with pytest.raises(LogFormatError, match="no \\[perf\\] lines"):
+        load_run(log)
+
+
+def test_missing_inputs(tmp_path):
+    with pytest.raises(PymlError, match="no such file"):
+        load_run(tmp_path / "nope")
+    with pytest.raises(PymlError, match="not a profile directory"):
+        load_run(tmp_path)
+
+
+def test_a_log_from_before_the_context_tail_still_gives_its_tables(tmp_path):
+    """Old lines (`[perf] name details elapsed`) are put back into their tree by pyml's span hierarchy."""
+    from pyml.nlp.report import aggregate as agg
+    raws = emit(generation(3))
+    events = write_events(tmp_path / "events.jsonl", raws)
+    log = tmp_path / "old.log"
+    log.write_text("".join(line.split(" | ")[0] + "\n" for line in to_log(raws).splitlines()))
+    a, b = load_run(events), load_run(log)
+    assert "predates" in b.notes[0]
+    assert [(r.name, r.depth, r.phase, r.step, r.layer) for r in a.records] == \
+        [(r.name, r.depth, r.phase, r.step, r.layer) for r in b.records]
+    assert agg.decode_steps(a) == agg.decode_steps(b)
+    for phase in ("prefill", "decode"):
+        assert agg.category_table(a.records, {phase}) == agg.category_table(b.records, {phase})
+    names = {r.module for r in b.records if r.op == "linear"}
+    assert names == {"lm_head", "layers.0.attn.in0", "layers.0.attn.out", "layers.0.mlp.in0", "layers.0.mlp.out",
+                     "layers.1.attn.in0", "layers.1.attn.out", "layers.1.mlp.in0", "layers.1.mlp.out"}
