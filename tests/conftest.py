@@ -66,23 +66,10 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def requantized(smollm2_gguf, tmp_path_factory):
-    """SmolLM2 rewritten by pyml-quantize in other types: requantized("q8_0") -> path (cached)."""
-    from pyml.nlp.hub import cache_dir
-    from pyml.nlp.quantize import TARGETS, quantize_gguf
-    made = {}
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            out = Path(cache_dir()) / "models" / f"SmolLM2-135M-Instruct.{kind.upper()}.pyml.gguf"
-            if not out.exists() or out.stat().st_mtime < smollm2_gguf.stat().st_mtime:
-                tmp = out.with_suffix(".tmp")
-                quantize_gguf(smollm2_gguf, tmp, TARGETS[kind], progress=False)
-                tmp.rename(out)
-            made[kind] = out
-        return made[kind]
-
-    return get
+def requantized(smollm2_gguf):
+    """SmolLM2 rewritten by pyml-quantize in another type: requantized("q8_0") -> path (cached)."""
+    from pyml.nlp.quantize import requantized as build
+    return lambda kind: build(smollm2_gguf, kind)
 
 
 def hf_gguf_model(path: Path):

@@ -78,6 +78,17 @@ def quantize_gguf(src, dst, target: QuantType, progress: bool = True):
     return Path(dst)
 
 
+def requantized(src: Path, kind: str) -> Path:
+    """`src` rewritten as `kind` (q8_0, q4_0, ...) beside the model cache, built once and reused."""
+    from pyml.nlp.hub import cache_dir
+    out = Path(cache_dir()) / "models" / f"{Path(src).stem}.{kind.upper()}.pyml.gguf"
+    if not out.exists() or out.stat().st_mtime < Path(src).stat().st_mtime:
+        tmp = out.with_suffix(".tmp")
+        quantize_gguf(src, tmp, TARGETS[kind], progress=sys.stderr.isatty())
+        tmp.rename(out)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyml-quantize", description=__doc__.split("\n")[0])
     p.add_argument("src", help="input GGUF file or known model name (smollm2-135m)")

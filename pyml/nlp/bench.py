@@ -1,0 +1,387 @@
+"""pyml-bench: prompt processing and text generation speed, beside llama.cpp and PyTorch.
+
+In the style of llama-bench: for each model x thread count it measures `pp128` (a
+128-token prompt in one forward pass) and `tg128` (128 single-token decode steps) as
+tokens/s over n repetitions after a warm-up, with the same model file and thread count
+for every engine, in one process run. It also measures the machine's read bandwidth
+and reports each engine's decode as a share of the limit it sets:
+    limit tok/s = bandwidth / bytes of weights read per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from pyml.core.errors import PymlError
+
+# --- models -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    kind: str          # "gguf" or "safetensors"
+    quant: str
+    locate: object     # () -> Path, building the file on first use
+
+
+def _cache() -> Path:
+    from pyml.nlp.hub import cache_dir
+    return Path(cache_dir())
+
+
+def _real(name):
+    def locate():
+        from pyml.nlp.hub import resolve_gguf
+        return Path(resolve_gguf(name))
+    return locate
+
+
+def _requantized(kind):
+    def locate():
+        from pyml.nlp.hub import resolve_gguf
+        from pyml.nlp.quantize import requantized
+        return requantized(Path(resolve_gguf("smollm2-135m")), kind)
+    return locate
+
+
+def _standin(writer, subdir, *args):
+    def locate():
+        from pyml.nlp import standin
+        out = _cache() / "standins" / subdir
+        done = out / ".complete"
+        if not done.exists():
+            getattr(standin, writer)(out, *args)
+            done.touch()
+        return out
+    return locate
+
+
+def _standin_file(writer, filename, *args):
+    def locate():
+        from pyml.nlp import standin
+        out = _cache() / "standins" / filename
+        if not out.exists():
+            tmp = out.with_suffix(".tmp")
+            getattr(standin, writer)(tmp, *args)
+            tmp.rename(out)
+        return out
+    return locate
+
+
+MODELS = {m.name: m for m in [
+    BenchModel("smollm2-135m-q4_1", "gguf", "Q4_1", _real("smollm2-135m")),
+    BenchModel("smollm2-135m-q8_0", "gguf", "Q8_0", _requantized("q8_0")),
+    BenchModel("smollm2-135m-q4_0", "gguf", "Q4_0", _requantized("q4_0")),
+    BenchModel("gemma3-270m-q4_k_m", "gguf", "Q4_K_M", _real("gemma3-270m")),
+    BenchModel("gpt2-124m-f32", "safetensors", "F32", _standin("write_gpt2", "gpt2-124m", "gpt2")),
+    BenchModel("tinyllama-1.1b-q4_0", "gguf", "Q4_0",
+               _standin_file("write_llama_gguf", "tinyllama-1.1b-q4_0.gguf", "tinyllama-1.1b", "q4_0")),
+    BenchModel("gemma3-1b-f32", "safetensors", "F32", _standin("write_gemma3", "gemma3-1b", "gemma3-1b")),
+    BenchModel("gemma3-1b-q8_0", "gguf", "Q8_0",
+               _standin_file("write_gemma3_gguf", "gemma3-1b-q8_0.gguf", "gemma3-1b", "q8_0")),
+]}
+DEFAULT_MODELS = ["smollm2-135m-q4_1", "smollm2-135m-q8_0", "smollm2-135m-q4_0", "gemma3-270m-q4_k_m",
+                  "gpt2-124m-f32"]
+
+
+# --- engines ------------------------------------------------------------------------
+
+class PymlEngine:
+    name = "pyml"
+
+    def __init__(self, model: BenchModel, path: Path, threads: int):
+        import pyml
+        kw = {model.kind: str(path)}
+        self.lm = pyml.load_model(threads=threads, warmup=True, **kw)
+        self.vocab = self.lm.model.lm_head.out_features
+
+    def pp(self, tokens) -> float:
+        cache = self.lm.new_cache(len(tokens))
+        t0 = time.perf_counter()
+        self.lm.model.forward(tokens, cache)
+        return time.perf_counter() - t0
+
+    def tg(self, first: int, n: int) -> float:
+        cache, forward = self.lm.new_cache(n + 1), self.lm.model.forward
+        token = int(np.argmax(forward([first], cache)))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = int(np.argmax(forward([token], cache)))
+        return time.perf_counter() - t0
+
+    def close(self):
+        self.lm = None
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, model: BenchModel, path: Path, threads: int):
+        if model.kind != "gguf":
+            raise PymlError("llama.cpp runs GGUF files only")
+        from llama_cpp import Llama
+        self.llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
+                         verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def pp(self, tokens) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(list(tokens))
+        return time.perf_counter() - t0
+
+    def tg(self, first: int, n: int) -> float:
+        self.llm.reset()
+        self.llm.eval([first])
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([first])  # llama-bench feeds a token per step without sampling
+        return time.perf_counter() - t0
+
+    def close(self):
+        self.llm.close() if hasattr(self.llm, "close") else None
+        self.llm = None
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model: BenchModel, path: Path, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(threads)
+        self.torch = torch
+        if model.kind == "gguf":
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        self.model.eval()
+        self.vocab = self.model.config.get_text_config().vocab_size
+
+    def pp(self, tokens) -> float:
+        with self.torch.inference_mode():
+            ids = self.torch.tensor([list(tokens)])
+            t0 = time.perf_counter()
+            self.model(ids)
+            return time.perf_counter() - t0
+
+    def tg(self, first: int, n: int) -> float:
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(torch.tensor([[first]]), use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = self.model(tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
+
+    def close(self):
+        self.model = None
+
+
+ENGINES = {"pyml": PymlEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
+
+
+# --- measurements -------------------------------------------------------------------
+
+@numba.njit(parallel=True, cache=True)
+def _sum(a):
+    total = 0.0
+    for i in numba.prange(a.shape[0]):
+        total += a[i]
+    return total
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s reading a large float32 array with all threads (best of reps)."""
+    a = np.ones(int(gib * (1 << 30)) // 4, np.float32)
+    _sum(a)
+    best = min(_timed(lambda: _sum(a)) for _ in range(reps))
+    return a.nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes_per_token(lm) -> int:
+    """Bytes of every matrix a decode step multiplies through (each weight read once)."""
+    from pyml.nlp.models.base import _linears
+    seen, total = set(), 0
+    for lin in [x for b in lm.model.blocks for x in _linears(b)] + [lm.model.lm_head]:
+        if id(lin.weight.data) not in seen:
+            seen.add(id(lin.weight.data))
+            total += lin.weight.nbytes
+    return total
+
+
+@dataclass
+class Row:
+    model: str
+    size_mib: float
+    params_m: float
+    quant: str
+    backend: str
+    threads: int
+    test: str
+    tok_s: float
+    std: float
+    runs: list = field(default_factory=list)
+    ratio: dict = field(default_factory=dict)     # pyml / peer, on pyml rows
+    pct_limit: float | None = None                # tg: share of the bandwidth limit
+
+
+def bench_engine(engine, test: str, reps: int, n_prompt: int, n_gen: int, rng) -> list:
+    rates = []
+    for _ in range(reps):
+        if test.startswith("pp"):
+            tokens = rng.integers(0, min(engine.vocab, 32000), n_prompt).tolist()
+            rates.append(n_prompt / engine.pp(tokens))
+        else:
+            rates.append(n_gen / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), n_gen))
+    return rates
+
+
+def model_size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
+def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True) -> tuple[list, dict]:
+    from tqdm import tqdm
+
+    from pyml.nlp.models.base import _linears
+    rows, info = [], {}
+    with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
+        numba.set_num_threads(max(threads_list))
+        info["bandwidth_gbs"] = read_bandwidth() / 1e9
+        bar.set_description(f"read bandwidth {info['bandwidth_gbs']:.1f} GB/s")
+    work = [(m, t, e) for m in models for t in threads_list for e in ["pyml", *peers]]
+    bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="run")
+    bytes_per_token = {}
+    for name, threads, engine_name in bar:
+        model = MODELS[name]
+        bar.set_postfix_str(f"{name} {engine_name} t={threads}")
+        path = model.locate()
+        try:
+            engine = ENGINES[engine_name](model, path, threads)
+        except (ImportError, PymlError, OSError, ValueError) as e:
+            print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if engine_name == "pyml":
+            bytes_per_token[name] = weight_bytes_per_token(engine.lm)
+            params = sum(lin.in_features * lin.out_features for b in engine.lm.model.blocks for lin in _linears(b))
+            info.setdefault("params_m", {})[name] = params / 1e6
+        rng = np.random.default_rng(0)
+        bench_engine(engine, "tg", 1, n_prompt, 8, rng)  # warm: first calls, caches, threads
+        for test in tests:
+            rates = bench_engine(engine, test, reps, n_prompt, n_gen, rng)
+            label = f"pp{n_prompt}" if test == "pp" else f"tg{n_gen}"
+            row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
+                      engine_name, threads, label, statistics.mean(rates),
+                      statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
+            if test == "tg" and name in bytes_per_token:
+                limit = info["bandwidth_gbs"] * 1e9 / bytes_per_token[name]
+                row.pct_limit = 100 * row.tok_s / limit
+            rows.append(row)
+        engine.close()
+        del engine
+        gc.collect()
+    for row in rows:
+        if row.backend == "pyml":
+            for peer in rows:
+                if peer.backend != "pyml" and (peer.model, peer.threads, peer.test) == (row.model, row.threads,
+                                                                                          row.test):
+                    row.ratio[peer.backend] = row.tok_s / peer.tok_s
+    info["bytes_per_token"] = bytes_per_token
+    return rows, info
+
+
+# --- output -------------------------------------------------------------------------
+
+def markdown(rows, info, peers) -> str:
+    head = ["model", "size (MiB)", "params (M)", "quant", "backend", "threads", "test", "t/s",
+            "% of bw limit"] + [f"pyml/{p}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for r in rows:
+        cells = [r.model, f"{r.size_mib:.0f}", f"{r.params_m:.0f}", r.quant, r.backend, str(r.threads), r.test,
+                 f"{r.tok_s:.2f} ± {r.std:.2f}", "" if r.pct_limit is None else f"{r.pct_limit:.0f}%"]
+        cells += [f"{r.ratio[p]:.2f}x" if p in r.ratio else "" for p in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Read bandwidth (all threads): {info['bandwidth_gbs']:.1f} GB/s. Bandwidth limit of decode, "
+                 "tok/s = bandwidth / bytes of weights per token:")
+    for name, b in info["bytes_per_token"].items():
+        lines.append(f"- {name}: {b / 2**20:.0f} MiB per token -> {info['bandwidth_gbs'] * 1e9 / b:.1f} tok/s")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(rows, info, peers, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(markdown(rows, info, peers))
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "size_mib", "params_m", "quant", "backend", "threads", "test", "tok_s", "std",
+                    "pct_limit"] + [f"ratio_{p}" for p in peers])
+        for r in rows:
+            w.writerow([r.model, f"{r.size_mib:.1f}", f"{r.params_m:.1f}", r.quant, r.backend, r.threads, r.test,
+                        f"{r.tok_s:.3f}", f"{r.std:.3f}", "" if r.pct_limit is None else f"{r.pct_limit:.1f}"]
+                       + [f"{r.ratio[p]:.3f}" if p in r.ratio else "" for p in peers])
+    (out / "bench.json").write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=2))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pyml-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
+    p.add_argument("--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
+    p.add_argument("--n-prompt", type=int, default=128)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--peers", default="", help="comma-separated: llama.cpp,transformers")
+    p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
+    args = p.parse_args(argv)
+    try:
+        models = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            raise PymlError(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}")
+        peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+        bad = [x for x in peers if x not in ENGINES or x == "pyml"]
+        if bad:
+            raise PymlError(f"unknown peer(s) {', '.join(bad)}: choose from llama.cpp, transformers")
+        threads = [int(t) for t in args.threads.split(",")]
+        tests = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
+        if args.reps < 1 or not tests or min(threads) < 1:
+            raise PymlError("--reps and --threads must be >= 1 and --tests one of pp, tg")
+        rows, info = run(models, threads, args.reps, peers, tests, args.n_prompt, args.n_gen,
+                         progress=sys.stderr.isatty())
+    except PymlError as e:
+        print(f"pyml-bench: error: {e}", file=sys.stderr)
+        return 2
+    write_outputs(rows, info, peers, Path(args.out))
+    sys.stdout.write(markdown(rows, info, peers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
