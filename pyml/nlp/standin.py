@@ -77,3 +77,86 @@ def write_gpt2(directory, name: str = "gpt2", seed: int = 0, **overrides) -> Pat
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_byte_tokenizer(directory, V)
     return directory
+
+
+# --- Gemma 3 ---------------------------------------------------------------------
+
+GEMMA3_CONFIGS = {
+    "gemma3-1b": dict(num_hidden_layers=26, hidden_size=1152, num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=256, intermediate_size=6912, vocab_size=262144, sliding_window=512,
+                      query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                      max_position_embeddings=32768),
+    "gemma3-tiny": dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=16, intermediate_size=128, vocab_size=512, sliding_window=8,
+                        query_pre_attn_scalar=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        max_position_embeddings=256),
+}
+_SAFETENSORS_DTYPES = {"float32": ("F32", np.float32), "float16": ("F16", np.float16),
+                       "bfloat16": ("BF16", np.uint16)}
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounding to nearest even (as torch's .to(torch.bfloat16))."""
+    bits = x.view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def _stream_safetensors(path: Path, specs: list, make, dtype: str):
+    """Write a safetensors file one tensor at a time: specs [(name, shape)], make(name, shape) -> float32.
+
+    Not safetensors.numpy.save_file: NumPy has no bfloat16, and save_file wants every tensor in
+    memory at once (4 GB for the 1B in float32). The format is simple enough to stream: an 8-byte
+    header length, a JSON header of names, dtypes, shapes and byte ranges, then the raw data.
+    """
+    st_dtype, np_dtype = _SAFETENSORS_DTYPES[dtype]
+    size = np.dtype(np_dtype).itemsize
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in specs:
+        n = int(np.prod(shape)) * size
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape in specs:
+            x = make(name, shape)
+            f.write((_bf16_bits(x) if dtype == "bfloat16" else x.astype(np_dtype, copy=False)).tobytes())
+
+
+def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """A Gemma3ForCausalLM-layout checkpoint (config.json as the released gemma-3-1b has it) with random
+    weights: std 0.02 matrices and norm weights near zero (HF stores w for a (1 + w) scale)."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(_SAFETENSORS_DTYPES)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = dict(GEMMA3_CONFIGS[name], **overrides)
+    d, hd, f, V = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["vocab_size"]
+    nq, nkv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    specs = [("model.embed_tokens.weight", (V, d))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs += [(f"{p}.input_layernorm.weight", (d,)), (f"{p}.self_attn.q_proj.weight", (nq, d)),
+                  (f"{p}.self_attn.k_proj.weight", (nkv, d)), (f"{p}.self_attn.v_proj.weight", (nkv, d)),
+                  (f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,)),
+                  (f"{p}.self_attn.o_proj.weight", (d, nq)), (f"{p}.post_attention_layernorm.weight", (d,)),
+                  (f"{p}.pre_feedforward_layernorm.weight", (d,)), (f"{p}.mlp.gate_proj.weight", (f, d)),
+                  (f"{p}.mlp.up_proj.weight", (f, d)), (f"{p}.mlp.down_proj.weight", (d, f)),
+                  (f"{p}.post_feedforward_layernorm.weight", (d,))]
+    specs.append(("model.norm.weight", (d,)))
+    rng = np.random.default_rng(seed)
+
+    def make(tensor, shape):
+        std = 0.1 if tensor.endswith("norm.weight") else 0.02
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    _stream_safetensors(directory / "model.safetensors", specs, make, dtype)
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+              "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "sliding_window_pattern": 6,
+              "rope_scaling": None, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+              "attention_bias": False, "tie_word_embeddings": True, "pad_token_id": 0,
+              "bos_token_id": V - 1, "eos_token_id": V - 1, "torch_dtype": dtype, **c}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_byte_tokenizer(directory, V, eos="<eos>")
+    return directory

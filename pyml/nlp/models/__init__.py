@@ -1,5 +1,6 @@
 """One file per architecture; this table maps a checkpoint's declared type to it."""
 
+from pyml.nlp.models.gemma3 import Gemma3, Gemma3Config, Gemma3MultimodalConfig
 from pyml.nlp.models.gpt2 import GPT2, GPT2Config
 from pyml.nlp.models.llama import Llama, LlamaConfig
 
@@ -7,9 +8,11 @@ from pyml.nlp.models.llama import Llama, LlamaConfig
 HF_ARCHITECTURES = {
     "gpt2": (GPT2Config, GPT2),
     "llama": (LlamaConfig, Llama),
+    "gemma3_text": (Gemma3Config, Gemma3), "gemma3": (Gemma3MultimodalConfig, Gemma3),  # the latter refuses
 }
 
 # GGUF `general.architecture` -> (config class, model class)
 GGUF_ARCHITECTURES = {
     "llama": (LlamaConfig, Llama),
+    "gemma3": (Gemma3Config, Gemma3),
 }
