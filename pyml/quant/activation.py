@@ -1,0 +1,66 @@
+"""The activation side of the integer kernels: x quantized once per matmul to int8 blocks of 32.
+
+Like ggml's vec_dot_type (Q8_0 / Q8_1 / Q8_K), the float32 activation row is quantized
+once per call, then every weight row is dotted against it with integer multiply-adds and
+one float multiply per block. Our format is finer than ggml's: one float32 scale per 32
+values for every weight type (ggml: fp16 per 32 for Q8_0, float32 per 256 for Q8_K).
+
+    q[j]  = round(x[j] / d_b)      int8 in [-127, 127], d_b = max|x in block b| / 127
+    d[b]  float32                  the block's scale
+    s[b]  = d_b * sum(q in block b)    float32: for the weight mins (Q4_1, Q5_1, Q4_K, Q5_K)
+    p[i]  = q[2i] + q[2i+1]        int16: subtracts a code offset inside the integer dot,
+                                   maddubs(code, q) - off * p == sum((code - off) * q) per pair
+
+The exact path (`*_exact` kernels) uses `sums32(x)` instead: the float block sums of x itself.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from pyml.quant.simd import FASTMATH, absmax32, round_store32
+
+
+@numba.njit(cache=True)  # no fastmath: d and 1/d are rounded exactly as documented (tests emulate it)
+def quantize_row_q8(x, xq, xd, xs, xp):  # x [n] -> xq [n] i8, xd [n/32], xs [n/32] f32, xp [n/2] i16
+    for b in range(xd.size):
+        amax = absmax32(x, b * 32)
+        d = np.float32(amax / np.float32(127.0))
+        inv = np.float32(np.float32(127.0) / amax) if amax > 0 else np.float32(0.0)
+        xd[b] = d
+        xs[b] = d * np.float32(round_store32(x, b * 32, inv, xq, b * 32, xp))
+
+
+@numba.njit(cache=True)
+def quantize_q8(x):  # x [n] f32 -> (xq [n] i8, xd [n/32] f32, xs [n/32] f32, xp [n/2] i16)
+    n = x.size
+    xq = np.empty(n, np.int8)
+    xd = np.empty(n // 32, np.float32)
+    xs = np.empty(n // 32, np.float32)
+    xp = np.empty(n // 2, np.int16)
+    quantize_row_q8(x, xq, xd, xs, xp)
+    return xq, xd, xs, xp
+
+
+@numba.njit(cache=True)
+def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, n/32] f32, xp [T, n/2] i16)
+    T, n = x.shape
+    xq = np.empty((T, n), np.int8)
+    xd = np.empty((T, n // 32), np.float32)
+    xs = np.empty((T, n // 32), np.float32)
+    xp = np.empty((T, n // 2), np.int16)
+    for t in range(T):
+        quantize_row_q8(x[t], xq[t], xd[t], xs[t], xp[t])
+    return xq, xd, xs, xp
+
+
+@numba.njit(cache=True, fastmath=FASTMATH)
+def sums32(x):  # x [n] f32 -> [n/32] f32: the block sums of x (exact path: weight offsets, mins)
+    s = np.empty(x.size // 32, np.float32)
+    for b in range(s.size):
+        acc = np.float32(0.0)
+        for j in range(32):
+            acc += x[32 * b + j]
+        s[b] = acc
+    return s

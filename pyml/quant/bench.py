@@ -1,0 +1,156 @@
+"""Kernel benchmark: GB/s of the T == 1 kernels and GFLOP/s at T == 128, per weight type.
+
+    python -m pyml.quant.bench [--threads 1,2] [--types Q4_0,Q6_K] [--shapes 5632x2048,2048x5632]
+
+T == 1 cycles through enough copies of each matrix (>= 256 MB) that weights come from
+memory, not cache, as in a real model; GB/s = stored weight bytes / time (best of several
+rounds). Baselines printed first: a streaming byte-sum (the memory ceiling for a kernel
+that reads its weights once) and NumPy/BLAS float32 GEMM at T == 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numba
+import numpy as np
+from numba import prange
+
+from pyml import quant
+from pyml.quant import FORMATS, QuantType
+
+_COPY_BYTES = 256 << 20
+
+
+@numba.njit(parallel=True, cache=True)
+def _stream_sum(a, out):  # the memory-bandwidth ceiling: read every byte once
+    for r in prange(a.shape[0]):
+        s = np.uint32(0)
+        for i in range(a.shape[1]):
+            s += a[r, i]
+        out[r] = s
+
+
+def _weights(rng, qtype, rows, n_cols):
+    if qtype == QuantType.F32:
+        return rng.standard_normal((rows, n_cols), np.float32)
+    if qtype in (QuantType.F16, QuantType.BF16):
+        return quant.quantize(rng.standard_normal((rows, n_cols), np.float32), qtype)
+    fmt = FORMATS[qtype]
+    raw = rng.integers(0, 256, (rows, n_cols // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    scale_at = 208 if qtype == QuantType.Q6_K else 0  # valid fp16 scales (d, and dmin/m after it)
+    raw[:, :, scale_at:scale_at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    if qtype in (QuantType.Q4_1, QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K):
+        raw[:, :, 2:4] = np.array([0.01], np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+_clock = time.perf_counter
+
+
+def _best(fn, rounds):
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = _clock()
+        fn()
+        best = min(best, _clock() - t)
+    return best
+
+
+def gemv_gbs(qtype, rows, n_cols, exact=False, rounds=6, rng=None) -> float:
+    rng = rng or np.random.default_rng(0)
+    w = _weights(rng, qtype, rows, n_cols)
+    copies = [w] + [w.copy() for _ in range(max(1, _COPY_BYTES // w.nbytes) - 1)]
+    for c in copies:
+        c.flags.writeable = False  # as a GGUF memory map
+    x = rng.standard_normal((1, n_cols), np.float32)
+    out = np.empty((1, rows), np.float32)
+
+    def run():
+        for c in copies:
+            quant.matmul(x, c, qtype, n_cols, out=out, exact=exact)
+    return w.nbytes * len(copies) / _best(run, rounds) / 1e9
+
+
+def gemm_gflops(qtype, rows, n_cols, T=128, exact=False, rounds=3, rng=None) -> float:
+    rng = rng or np.random.default_rng(0)
+    w = _weights(rng, qtype, rows, n_cols)
+    w.flags.writeable = False
+    x = rng.standard_normal((T, n_cols), np.float32)
+    out = np.empty((T, rows), np.float32)
+    return 2.0 * T * rows * n_cols / _best(lambda: quant.matmul(x, w, qtype, n_cols, out=out, exact=exact),
+                                           rounds) / 1e9
+
+
+def call_overhead_us(qtype=QuantType.Q4_1, n=576, rounds=2000) -> tuple[float, float]:
+    """(µs per matmul of a cache-resident n x n GEMV, µs of that which is bandwidth at 20 GB/s)."""
+    rng = np.random.default_rng(0)
+    w = _weights(rng, qtype, n, n)
+    w.flags.writeable = False
+    x = rng.standard_normal((1, n), np.float32)
+    out = np.empty((1, n), np.float32)
+    for _ in range(100):
+        quant.matmul(x, w, qtype, n, out=out)
+    times = []
+    for _ in range(rounds):
+        t = _clock()
+        quant.matmul(x, w, qtype, n, out=out)
+        times.append(_clock() - t)
+    return float(np.median(times)) * 1e6, w.nbytes / 20e9 * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32")
+    ap.add_argument("--shapes", default="5632x2048,2048x5632")
+    ap.add_argument("--T", type=int, default=128)
+    ap.add_argument("--exact", action="store_true", help="also time the exact (float activation) path")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with 1 thread, time by the thread's CPU time: robust on a machine shared with other jobs")
+    args = ap.parse_args(argv)
+    global _clock
+    threads = [int(t) for t in args.threads.split(",")]
+    qtypes = [QuantType[t] for t in args.types.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # BLAS keeps its own thread count
+        threadpool_limits = None
+
+    quant.warmup()
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 255, (8192, 32768), dtype=np.uint8)  # 256 MB
+    sums = np.empty(big.shape[0], np.uint32)
+    a = rng.standard_normal((args.T, 2048), np.float32)
+    b = rng.standard_normal((5632, 2048), np.float32)
+    for n in threads:
+        numba.set_num_threads(n)
+        _clock = time.thread_time if (args.cpu_time and n == 1) else time.perf_counter
+        limits = threadpool_limits(n) if threadpool_limits else None
+        print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
+        print(f"memory ceiling (stream sum of 256 MB): {big.nbytes / _best(lambda: _stream_sum(big, sums), 5) / 1e9:6.1f} GB/s")
+        print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: "
+              f"{2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9:6.1f} GFLOP/s")
+        us, bw_us = call_overhead_us()
+        print(f"Q4_1 576x576 GEMV: {us:.1f} µs per call ({bw_us:.1f} µs of it is weight bytes at 20 GB/s)")
+        print(f"{'type':6s} {'shape':>10s} {'T=1 GB/s':>9s}" + (f" {'exact':>6s}" if args.exact else "")
+              + f" {'T=' + str(args.T) + ' GFLOP/s':>14s}" + (f" {'exact':>6s}" if args.exact else ""))
+        for qtype in qtypes:
+            for rows, n_cols in shapes:
+                line = f"{qtype.name:6s} {rows:>5d}x{n_cols:<5d} {gemv_gbs(qtype, rows, n_cols, rng=rng):9.1f}"
+                quantized = qtype not in (QuantType.F32, QuantType.F16, QuantType.BF16)
+                if args.exact:
+                    line += f" {gemv_gbs(qtype, rows, n_cols, exact=True, rng=rng):6.1f}" if quantized else f" {'':6s}"
+                line += f" {gemm_gflops(qtype, rows, n_cols, args.T, rng=rng):14.1f}"
+                if args.exact and quantized:
+                    line += f" {gemm_gflops(qtype, rows, n_cols, args.T, exact=True, rng=rng):6.1f}"
+                print(line, flush=True)
+        if limits is not None:
+            limits.unregister()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Kernels for ggml's K-quants: 256-value superblocks Q4_K, Q5_K, Q6_K.
+
+Superblock layouts (ggml-common.h, QK_K = 256; little-endian; fp16 = IEEE half):
+
+    Q4_K  144 bytes  d:fp16 | dmin:fp16 | scales[12] | qs[128]
+    Q5_K  176 bytes  d:fp16 | dmin:fp16 | scales[12] | qh[32] | qs[128]
+    Q6_K  210 bytes  ql[128] | qh[64] | scales[16]:int8 | d:fp16
+
+Q4_K / Q5_K: 8 sub-blocks of 32 values, sub-block j has a 6-bit scale sc[j] and min mn[j]
+(get_scale_min_k4):  j < 4: sc = scales[j] & 63,  mn = scales[j+4] & 63
+                     j >= 4: sc = (scales[j+4] & 15) | (scales[j-4] >> 6) << 4,
+                             mn = (scales[j+4] >> 4) | (scales[j] >> 6) << 4
+    qs is 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles and sub-block
+    2c+1 in its high nibbles (value l of the sub-block in byte l). Q5_K adds bit j of qh[l] as
+    bit 4 of value l of sub-block j.     value = d * sc[j] * code - dmin * mn[j]
+
+Q6_K: two halves of 128 values; half h uses ql[64h:64h+64], qh[32h:32h+32], scales[8h:8h+8].
+    For l < 32, the 4 runs of 32 values of the half are
+        value l      : low nibble of ql[l]     | (qh[l] >> 0 & 3) << 4
+        value l + 32 : low nibble of ql[l+32]  | (qh[l] >> 2 & 3) << 4
+        value l + 64 : high nibble of ql[l]    | (qh[l] >> 4 & 3) << 4
+        value l + 96 : high nibble of ql[l+32] | (qh[l] >> 6 & 3) << 4
+    and value e of the half has scale scales[8h + e // 16].   value = d * scale * (code - 32)
+
+Kernels work in 32-value groups (g = 8 * superblock + group) so the int8 activation format is
+the same as for the legacy blocks (activation.py). Per group: an integer dot of the codes with
+the activation, times d*sc*d_x (Q6_K: the two 16-value scales enter the integer dot through
+vpmaddwd). Mins of Q4_K/Q5_K are added per superblock as -dmin * sum(mn[j] * sum(x_group j)).
+Same kernel set and shapes as legacy.py; w is [R, nsb * type_size] uint8.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from pyml.quant.activation import quantize_q8, quantize_rows_q8, sums32
+from pyml.quant.simd import (FASTMATH, add, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, f32x8, fma, fnma, hsum,
+                             i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
+                             load_i8x32, load_i16x16, load_u8x32, madd, maddubs, minus_i8, mul, nibbles_hi,
+                             nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8, shr_u8, store_f32x8, sub,
+                             sub_i16, sum_pairs, to_f32, zeros_f32x8)
+
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGML type ids: compile-time constants in the kernels below
+KINDS = (Q4_K, Q5_K, Q6_K)
+
+
+@numba.njit
+def _type_size(kind):
+    if kind == Q4_K:
+        return 144
+    if kind == Q5_K:
+        return 176
+    return 210
+
+
+@numba.njit
+def _scale_min(w, o, j):  # 6-bit (sc, mn) of sub-block j of the Q4_K/Q5_K superblock at byte o
+    s = o + 4
+    if j < 4:
+        return np.int32(w[s + j] & 63), np.int32(w[s + j + 4] & 63)
+    sc = np.int32(w[s + j + 4] & 15) | (np.int32(w[s + j - 4] >> 6) << 4)
+    mn = np.int32(w[s + j + 4] >> 4) | (np.int32(w[s + j] >> 6) << 4)
+    return sc, mn
+
+
+# --- reference decoding --------------------------------------------------------------------
+
+@numba.njit
+def _dequant_row(kind, w, y):  # w [nsb*type_size] u8 -> y [nsb*256] f32, scalar loops
+    numba.literally(kind)
+    ts = _type_size(kind)
+    for sb in range(y.size // 256):
+        o = ts * sb
+        e0 = 256 * sb
+        if kind == Q6_K:
+            d = load_fp16(w, o + 208)
+            for h in range(2):
+                ql, qh, sc = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h
+                for l in range(32):
+                    q1 = np.int32(w[ql + l] & 15) | (np.int32((w[qh + l] >> 0) & 3) << 4)
+                    q2 = np.int32(w[ql + l + 32] & 15) | (np.int32((w[qh + l] >> 2) & 3) << 4)
+                    q3 = np.int32(w[ql + l] >> 4) | (np.int32((w[qh + l] >> 4) & 3) << 4)
+                    q4 = np.int32(w[ql + l + 32] >> 4) | (np.int32((w[qh + l] >> 6) & 3) << 4)
+                    e = e0 + 128 * h + l
+                    y[e] = (d * np.float32(np.int8(w[sc + l // 16]))) * np.float32(q1 - 32)
+                    y[e + 32] = (d * np.float32(np.int8(w[sc + 2 + l // 16]))) * np.float32(q2 - 32)
+                    y[e + 64] = (d * np.float32(np.int8(w[sc + 4 + l // 16]))) * np.float32(q3 - 32)
+                    y[e + 96] = (d * np.float32(np.int8(w[sc + 6 + l // 16]))) * np.float32(q4 - 32)
+            continue
+        d, dmin = load_fp16(w, o), load_fp16(w, o + 2)
+        qs = o + (16 if kind == Q4_K else 48)
+        for j in range(8):
+            sc, mn = _scale_min(w, o, j)
+            dl, ml = d * np.float32(sc), dmin * np.float32(mn)
+            for l in range(32):
+                byte = w[qs + 32 * (j // 2) + l]
+                q = np.int32(byte & 15) if j % 2 == 0 else np.int32(byte >> 4)
+                if kind == Q5_K:
+                    q |= np.int32((w[o + 16 + l] >> j) & 1) << 4
+                y[e0 + 32 * j + l] = dl * np.float32(q) - ml
+
+
+@numba.njit(cache=True)
+def dequant_rows(raw, row_ids, out, kind):  # raw [R, nsb*ts] u8, row_ids [n] -> out [n, nsb*256] f32
+    for i in range(row_ids.size):
+        if kind == Q4_K:
+            _dequant_row(Q4_K, raw[row_ids[i]], out[i])
+        elif kind == Q5_K:
+            _dequant_row(Q5_K, raw[row_ids[i]], out[i])
+        else:
+            _dequant_row(Q6_K, raw[row_ids[i]], out[i])
+    return out
+
+
+@numba.njit
+def _decode_row(kind, w, y):  # w [nsb*ts] -> y [nsb*256] f32, vectorised; same float ops as the reference
+    numba.literally(kind)
+    ts = _type_size(kind)
+    for sb in range(y.size // 256):
+        o = ts * sb
+        ds, dm, sc16 = _scales(kind, w, o)
+        for j in range(8):
+            _decode_group(kind, w, o, j, ds, dm, y, 256 * sb + 32 * j)
+
+
+@numba.njit
+def _decode_group(kind, w, o, j, ds, dm, y, e):  # y[e : e+32] = values of group j
+    numba.literally(kind)
+    c = _codes(kind, w, o, j)
+    if kind == Q6_K:
+        q, d, sc = minus_i8(c, 32), load_fp16(w, o + 208), o + 192 + 2 * j
+        da, db = f32x8(d * np.float32(np.int8(w[sc]))), f32x8(d * np.float32(np.int8(w[sc + 1])))
+        store_f32x8(y, e, mul(da, lanes_f32(q, 0)))
+        store_f32x8(y, e + 8, mul(da, lanes_f32(q, 1)))
+        store_f32x8(y, e + 16, mul(db, lanes_f32(q, 2)))
+        store_f32x8(y, e + 24, mul(db, lanes_f32(q, 3)))
+        return
+    d, m = lane(ds, j), lane(dm, j)
+    store_f32x8(y, e, sub(mul(d, lanes_f32(c, 0)), m))
+    store_f32x8(y, e + 8, sub(mul(d, lanes_f32(c, 1)), m))
+    store_f32x8(y, e + 16, sub(mul(d, lanes_f32(c, 2)), m))
+    store_f32x8(y, e + 24, sub(mul(d, lanes_f32(c, 3)), m))
+
+
+@numba.njit(parallel=True, cache=True)
+def dequant_tile(raw, r0, out, kind):  # out [n, nsb*256] f32 <- rows r0 .. r0+n of raw
+    for i in prange(out.shape[0]):
+        if kind == Q4_K:
+            _decode_row(Q4_K, raw[r0 + i], out[i])
+        elif kind == Q5_K:
+            _decode_row(Q5_K, raw[r0 + i], out[i])
+        else:
+            _decode_row(Q6_K, raw[r0 + i], out[i])
+    return out
+
+
+# --- one 32-value group ----------------------------------------------------------------------
+
+@numba.njit
+def _codes(kind, w, o, j):
+    """The 32 codes (U8x32, value order) of group j (0-7) of the superblock at byte o."""
+    numba.literally(kind)
+    if kind == Q6_K:
+        h, k = j // 4, j % 4
+        qh = load_u8x32(w, o + 128 + 32 * h)
+        ql = load_u8x32(w, o + 64 * h + 32 * (k % 2))
+        low = nibbles_lo(ql) if k < 2 else nibbles_hi(ql)
+        if k == 0:
+            high = and_u8(shl_u8(qh, 4), 0x30)
+        elif k == 1:
+            high = and_u8(shl_u8(qh, 2), 0x30)
+        elif k == 2:
+            high = and_u8(qh, 0x30)
+        else:
+            high = and_u8(shr_u8(qh, 2), 0x30)
+        return or_u8(low, high)
+    qs = load_u8x32(w, o + (16 if kind == Q4_K else 48) + 32 * (j // 2))
+    c = nibbles_lo(qs) if j % 2 == 0 else nibbles_hi(qs)
+    if kind == Q5_K:
+        c = or_u8(c, bit_to_u8(load_u8x32(w, o + 16), j, 16))
+    return c
+
+
+@numba.njit
+def _scales(kind, w, o):
+    """Per superblock: (F32x8 lane j = float scale of group j, F32x8 lane j = min of group j,
+    I16x16 of the 16 int8 scales (Q6_K)). Q4_K/Q5_K: d*sc[j] and dmin*mn[j]; Q6_K: d and 0."""
+    numba.literally(kind)
+    if kind == Q6_K:
+        return f32x8(load_fp16(w, o + 208)), zeros_f32x8(), load_i8x16_i16(w, o + 192)
+    sc, mn = kscales(w, o + 4)
+    return mul(f32x8(load_fp16(w, o)), sc), mul(f32x8(load_fp16(w, o + 2)), mn), i16_halves(0, 0)
+
+
+@numba.njit
+def _idot(kind, c, sc16, j, y, p):  # I32x8: integer dot of group j's codes with y (Q6_K: scaled)
+    numba.literally(kind)
+    if kind == Q6_K:
+        return madd(sub_i16(maddubs(c, y), shl_i16(p, 5)), pair_i16(sc16, 2 * j))
+    return sum_pairs(maddubs(c, y))
+
+
+@numba.njit
+def _group_int(kind, w, o, j, g, xq, xp, dx, sc16, acc):  # acc + group j (int path)
+    numba.literally(kind)
+    i = _idot(kind, _codes(kind, w, o, j), sc16, j, load_i8x32(xq, 32 * g), load_i16x16(xp, 16 * g))
+    return fma(lane(dx, j), to_f32(i), acc)
+
+
+@numba.njit
+def _group_exact(kind, w, o, j, g, x, ds, acc):  # acc + group j (float path); ds = float scales
+    numba.literally(kind)
+    c = _codes(kind, w, o, j)
+    if kind == Q6_K:  # two 16-value halves with their own int8 scales
+        q, d, sc = minus_i8(c, 32), load_fp16(w, o + 208), o + 192 + 2 * j
+        acc = fma(f32x8(d * np.float32(np.int8(w[sc]))), dot16_f32(q, 0, x, 32 * g), acc)
+        return fma(f32x8(d * np.float32(np.int8(w[sc + 1]))), dot16_f32(q, 1, x, 32 * g + 16), acc)
+    return fma(lane(ds, j), dot32_f32(as_i8(c), x, 32 * g), acc)
+
+
+# --- T == 1 ----------------------------------------------------------------------------------
+
+@numba.njit
+def _gemv_row(kind, w, xq, xd, xs, xp):  # w [nsb*ts] . x
+    numba.literally(kind)
+    ts = _type_size(kind)
+    a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    mins = zeros_f32x8()
+    for sb in range(xd.size // 8):
+        o, g = ts * sb, 8 * sb
+        prefetch(w, o + 2048)  # ~2 KB ahead: the hardware prefetcher alone leaves gaps
+        prefetch(w, o + 2048 + 64)
+        prefetch(w, o + 2048 + 128)
+        ds, dm, sc16 = _scales(kind, w, o)
+        dx = mul(ds, load_f32x8(xd, g))  # lane j: weight scale x activation scale of group j
+        if kind != Q6_K:
+            mins = fma(dm, load_f32x8(xs, g), mins)
+        a0 = _group_int(kind, w, o, 0, g, xq, xp, dx, sc16, a0)
+        a1 = _group_int(kind, w, o, 1, g + 1, xq, xp, dx, sc16, a1)
+        a2 = _group_int(kind, w, o, 2, g + 2, xq, xp, dx, sc16, a2)
+        a3 = _group_int(kind, w, o, 3, g + 3, xq, xp, dx, sc16, a3)
+        a0 = _group_int(kind, w, o, 4, g + 4, xq, xp, dx, sc16, a0)
+        a1 = _group_int(kind, w, o, 5, g + 5, xq, xp, dx, sc16, a1)
+        a2 = _group_int(kind, w, o, 6, g + 6, xq, xp, dx, sc16, a2)
+        a3 = _group_int(kind, w, o, 7, g + 7, xq, xp, dx, sc16, a3)
+    return hsum(add(add(a0, a1), add(a2, a3))) - hsum(mins)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemv(w, x, out, kind):  # w [R, nsb*ts] u8, x [nsb*256] f32 -> out [R] f32
+    xq, xd, xs, xp = quantize_q8(x)
+    for r in prange(w.shape[0]):
+        if kind == Q4_K:
+            out[r] = _gemv_row(Q4_K, w[r], xq, xd, xs, xp)
+        elif kind == Q5_K:
+            out[r] = _gemv_row(Q5_K, w[r], xq, xd, xs, xp)
+        else:
+            out[r] = _gemv_row(Q6_K, w[r], xq, xd, xs, xp)
+    return out
+
+
+@numba.njit
+def _gemv_row_exact(kind, w, x, xsum):
+    numba.literally(kind)
+    ts = _type_size(kind)
+    a0, a1 = zeros_f32x8(), zeros_f32x8()
+    mins = zeros_f32x8()
+    for sb in range(x.size // 256):
+        o, g = ts * sb, 8 * sb
+        ds, dm, sc16 = _scales(kind, w, o)
+        if kind != Q6_K:
+            mins = fma(dm, load_f32x8(xsum, g), mins)
+        a0 = _group_exact(kind, w, o, 0, g, x, ds, a0)
+        a1 = _group_exact(kind, w, o, 1, g + 1, x, ds, a1)
+        a0 = _group_exact(kind, w, o, 2, g + 2, x, ds, a0)
+        a1 = _group_exact(kind, w, o, 3, g + 3, x, ds, a1)
+        a0 = _group_exact(kind, w, o, 4, g + 4, x, ds, a0)
+        a1 = _group_exact(kind, w, o, 5, g + 5, x, ds, a1)
+        a0 = _group_exact(kind, w, o, 6, g + 6, x, ds, a0)
+        a1 = _group_exact(kind, w, o, 7, g + 7, x, ds, a1)
+    return hsum(add(a0, a1)) - hsum(mins)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemv_exact(w, x, out, kind):  # w [R, nsb*ts] u8, x [nsb*256] f32 -> out [R] f32
+    xsum = sums32(x)
+    for r in prange(w.shape[0]):
+        if kind == Q4_K:
+            out[r] = _gemv_row_exact(Q4_K, w[r], x, xsum)
+        elif kind == Q5_K:
+            out[r] = _gemv_row_exact(Q5_K, w[r], x, xsum)
+        else:
+            out[r] = _gemv_row_exact(Q6_K, w[r], x, xsum)
+    return out
+
+
+# --- T > 1 -----------------------------------------------------------------------------------
+
+@numba.njit
+def _tile_group(kind, wa, wb, o, j, g, xq, xd, xp, ts_, accs):
+    """Group j of the superblock at byte o, for weight rows wa, wb x activation rows ts_ (4)."""
+    numba.literally(kind)
+    (a0, a1, a2, a3, b0, b1, b2, b3), (dsa, dsb, sca, scb) = accs
+    ca, cb = _codes(kind, wa, o, j), _codes(kind, wb, o, j)
+    da, db = lane(dsa, j), lane(dsb, j)
+    for k in range(4):
+        t = ts_[k]
+        y, p = load_i8x32(xq[t], 32 * g), load_i16x16(xp[t], 16 * g)
+        xv = f32x8(xd[t, g])
+        ia = to_f32(_idot(kind, ca, sca, j, y, p))
+        ib = to_f32(_idot(kind, cb, scb, j, y, p))
+        if k == 0:
+            a0, b0 = fma(mul(da, xv), ia, a0), fma(mul(db, xv), ib, b0)
+        elif k == 1:
+            a1, b1 = fma(mul(da, xv), ia, a1), fma(mul(db, xv), ib, b1)
+        elif k == 2:
+            a2, b2 = fma(mul(da, xv), ia, a2), fma(mul(db, xv), ib, b2)
+        else:
+            a3, b3 = fma(mul(da, xv), ia, a3), fma(mul(db, xv), ib, b3)
+    return (a0, a1, a2, a3, b0, b1, b2, b3), (dsa, dsb, sca, scb)
+
+
+@numba.njit
+def _tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
+    """8 dot products: weight rows wa, wb x activation rows t0..t0+3 (clamped to T-1);
+    each group of weights is decoded once for the 4 activation rows."""
+    numba.literally(kind)
+    ts_ = (t0, min(t0 + 1, T - 1), min(t0 + 2, T - 1), min(t0 + 3, T - 1))
+    z = zeros_f32x8()
+    accs = (z, z, z, z, z, z, z, z)
+    ts = _type_size(kind)
+    for sb in range(xd.shape[1] // 8):
+        o, g = ts * sb, 8 * sb
+        dsa, dma, sca = _scales(kind, wa, o)
+        dsb, dmb, scb = _scales(kind, wb, o)
+        a0, a1, a2, a3, b0, b1, b2, b3 = accs
+        if kind != Q6_K:  # the mins, once per superblock: lanes sum to -sum_j dmin*mn[j]*sum(x_j)
+            a0, b0 = fnma(dma, load_f32x8(xs[ts_[0]], g), a0), fnma(dmb, load_f32x8(xs[ts_[0]], g), b0)
+            a1, b1 = fnma(dma, load_f32x8(xs[ts_[1]], g), a1), fnma(dmb, load_f32x8(xs[ts_[1]], g), b1)
+            a2, b2 = fnma(dma, load_f32x8(xs[ts_[2]], g), a2), fnma(dmb, load_f32x8(xs[ts_[2]], g), b2)
+            a3, b3 = fnma(dma, load_f32x8(xs[ts_[3]], g), a3), fnma(dmb, load_f32x8(xs[ts_[3]], g), b3)
+        st = ((a0, a1, a2, a3, b0, b1, b2, b3), (dsa, dsb, sca, scb))
+        st = _tile_group(kind, wa, wb, o, 0, g, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 1, g + 1, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 2, g + 2, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 3, g + 3, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 4, g + 4, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 5, g + 5, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 6, g + 6, xq, xd, xp, ts_, st)
+        st = _tile_group(kind, wa, wb, o, 7, g + 7, xq, xd, xp, ts_, st)
+        accs = st[0]
+    return accs
+
+
+@numba.njit
+def _gemm_chunk(kind, w, xq, xd, xs, xp, out, r_lo, r_hi):
+    """Rows r_lo..r_hi of out[T, R]: activation tiles outside, so a chunk's weights stay in L2."""
+    numba.literally(kind)
+    T = xq.shape[0]
+    for t0 in range(0, T, 4):
+        for ra in range(r_lo, r_hi, 2):
+            rb = min(ra + 1, r_hi - 1)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _tile(kind, w[ra], w[rb], xq, xd, xs, xp, t0, T)
+            out[t0, ra], out[t0, rb] = hsum(a0), hsum(b0)
+            if t0 + 1 < T:
+                out[t0 + 1, ra], out[t0 + 1, rb] = hsum(a1), hsum(b1)
+            if t0 + 2 < T:
+                out[t0 + 2, ra], out[t0 + 2, rb] = hsum(a2), hsum(b2)
+            if t0 + 3 < T:
+                out[t0 + 3, ra], out[t0 + 3, rb] = hsum(a3), hsum(b3)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemm(w, x, out, kind):  # w [R, nsb*ts] u8, x [T, nsb*256] f32 -> out [T, R] f32
+    xq, xd, xs, xp = quantize_rows_q8(x)
+    R = w.shape[0]
+    chunk = 32  # rows per parallel task: their weights stay in L2 while the T tiles stream by
+    for c in prange((R + chunk - 1) // chunk):
+        r_lo, r_hi = c * chunk, min(R, c * chunk + chunk)
+        if kind == Q4_K:
+            _gemm_chunk(Q4_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
+        elif kind == Q5_K:
+            _gemm_chunk(Q5_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
+        else:
+            _gemm_chunk(Q6_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
+    return out

@@ -1,0 +1,56 @@
+"""The real blocks of real GGUF files: a few rows of a few tensors of each type they hold.
+
+SmolLM2-135M-Instruct Q4_1 (Q4_1, Q8_0) and Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K, Q8_0), read
+with gguf.GGUFReader: read-only memory-mapped views, exactly what the model loaders pass in.
+"""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from pyml import quant
+from pyml.quant import QuantType
+from tests.quant.helpers import q8_activation
+
+MODELS = Path.home() / ".cache" / "pyml" / "models"
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = MODELS / "gemma-3-270m-q4_k_m.gguf"
+
+CASES = [(SMOLLM2, QuantType.Q4_1), (SMOLLM2, QuantType.Q8_0), (GEMMA3, QuantType.Q5_0),
+         (GEMMA3, QuantType.Q4_K), (GEMMA3, QuantType.Q6_K), (GEMMA3, QuantType.Q8_0)]
+
+_readers = {}
+
+
+def _tensors(path, qtype, limit=3):
+    if path not in _readers:
+        _readers[path] = gguf.GGUFReader(path)
+    found = [t for t in _readers[path].tensors if t.tensor_type == qtype]
+    assert found, f"{path.name} holds no {qtype.name} tensor"
+    return found[:limit]
+
+
+@pytest.mark.parametrize("path,qtype", [pytest.param(p, q, id=f"{p.name.split('-')[0]}-{q.name}",
+                                                     marks=pytest.mark.skipif(not p.exists(), reason=f"{p} absent"))
+                                        for p, q in CASES])
+def test_real_tensor_rows(path, qtype):
+    rng = np.random.default_rng(0)
+    for t in _tensors(path, qtype):
+        n_cols = int(t.shape[0])  # GGUF lists dims fastest first
+        data = t.data
+        assert not data.flags.writeable
+        rows = sorted(set(rng.integers(0, data.shape[0], 5).tolist()) | {0, data.shape[0] - 1})
+        ref = gguf.quants.dequantize(data[rows], qtype)
+        np.testing.assert_array_equal(quant.dequantize_rows(data, qtype, n_cols, rows), ref)
+        head = data[:48]  # a read-only C-contiguous view of the memory map
+        w = gguf.quants.dequantize(head, qtype).astype(np.float64)
+        np.testing.assert_array_equal(quant.dequantize(head, qtype, n_cols), w)
+        x = rng.standard_normal((3, n_cols)).astype(np.float32)
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).T
+        for T in (1, 3):
+            exact = quant.matmul(x[:T], head, qtype, n_cols, exact=True)
+            assert np.all(np.abs(exact - x[:T].astype(np.float64) @ w.T) <= 1e-5 * scale[:T])
+            fast = quant.matmul(x[:T], head, qtype, n_cols)
+            assert np.all(np.abs(fast - q8_activation(x[:T]) @ w.T) <= 1e-5 * scale[:T])

@@ -1,0 +1,88 @@
+"""The SIMD vocabulary against NumPy, and its portable (non-AVX2) forms against the AVX2 ones."""
+
+import numba
+import numpy as np
+import pytest
+
+from pyml.quant import simd
+from pyml.quant.simd import (abs_u8, bits_to_u8, f32x8, hsum, kscales, lane, load_fp16, load_i8x32, load_i16x16,
+                             load_nibbles16, load_u8x32, sign_i8, store_f32x8, sum_pairs, to_f32)
+
+
+@numba.njit
+def _dots(a, b, c, out):  # out [6, 8]: every integer dot form: a (u8), b (i8) 32 lanes, c (i16) 16 lanes
+    ua, sa, sb = load_u8x32(a, 0), load_i8x32(a, 0), load_i8x32(b, 0)
+    store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(ua, sb))))
+    store_f32x8(out[1], 0, to_f32(simd.sum_pairs_generic(simd.maddubs_generic(ua, sb))))
+    store_f32x8(out[2], 0, to_f32(sum_pairs(simd.dot_i8(sa, sb))))
+    store_f32x8(out[3], 0, to_f32(simd.sum_pairs_generic(simd.dot_i8_generic(sa, sb))))
+    i16 = load_i16x16(c, 0)
+    store_f32x8(out[4], 0, to_f32(simd.madd(i16, i16)))
+    store_f32x8(out[5], 0, to_f32(simd.madd_generic(i16, i16)))
+    return out
+
+
+def test_integer_dots_match_numpy_and_generic_forms(rng):
+    for trial in range(20):
+        a = rng.integers(0, 64 if trial % 2 else 128, 32).astype(np.uint8)
+        b = rng.integers(-127, 128, 32).astype(np.int8)
+        if trial == 0:
+            a[:], b[:] = 63, -127  # the largest magnitudes the kernels feed in
+        c = rng.integers(-2000, 2000, 16).astype(np.int16)  # products stay exact in float32
+        out = _dots(a, b.view(np.uint8), c, np.zeros((6, 8), np.float32))
+        prod_u = (a.astype(np.int64) * b).reshape(8, 4).sum(axis=1)
+        prod_s = (a.view(np.int8).astype(np.int64) * b).reshape(8, 4).sum(axis=1)
+        prod_16 = (c.astype(np.int64) ** 2).reshape(8, 2).sum(axis=1)
+        np.testing.assert_array_equal(out[0], prod_u)
+        np.testing.assert_array_equal(out[1], prod_u)
+        np.testing.assert_array_equal(out[2], prod_s)
+        np.testing.assert_array_equal(out[3], prod_s)
+        np.testing.assert_array_equal(out[4], prod_16)
+        np.testing.assert_array_equal(out[5], prod_16)
+
+
+@numba.njit
+def _bytes(a, bits, out):  # decoded byte vectors, each summed in lane pairs of 4 bytes
+    ones = load_i8x32(np.ones(32, np.int8), 0)
+    store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(load_nibbles16(a, 0), ones))))
+    store_f32x8(out[1], 0, to_f32(sum_pairs(simd.maddubs(bits_to_u8(bits, 16), ones))))
+    store_f32x8(out[2], 0, to_f32(sum_pairs(simd.maddubs(abs_u8(load_i8x32(a, 0)), ones))))
+    store_f32x8(out[3], 0, to_f32(sum_pairs(simd.dot_i8(sign_i8(load_i8x32(a, 0), load_i8x32(a, 32)), ones))))
+    return out
+
+
+def test_byte_decoders(rng):
+    a = rng.integers(0, 256, 64).astype(np.uint8)
+    a[32:36] = 0
+    bits = np.uint32(rng.integers(0, 2**32))
+    out = _bytes(a, bits, np.zeros((4, 8), np.float32))
+    nib = np.concatenate([a[:16] & 15, a[:16] >> 4]).astype(np.int64)
+    np.testing.assert_array_equal(out[0], nib.reshape(8, 4).sum(1))
+    bitv = ((int(bits) >> np.arange(32)) & 1) * 16
+    np.testing.assert_array_equal(out[1], bitv.reshape(8, 4).sum(1))
+    s = a[:32].view(np.int8).astype(np.int64)
+    np.testing.assert_array_equal(out[2], np.abs(s).reshape(8, 4).sum(1))
+    np.testing.assert_array_equal(out[3], (s * np.sign(a[32:].view(np.int8))).reshape(8, 4).sum(1))
+
+
+@numba.njit
+def _scales(raw, out):
+    sc, mn = kscales(raw, 0)
+    store_f32x8(out[0], 0, sc)
+    store_f32x8(out[1], 0, mn)
+    store_f32x8(out[2], 0, lane(sc, 5))
+    out[3, 0] = hsum(sc)
+    out[3, 1] = load_fp16(raw, 2)
+    return out
+
+
+def test_kscales_unpack_like_gguf(rng):
+    import gguf
+    raw = rng.integers(0, 256, 16).astype(np.uint8)
+    raw[2:4] = np.array([1.5], np.float16).view(np.uint8)
+    out = _scales(raw, np.zeros((4, 8), np.float32))
+    sc, mn = gguf.quants.Q4_K.get_scale_min(raw[None, :12])
+    np.testing.assert_array_equal(out[0], sc[0])
+    np.testing.assert_array_equal(out[1], mn[0])
+    np.testing.assert_array_equal(out[2], np.full(8, sc[0, 5]))
+    assert out[3, 0] == sc.sum() and out[3, 1] == 1.5
