@@ -63,13 +63,12 @@ def quantize_gguf(src, dst, target: QuantType, progress: bool = True):
         qtype = QuantType(int(t.tensor_type))
         ne = [int(n) for n in t.shape]
         if len(ne) < 2 or ne[0] % block:  # norms, biases, odd rows: copied unchanged
-            data = np.asarray(t.data)
-            writer.add_tensor(t.name, data, raw_shape=list(reversed(ne)),
-                              raw_dtype=qtype if data.dtype == np.uint8 else None)
+            data = np.asarray(t.data)  # quantized: (rows, row_bytes), which the writer maps back to ne
+            writer.add_tensor(t.name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
             continue
         f32 = to_f32(t.data, qtype, ne[0])
         out = convert(f32, target)
-        writer.add_tensor(t.name, out, raw_shape=list(reversed(ne)),
+        writer.add_tensor(t.name, out.reshape(list(reversed(ne))[:-1] + [out.shape[-1]]),
                           raw_dtype=target if out.dtype == np.uint8 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

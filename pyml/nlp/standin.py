@@ -124,14 +124,8 @@ def _stream_safetensors(path: Path, specs: list, make, dtype: str):
             f.write((_bf16_bits(x) if dtype == "bfloat16" else x.astype(np_dtype, copy=False)).tobytes())
 
 
-def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
-    """A Gemma3ForCausalLM-layout checkpoint (config.json as the released gemma-3-1b has it) with random
-    weights: std 0.02 matrices and norm weights near zero (HF stores w for a (1 + w) scale)."""
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(_SAFETENSORS_DTYPES)}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    c = dict(GEMMA3_CONFIGS[name], **overrides)
+def _gemma3_specs(c: dict) -> list:
+    """[(HF tensor name, shape)] of a Gemma3ForCausalLM with config `c`."""
     d, hd, f, V = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["vocab_size"]
     nq, nkv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     specs = [("model.embed_tokens.weight", (V, d))]
@@ -144,7 +138,18 @@ def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str =
                   (f"{p}.pre_feedforward_layernorm.weight", (d,)), (f"{p}.mlp.gate_proj.weight", (f, d)),
                   (f"{p}.mlp.up_proj.weight", (f, d)), (f"{p}.mlp.down_proj.weight", (d, f)),
                   (f"{p}.post_feedforward_layernorm.weight", (d,))]
-    specs.append(("model.norm.weight", (d,)))
+    return specs + [("model.norm.weight", (d,))]
+
+
+def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """A Gemma3ForCausalLM-layout checkpoint (config.json as the released gemma-3-1b has it) with random
+    weights: std 0.02 matrices and norm weights near zero (HF stores w for a (1 + w) scale)."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(_SAFETENSORS_DTYPES)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = dict(GEMMA3_CONFIGS[name], **overrides)
+    specs = _gemma3_specs(c)
     rng = np.random.default_rng(seed)
 
     def make(tensor, shape):
@@ -160,3 +165,125 @@ def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str =
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_byte_tokenizer(directory, V, eos="<eos>")
     return directory
+
+
+# --- GGUF stand-ins ------------------------------------------------------------------
+
+LLAMA_CONFIGS = {
+    "tinyllama-1.1b": dict(n_layers=22, d=2048, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000, ctx=2048,
+                           rope_base=10000.0),
+    "llama-tiny": dict(n_layers=2, d=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512, ctx=256, rope_base=10000.0),
+}
+
+
+def _sentencepiece_vocab(n: int):
+    """A llama-style vocabulary: <unk> <s> </s>, the 256 byte-fallback pieces, then filler words."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256                       # unknown, control, byte
+    tokens += [f"\u2581w{i}" for i in range(n - len(tokens))]
+    types += [1] * (n - len(types))                     # normal
+    return tokens, np.linspace(0, -n / 100, n, dtype=np.float32).tolist(), types
+
+
+def _write_gguf(path, arch: str, meta: dict, specs: list, make, target: str):
+    """A GGUF file: `meta` keys, a SentencePiece-style vocabulary, tensors [(gguf name, shape)]
+    from make(name, shape) -> float32, 2-D ones quantized to `target`, 1-D ones kept float32."""
+    from gguf import GGUFWriter
+
+    from pyml import quant
+    from pyml.nlp.quantize import FILE_TYPES, TARGETS
+    qtype = TARGETS[target]
+    w = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        w.add_key_value(key, value[0], value[1])
+    tokens, scores, types = _sentencepiece_vocab(meta[f"{arch}.vocab_size"][0])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_file_type(FILE_TYPES[qtype])
+    for name, shape in specs:
+        x = make(name, shape)
+        if len(shape) == 2:
+            data = quant.quantize(x, qtype) if qtype not in (quant.QuantType.F32, quant.QuantType.F16) \
+                else x.astype(np.float16 if qtype == quant.QuantType.F16 else np.float32)
+            w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+        else:
+            w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def write_llama_gguf(path, name: str = "tinyllama-1.1b", target: str = "q4_0", seed: int = 0) -> Path:
+    """A llama GGUF with random weights in a real configuration (TinyLlama 1.1B by default), as
+    llama.cpp's converter lays it out, so that llama.cpp loads it too."""
+    from gguf import GGUFValueType as T
+    c = LLAMA_CONFIGS[name]
+    d, hd = c["d"], c["d"] // c["n_heads"]
+    meta = {"llama.vocab_size": (c["vocab"], T.UINT32), "llama.context_length": (c["ctx"], T.UINT32),
+            "llama.embedding_length": (d, T.UINT32), "llama.block_count": (c["n_layers"], T.UINT32),
+            "llama.feed_forward_length": (c["ffn"], T.UINT32), "llama.attention.head_count": (c["n_heads"], T.UINT32),
+            "llama.attention.head_count_kv": (c["n_kv_heads"], T.UINT32),
+            "llama.rope.dimension_count": (hd, T.UINT32), "llama.rope.freq_base": (c["rope_base"], T.FLOAT32),
+            "llama.attention.layer_norm_rms_epsilon": (1e-5, T.FLOAT32), "general.name": (name, T.STRING)}
+    specs = [("token_embd.weight", (c["vocab"], d))]
+    for i in range(c["n_layers"]):
+        p = f"blk.{i}"
+        specs += [(f"{p}.attn_norm.weight", (d,)), (f"{p}.attn_q.weight", (d, d)),
+                  (f"{p}.attn_k.weight", (c["n_kv_heads"] * hd, d)), (f"{p}.attn_v.weight", (c["n_kv_heads"] * hd, d)),
+                  (f"{p}.attn_output.weight", (d, d)), (f"{p}.ffn_norm.weight", (d,)),
+                  (f"{p}.ffn_gate.weight", (c["ffn"], d)), (f"{p}.ffn_up.weight", (c["ffn"], d)),
+                  (f"{p}.ffn_down.weight", (d, c["ffn"]))]
+    specs += [("output_norm.weight", (d,)), ("output.weight", (c["vocab"], d))]
+    rng = np.random.default_rng(seed)
+
+    def make(tensor, shape):
+        if tensor.endswith("norm.weight"):
+            return np.ones(shape, np.float32)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    return _write_gguf(path, "llama", meta, specs, make, target)
+
+
+def write_gemma3_gguf(path, name: str = "gemma3-1b", target: str = "q8_0", seed: int = 0) -> Path:
+    """The Gemma 3 stand-in as a GGUF file (llama.cpp's layout: norms store 1 + w)."""
+    from gguf import GGUFValueType as T
+
+    from pyml.nlp.models.gemma3 import GGUF_TO_HF
+    c = GEMMA3_CONFIGS[name]
+    hf_to_gguf = {v: k for k, v in GGUF_TO_HF.items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+    def gguf_name(hf):
+        if hf in names:
+            return names[hf]
+        _, _, i, rest = hf.split(".", 3)
+        return f"blk.{i}.{hf_to_gguf[rest.rsplit('.', 1)[0]]}.weight"
+
+    meta = {"gemma3.vocab_size": (c["vocab_size"], T.UINT32),
+            "gemma3.context_length": (c["max_position_embeddings"], T.UINT32),
+            "gemma3.embedding_length": (c["hidden_size"], T.UINT32),
+            "gemma3.block_count": (c["num_hidden_layers"], T.UINT32),
+            "gemma3.feed_forward_length": (c["intermediate_size"], T.UINT32),
+            "gemma3.attention.head_count": (c["num_attention_heads"], T.UINT32),
+            "gemma3.attention.head_count_kv": (c["num_key_value_heads"], T.UINT32),
+            "gemma3.attention.key_length": (c["head_dim"], T.UINT32),
+            "gemma3.attention.value_length": (c["head_dim"], T.UINT32),
+            "gemma3.attention.sliding_window": (c["sliding_window"], T.UINT32),
+            "gemma3.rope.freq_base": (c["rope_theta"], T.FLOAT32),
+            "gemma3.attention.layer_norm_rms_epsilon": (1e-6, T.FLOAT32), "general.name": (name, T.STRING)}
+    rng = np.random.default_rng(seed)
+
+    def make(tensor, shape):
+        if tensor.endswith("norm.weight"):
+            return np.float32(1.0) + rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    specs = [(gguf_name(n), shape) for n, shape in _gemma3_specs(c)]
+    return _write_gguf(path, "gemma3", meta, specs, make, target)
