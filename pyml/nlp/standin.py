@@ -149,6 +149,7 @@ def write_gemma3(directory, name: str = "gemma3-1b", seed: int = 0, dtype: str =
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = dict(GEMMA3_CONFIGS[name], **overrides)
+    V = c["vocab_size"]
     specs = _gemma3_specs(c)
     rng = np.random.default_rng(seed)
 
