@@ -7,12 +7,25 @@ uint16 bfloat16 bits. Arrays may be read-only memory maps; the matmul path never
 weight matrix nor decodes it whole (T > 1 decodes ~4 MB tiles, one at a time).
 
 matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
-  quantized W, T == 1       GEMV, parallel over output rows (`prange`), int8 activations;
-  quantized W, 1 < T < 32   GEMM in register tiles of 2 weight rows x 4 activation rows, each
-                            weight block decoded once per tile, int8 activations;
-  quantized W, T >= 32      tiles of W decoded to float32, then BLAS (faster from T ~ 32 on,
-                            and exact);
-  F16 / BF16 / F32 W        a streaming GEMV for T == 1; BLAS on float32 tiles for T > 1.
+  quantized W, T == 1   GEMV, parallel over output rows (`prange`), int8 activations;
+  quantized W, T > 1    GEMM in register tiles of 2 weight rows x 4 activation rows, parallel
+                        over chunks of rows, each weight block decoded once per tile, int8
+                        activations;
+  exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
+  F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
+                        with float32 FMAs (weights widened on the fly).
+Why not BLAS (on decoded tiles) for T > 1: alone, at T = 128 with 2 threads, it is faster than
+the int8 GEMM (126-145 vs 63-128 GFLOP/s) and as fast as the float tiles (133-161 vs 113-134).
+But in a model each matmul sits between Numba kernels, and Numba's and OpenBLAS's thread pools
+then fight over the cores with their spinning workers: measured with a Numba elementwise op
+after each matmul, BLAS fell to 34-75 GFLOP/s while the Numba GEMMs kept their speed (int8:
+60-120, float: 80-134); at T <= 32 BLAS is slower anyway. Shared with other jobs, BLAS on
+decoded tiles fell to 1-7 GFLOP/s where the int8 GEMM kept 24-30.
+
+Int8 activations make a result a step function of x: two computations that differ by float
+rounding only (e.g. reordered sums upstream) can flip a code and differ by ~1e-3 relative per
+layer, a few % of the logit range after 30 layers. Tests that compare two runs of a model to
+1e-4 should use exact=True.
 
 Accuracy. The int8-activation paths quantize each activation row once per call to int8 with a
 float32 scale per 32 values and dot the blocks in integers, as ggml does (its vec_dot_type);
@@ -21,12 +34,14 @@ rounding, bounded by sum_j |w_j| * d_j / 2 (d_j = the scale of x's block holding
 on random Gaussian x and W (2048 columns, every type): rms error ~0.5% of rms |y|, max error
 <= 1e-3 * sum|w||x| - the same order as ggml's own Q8 activations, and well below the
 weights' quantization error. `exact=True` dots the decoded weights with the float32 activation
-instead: rms error ~1e-7 of |y|, max <= 1e-5 * sum|w||x| (measured ~5e-8).
-The T >= 32 path and float weights are always exact in this sense.
+instead: rms error ~1e-7 of |y|, max <= 1e-5 * sum|w||x| (measured ~5e-8). Float weights are
+always exact in this sense.
 
 Threads: kernels never read the thread count; callers set it with numba.set_num_threads.
-Call warmup() once (it compiles, or loads from Numba's on-disk cache, every kernel for both
-read-only and writable weights) so that no compilation lands in a measured step.
+Weights reach the kernels as read-only arrays (a writable one gets a read-only view), so each
+kernel is compiled once, not once per array kind. Call warmup() once: it compiles (or loads from
+Numba's on-disk cache: ~1 s; a cold compile of everything takes ~1.5 min) every kernel, so that
+no compilation lands in a measured step.
 """
 
 from __future__ import annotations
@@ -35,10 +50,14 @@ import threading
 
 import numpy as np
 
-from pyml.quant import floats, kquants, legacy
-from pyml.quant.formats import FLOAT_TYPES, FORMATS, BlockFormat, QuantType, format_of, is_supported, row_bytes
-from pyml.quant.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0, to_bf16_bits
-from pyml.quant.reference import dequantize_reference, matmul_reference
+from pyml.quant import cache
+
+cache.install()  # before the kernel modules are imported: their caches are stamped by it
+
+from pyml.quant import floats, kquants, legacy  # noqa: E402
+from pyml.quant.formats import FLOAT_TYPES, FORMATS, BlockFormat, QuantType, format_of, is_supported, row_bytes  # noqa: E402
+from pyml.quant.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0, to_bf16_bits  # noqa: E402
+from pyml.quant.reference import dequantize_reference, matmul_reference  # noqa: E402
 
 __all__ = ["QuantType", "FORMATS", "BlockFormat", "is_supported", "row_bytes", "dequantize", "dequantize_rows",
            "matmul", "quantize", "warmup", "dequantize_reference", "matmul_reference"]
@@ -48,9 +67,6 @@ _KERNELS = {QuantType.Q4_0: legacy, QuantType.Q4_1: legacy, QuantType.Q5_0: lega
             QuantType.Q8_0: legacy, QuantType.Q4_K: kquants, QuantType.Q5_K: kquants, QuantType.Q6_K: kquants}
 _QUANTIZERS = {QuantType.Q8_0: quantize_q8_0, QuantType.Q4_0: quantize_q4_0, QuantType.Q4_1: quantize_q4_1}
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
-# From this many activation rows on, decoding tiles of W for BLAS beats the int8 GEMM (measured:
-# at T = 32 they tie, at T = 128 BLAS on decoded tiles is 10-50% faster) - and it is exact.
-BLAS_MIN_T = 32
 
 _F32, _U16, _U8 = np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.uint8)
 # qtype -> (kind, bytes of stored row per value block, values per block, dtype the kernels take)
@@ -69,11 +85,15 @@ def _as_stored(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     kind, type_size, block_size, dtype = spec
     # dtypes compare with == : a memory map's dtype is equal to, not always the same object as, np.uint8's
     w = raw if dtype is not _U16 or raw.dtype == dtype else raw.view(np.uint16)
-    if (w.dtype != dtype or w.ndim != 2 or not w.flags.c_contiguous
+    flags = w.flags
+    if (w.dtype != dtype or w.ndim != 2 or not flags.c_contiguous
             or n_cols % block_size or w.shape[1] * block_size != n_cols * (type_size if dtype is _U8 else 1)):
         raise ValueError(f"{qtype.name} weights with {n_cols} columns must be a C-contiguous {dtype} array "
                          f"(rows, {n_cols // block_size * type_size if dtype is _U8 else n_cols}); "
                          f"got {raw.dtype} {raw.shape}")
+    if flags.writeable:  # one array kind for the kernels: Numba compiles read-only and writable apart
+        w = w.view()
+        w.flags.writeable = False
     return w
 
 
@@ -121,13 +141,11 @@ def matmul(x: np.ndarray, raw: np.ndarray, qtype, n_cols: int, out: np.ndarray |
     if kernels is None:  # F32 / F16 / BF16
         if T == 1:
             floats.gemv(w, x[0], out[0], kind)
-        elif kind == 0:  # F32
-            np.matmul(x, w.T, out=out)
         else:
-            _matmul_tiles(x, w, n_cols, out, lambda r0, tile: floats.to_f32_tile(w, r0, tile, kind))
+            floats.gemm(w, x, out, kind)
     elif T == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0], kind)
-    elif exact or T >= BLAS_MIN_T:
+    elif exact:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile, kind))
     else:
         kernels.gemm(w, x, out, kind)
@@ -147,7 +165,10 @@ def _tile_buffer(n_floats: int) -> np.ndarray:
 
 
 def _matmul_tiles(x, w, n_cols, out, decode):
-    """out = x @ W.T with W decoded tile by tile into a float32 scratch, each tile through BLAS."""
+    """out = x @ W.T with W decoded tile by tile into a float32 scratch, each tile through BLAS.
+
+    The decoding is single-threaded on purpose: a parallel (Numba) decode between parallel
+    (OpenBLAS) GEMMs leaves each pool's spinning workers in the other's way."""
     T, rows = x.shape[0], w.shape[0]
     tile = max(8, min(rows, _TILE_BYTES // (4 * n_cols)))
     buf = _tile_buffer(tile * (n_cols + T))
@@ -181,8 +202,9 @@ def quantize(x: np.ndarray, qtype) -> np.ndarray:
 
 
 def warmup() -> None:
-    """Compile (or load from Numba's disk cache) every kernel for the array kinds matmul uses:
-    read-only and writable weights, T == 1 and T > 1, int8 and exact paths."""
+    """Compile (or load from Numba's disk cache) every kernel: every type, T == 1 and T > 1, int8
+    and exact paths, quantizers; weights given read-only and writable (both reach the kernels
+    read-only, see _as_stored), activations float32 and writable as matmul passes them."""
     rng = np.random.default_rng(0)
     for qtype in FORMATS:
         n_cols = 256

@@ -111,7 +111,6 @@ def main(argv=None):
     ap.add_argument("--cpu-time", action="store_true",
                     help="with 1 thread, time by the thread's CPU time: robust on a machine shared with other jobs")
     args = ap.parse_args(argv)
-    global _clock
     threads = [int(t) for t in args.threads.split(",")]
     qtypes = [QuantType[t] for t in args.types.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -121,33 +120,48 @@ def main(argv=None):
         threadpool_limits = None
 
     quant.warmup()
+    time.sleep(1.0)  # let BLAS workers started by the warm-up go idle
     rng = np.random.default_rng(0)
     big = rng.integers(0, 255, (8192, 32768), dtype=np.uint8)  # 256 MB
     sums = np.empty(big.shape[0], np.uint32)
     a = rng.standard_normal((args.T, 2048), np.float32)
     b = rng.standard_normal((5632, 2048), np.float32)
+    float_types = (QuantType.F32, QuantType.F16, QuantType.BF16)
+    global _clock
     for n in threads:
         numba.set_num_threads(n)
-        _clock = time.thread_time if (args.cpu_time and n == 1) else time.perf_counter
         limits = threadpool_limits(n) if threadpool_limits else None
-        print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
-        print(f"memory ceiling (stream sum of 256 MB): {big.nbytes / _best(lambda: _stream_sum(big, sums), 5) / 1e9:6.1f} GB/s")
-        print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: "
-              f"{2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9:6.1f} GFLOP/s")
+        _clock = time.thread_time if (args.cpu_time and n == 1) else time.perf_counter
+        # Numba kernels first, BLAS last: OpenBLAS's workers keep spinning after a call and
+        # would slow whatever Numba kernel is timed next (see the pyml.quant docstring).
+        ceiling = big.nbytes / _best(lambda: _stream_sum(big, sums), 5) / 1e9
         us, bw_us = call_overhead_us()
+        rows = {}
+        for qtype in qtypes:
+            for r, c in shapes:
+                rows[qtype, r, c] = [gemv_gbs(qtype, r, c, rng=rng), None, gemm_gflops(qtype, r, c, args.T, rng=rng), None]
+                if args.exact and qtype not in float_types:
+                    rows[qtype, r, c][1] = gemv_gbs(qtype, r, c, exact=True, rng=rng)
+        if args.exact:  # the exact T > 1 path is BLAS on decoded tiles
+            for (qtype, r, c), row in rows.items():
+                if qtype not in float_types:
+                    row[3] = gemm_gflops(qtype, r, c, args.T, exact=True, rng=rng)
+        blas = 2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9
+
+        print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
+        print(f"memory ceiling (stream sum of 256 MB): {ceiling:6.1f} GB/s")
+        print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: {blas:6.1f} GFLOP/s")
         print(f"Q4_1 576x576 GEMV: {us:.1f} µs per call ({bw_us:.1f} µs of it is weight bytes at 20 GB/s)")
         print(f"{'type':6s} {'shape':>10s} {'T=1 GB/s':>9s}" + (f" {'exact':>6s}" if args.exact else "")
               + f" {'T=' + str(args.T) + ' GFLOP/s':>14s}" + (f" {'exact':>6s}" if args.exact else ""))
-        for qtype in qtypes:
-            for rows, n_cols in shapes:
-                line = f"{qtype.name:6s} {rows:>5d}x{n_cols:<5d} {gemv_gbs(qtype, rows, n_cols, rng=rng):9.1f}"
-                quantized = qtype not in (QuantType.F32, QuantType.F16, QuantType.BF16)
-                if args.exact:
-                    line += f" {gemv_gbs(qtype, rows, n_cols, exact=True, rng=rng):6.1f}" if quantized else f" {'':6s}"
-                line += f" {gemm_gflops(qtype, rows, n_cols, args.T, rng=rng):14.1f}"
-                if args.exact and quantized:
-                    line += f" {gemm_gflops(qtype, rows, n_cols, args.T, exact=True, rng=rng):6.1f}"
-                print(line, flush=True)
+        for (qtype, r, c), (gbs, gbs_x, gfl, gfl_x) in rows.items():
+            line = f"{qtype.name:6s} {r:>5d}x{c:<5d} {gbs:9.1f}"
+            if args.exact:
+                line += f" {gbs_x:6.1f}" if gbs_x is not None else f" {'':6s}"
+            line += f" {gfl:14.1f}"
+            if args.exact and gfl_x is not None:
+                line += f" {gfl_x:6.1f}"
+            print(line, flush=True)
         if limits is not None:
             limits.unregister()
 

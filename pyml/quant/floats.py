@@ -1,9 +1,10 @@
 """Float weights: F32, F16 and BF16 matrices (rows, n_cols), converted to float32 on the fly.
 
 Storage: float32; float16 (passed to the kernels as its uint16 bits: Numba has no float16);
-uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a jitted GEMV that
-streams the weights once (F16/BF16 at 2 bytes per weight); T > 1 converts tiles of rows to
-float32 and hands them to BLAS (F32 goes to BLAS directly).
+uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a GEMV that streams the
+weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 2 weight rows
+x 4 activation rows, each weight vector widened to float32 once per tile (vcvtph2ps for F16, a
+shift for BF16). Both are exact up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from numba import prange
 
 from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, fma, half_to_f32, hsum, load_bf16x8, load_f16x8, load_f32x8,
-                             prefetch, store_f32x8, zeros_f32x8)
+                             prefetch, zeros_f32x8)
 
 F32, F16, BF16 = 0, 1, 30  # GGML type ids: compile-time constants in the kernels below
 
@@ -79,23 +80,60 @@ def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
     return (w.astype(np.uint32) << 16).view(np.float32)
 
 
+# --- T > 1 -----------------------------------------------------------------------------------
+
 @numba.njit
-def _convert_row(kind, w, y):  # y [n] f32 <- w [n] stored
+def _tile(kind, wa, wb, x, t0, T):
+    """8 dot products: weight rows wa, wb x activation rows t0..t0+3 (clamped to T-1), 8 columns
+    per step; each weight vector is loaded (and widened to float32) once for the 4 rows."""
     numba.literally(kind)
-    n = y.size
+    t1, t2, t3 = min(t0 + 1, T - 1), min(t0 + 2, T - 1), min(t0 + 3, T - 1)
+    x0, x1, x2, x3 = x[t0], x[t1], x[t2], x[t3]
+    a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    b0, b1, b2, b3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    n = x.shape[1]
     for i in range(n // 8):
-        store_f32x8(y, 8 * i, _load8(kind, w, 8 * i))
-    for k in range(n - n % 8, n):
-        y[k] = _scalar(kind, w[k])
+        k = 8 * i
+        va, vb = _load8(kind, wa, k), _load8(kind, wb, k)
+        y = load_f32x8(x0, k)
+        a0, b0 = fma(va, y, a0), fma(vb, y, b0)
+        y = load_f32x8(x1, k)
+        a1, b1 = fma(va, y, a1), fma(vb, y, b1)
+        y = load_f32x8(x2, k)
+        a2, b2 = fma(va, y, a2), fma(vb, y, b2)
+        y = load_f32x8(x3, k)
+        a3, b3 = fma(va, y, a3), fma(vb, y, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
-@numba.njit(parallel=True, cache=True)
-def to_f32_tile(w, r0, out, kind):  # out [n, n_cols] f32 <- rows r0 .. r0+n of w
-    for i in prange(out.shape[0]):
+@numba.njit
+def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
+    numba.literally(kind)
+    T, n = x.shape
+    for t0 in range(0, T, 4):
+        for ra in range(r_lo, r_hi, 2):
+            rb = min(ra + 1, r_hi - 1)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _tile(kind, w[ra], w[rb], x, t0, T)
+            for k, (a, b) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+                t = t0 + k
+                if t < T:
+                    sa, sb = hsum(a), hsum(b)
+                    for j in range(n - n % 8, n):  # the tail: rows need not be multiples of 8
+                        sa += _scalar(kind, w[ra, j]) * x[t, j]
+                        sb += _scalar(kind, w[rb, j]) * x[t, j]
+                    out[t, ra], out[t, rb] = sa, sb
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemm(w, x, out, kind):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32
+    R = w.shape[0]
+    chunk = 32  # rows per parallel task: their weights stay in L2 while the T tiles stream by
+    for c in prange((R + chunk - 1) // chunk):
+        r_lo, r_hi = c * chunk, min(R, c * chunk + chunk)
         if kind == F32:
-            _convert_row(F32, w[r0 + i], out[i])
+            _gemm_chunk(F32, w, x, out, r_lo, r_hi)
         elif kind == F16:
-            _convert_row(F16, w[r0 + i], out[i])
+            _gemm_chunk(F16, w, x, out, r_lo, r_hi)
         else:
-            _convert_row(BF16, w[r0 + i], out[i])
+            _gemm_chunk(BF16, w, x, out, r_lo, r_hi)
     return out

@@ -144,9 +144,9 @@ def _decode_group(kind, w, o, j, ds, dm, y, e):  # y[e : e+32] = values of group
     store_f32x8(y, e + 24, sub(mul(d, lanes_f32(c, 3)), m))
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)  # serial: runs between BLAS calls, see _matmul_tiles
 def dequant_tile(raw, r0, out, kind):  # out [n, nsb*256] f32 <- rows r0 .. r0+n of raw
-    for i in prange(out.shape[0]):
+    for i in range(out.shape[0]):
         if kind == Q4_K:
             _decode_row(Q4_K, raw[r0 + i], out[i])
         elif kind == Q5_K:

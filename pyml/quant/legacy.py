@@ -125,9 +125,9 @@ def _decode_row(kind, w, y):  # w [nb*ts] -> y [nb*32] f32, vectorised; same flo
         store_f32x8(y, 32 * g + 24, v3)
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)  # serial: runs between BLAS calls, see _matmul_tiles
 def dequant_tile(raw, r0, out, kind):  # out [n, nb*32] f32 <- rows r0 .. r0+n of raw
-    for i in prange(out.shape[0]):
+    for i in range(out.shape[0]):
         if kind == Q4_0:
             _decode_row(Q4_0, raw[r0 + i], out[i])
         elif kind == Q4_1:

@@ -1,10 +1,11 @@
 """A small SIMD vocabulary for Numba kernels: 256-bit vector values and the ops ggml's AVX2 code uses.
 
-Why this exists: Numba's auto-vectoriser only handles the simplest loop shapes. On this
-machine a Q4_0 GEMV written as plain loops ran at 1-4 GB/s per thread (scalar code or
-float lanes with a memory round-trip per block); the same arithmetic written with these
-vector values runs at ~11 GB/s per thread, because each 32-weight block becomes ~10
-instructions (`vpmaddubsw`, `vpmaddwd`, `vcvtdq2ps`, `vfmadd`) as in ggml's AVX2 kernels.
+Why this exists: Numba's auto-vectoriser only handles the simplest loop shapes (a store into
+an array while loading from another, or a 16-lane inner loop, stays scalar: LLVM cannot prove
+they do not alias, or unrolls first). On this machine a Q4_0 GEMV written as plain loops ran
+at 1-4 GB/s per thread; the same arithmetic written with these vector values runs at ~10 GB/s
+per thread, each 32-weight block becoming ~12 instructions (`vpmaddubsw`, `vpmaddwd`,
+`vcvtdq2ps`, `vfmadd`...) as in ggml's AVX2 kernels.
 
 Each op is a Numba `@intrinsic` that emits a few LLVM IR instructions; kernels stay plain
 `@numba.njit` functions that call them like scalar functions, and LLVM keeps the vector
@@ -23,6 +24,11 @@ Loads are unaligned, read-only, and work on read-only (memory-mapped) arrays.
 Integer dot ops never saturate for the value ranges the kernels feed them (documented at
 each op); with AVX2 they lower to the x86 instructions, otherwise to plain LLVM vector IR
 with the same results (slower, but portable; `tests/quant/test_simd.py` checks both).
+
+Pitfall seen while writing the kernels: a block's fp16 scale compiles to `vpinsrw` into an
+existing xmm register; when LLVM picks a loop-carried register, every block waits for the
+previous one (a Q4_0 GEMV ran 40% slower that way). With the current `load_fp16` it picks a
+loop-invariant one; after changing a kernel, check its `inspect_asm` for that pattern.
 """
 
 from __future__ import annotations
@@ -686,16 +692,17 @@ def hsum(typingctx, v):
 
 @intrinsic
 def absmax32(typingctx, ary, idx):
-    """max |x[idx : idx+32]| of a float32 array."""
+    """max |x[idx : idx+32]| of a float32 array; NaN if any value is NaN (so a NaN in the activation
+    turns the block's scale, and every output it touches, into NaN rather than vanishing)."""
     def codegen(context, builder, sig, args):
         vt = F32x8.llvm()
         parts = [_call(builder, "llvm.fabs.v8f32", vt,
                        [_load(context, builder, sig.args[0], args[0],
                               builder.add(args[1], ir.Constant(args[1].type, 8 * k)), vt, 4)])
                  for k in range(4)]
-        m = _call(builder, "llvm.maxnum.v8f32", vt, [_call(builder, "llvm.maxnum.v8f32", vt, parts[:2]),
-                                                     _call(builder, "llvm.maxnum.v8f32", vt, parts[2:])])
-        return _call(builder, "llvm.vector.reduce.fmax.v8f32", ir.FloatType(), [m])
+        m = _call(builder, "llvm.maximum.v8f32", vt, [_call(builder, "llvm.maximum.v8f32", vt, parts[:2]),
+                                                      _call(builder, "llvm.maximum.v8f32", vt, parts[2:])])
+        return _call(builder, "llvm.vector.reduce.fmaximum.v8f32", ir.FloatType(), [m])
     return types.float32(ary, idx), codegen
 
 

@@ -2,14 +2,13 @@
 
 import numba
 import numpy as np
-import pytest
 
 from pyml.quant import simd
-from pyml.quant.simd import (abs_u8, bits_to_u8, f32x8, hsum, kscales, lane, load_fp16, load_i8x32, load_i16x16,
+from pyml.quant.simd import (abs_u8, bits_to_u8, hsum, kscales, lane, load_fp16, load_i8x32, load_i16x16,
                              load_nibbles16, load_u8x32, sign_i8, store_f32x8, sum_pairs, to_f32)
 
 
-@numba.njit
+@numba.njit(cache=True)
 def _dots(a, b, c, out):  # out [6, 8]: every integer dot form: a (u8), b (i8) 32 lanes, c (i16) 16 lanes
     ua, sa, sb = load_u8x32(a, 0), load_i8x32(a, 0), load_i8x32(b, 0)
     store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(ua, sb))))
@@ -41,7 +40,7 @@ def test_integer_dots_match_numpy_and_generic_forms(rng):
         np.testing.assert_array_equal(out[5], prod_16)
 
 
-@numba.njit
+@numba.njit(cache=True)
 def _bytes(a, bits, out):  # decoded byte vectors, each summed in lane pairs of 4 bytes
     ones = load_i8x32(np.ones(32, np.int8), 0)
     store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(load_nibbles16(a, 0), ones))))
@@ -65,7 +64,7 @@ def test_byte_decoders(rng):
     np.testing.assert_array_equal(out[3], (s * np.sign(a[32:].view(np.int8))).reshape(8, 4).sum(1))
 
 
-@numba.njit
+@numba.njit(cache=True)
 def _scales(raw, out):
     sc, mn = kscales(raw, 0)
     store_f32x8(out[0], 0, sc)
