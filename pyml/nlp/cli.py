@@ -106,17 +106,25 @@ def main(argv=None) -> int:
     except PymlError as e:
         if args.debug:
             raise
-        print(f"pyml-infer: error: {e}", file=sys.stderr)
+        print(f"pyml-infer: error: {_one_line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("pyml-infer: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # an internal error: still one line unless --debug
+        from pyml.nlp.generator import was_interrupted
+        if was_interrupted(e):  # Ctrl-C that a Numba call turned into a SystemError
+            print("pyml-infer: interrupted", file=sys.stderr)
+            return 130
         if args.debug:
             raise
-        print(f"pyml-infer: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
-              file=sys.stderr)
+        print(f"pyml-infer: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
+              f"traceback)", file=sys.stderr)
         return 1
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n"))
 
 
 if __name__ == "__main__":

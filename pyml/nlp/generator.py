@@ -57,6 +57,10 @@ class Generator:
             raise PymlError(f"--max-tokens must be >= 0, got {max_new_tokens}")
         if not prompt_ids:
             raise PymlError("the prompt is empty (no tokens to start from)")
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise PymlError(f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens")
         window = self.model.max_positions
         if len(prompt_ids) > window:
             raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than the model's "
@@ -71,6 +75,14 @@ class Generator:
             res.stop_reason = "max_tokens"
             return res
 
+        try:
+            return self._run(prompt_ids, max_new_tokens, sampler, stop_ids, on_token, cache, res, history)
+        except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
+            if was_interrupted(e):
+                raise KeyboardInterrupt from None
+            raise
+
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, on_token, cache, res, history):
         t0 = perf.clock()
         with perf.context(phase="prefill", step=0), \
                 _perf.debug("generator::prefill", "tokens={}", len(prompt_ids), op="generator") as span:
@@ -104,3 +116,19 @@ class Generator:
                     token = sampler(logits, history)
             res.decode_s.append(perf.clock() - t0)
         return res
+
+
+def was_interrupted(e: BaseException | None) -> bool:
+    """True if `e` is a KeyboardInterrupt or was caused by one.
+
+    A SIGINT that lands while Numba's dispatcher runs its Python-level steps sets the
+    KeyboardInterrupt, which the compiled call then ignores; CPython reports that as
+    SystemError("... returned a result with an exception set") with the interrupt as its cause.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False

@@ -27,6 +27,21 @@ DTYPES = {
     "I16": (np.int16, "I16"), "I8": (np.int8, "I8"), "U8": (np.uint8, "U8"), "BOOL": (np.bool_, "BOOL"),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+MAX_RANK = 8  # NumPy refuses more than 64 dimensions; no checkpoint has more than 5
+
+
+def _unique_keys(pairs):
+    """json object_pairs_hook: a name given twice is an error, not "the last one wins"."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
+
+
+def _is_int(v) -> bool:
+    return type(v) is int  # not bool, not float
 
 
 def read_config(directory: Path) -> dict:
@@ -48,8 +63,11 @@ def safetensors_files(directory: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
             raise ModelFormatError(f"{index}: not a safetensors index ({e})") from None
+        for n in names:  # a shard is a file beside the index, never a path elsewhere
+            if not isinstance(n, str) or Path(n).name != n or n in (".", ".."):
+                raise ModelFormatError(f"{index}: shard name {n!r} is not a file name in {directory}")
         files = [directory / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -71,24 +89,27 @@ def parse_header(path: Path, file_size: int) -> tuple[dict, int]:
         if n > min(MAX_HEADER_BYTES, file_size - 8):
             raise ModelFormatError(f"{path}: header length {n} runs past the end of the {file_size}-byte file")
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelFormatError(f"{path}: header is not valid JSON ({e})") from None
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError, UnicodeDecodeError) as e:  # ValueError: JSON, huge ints, twins
+            raise ModelFormatError(f"{path}: header is not valid JSON ({_short(e)})") from None
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
+    if not isinstance(header.pop("__metadata__", {}), dict):
+        raise ModelFormatError(f"{path}: __metadata__ is not a JSON object")
     data_start, data_size = 8 + n, file_size - 8 - n
+    spans = []
     for name, info in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(info, dict):
             raise ModelFormatError(f"{where}: entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPES:
-            raise ModelFormatError(f"{where}: unknown dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ModelFormatError(f"{where}: shape {shape!r} is not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise ModelFormatError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ModelFormatError(f"{where}: unknown dtype {_short(dtype)} (expected one of {', '.join(DTYPES)})")
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_int(d) and d >= 0 for d in shape)):
+            raise ModelFormatError(f"{where}: shape {_short(shape)} is not a list of at most {MAX_RANK} "
+                                   f"non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise ModelFormatError(f"{where}: data_offsets {_short(offsets)} is not [begin, end]")
         begin, end = offsets
         expected = math.prod(shape) * np.dtype(DTYPES[dtype][0]).itemsize
         if not 0 <= begin <= end <= data_size:
@@ -96,7 +117,18 @@ def parse_header(path: Path, file_size: int) -> tuple[dict, int]:
         if end - begin != expected:
             raise ModelFormatError(f"{where}: {end - begin} bytes of data for shape {shape} {dtype} "
                                    f"(expected {expected})")
+        if end > begin:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (_, a_end, a), (b_begin, _, b) in zip(spans, spans[1:]):
+        if b_begin < a_end:
+            raise ModelFormatError(f"{path}: tensors {a!r} and {b!r} overlap (data offsets {b_begin} to {a_end})")
     return header, data_start
+
+
+def _short(value, limit: int = 80) -> str:
+    text = str(value) if isinstance(value, Exception) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def load_tensors(directory: Path) -> TensorStore:
@@ -112,6 +144,8 @@ def load_tensors(directory: Path) -> TensorStore:
             np_dtype, type_name = DTYPES[info["dtype"]]
             begin, end = info["data_offsets"]
             view = mm[data_start + begin:data_start + end].view(np_dtype).reshape(info["shape"])
+            if not view.flags.aligned:  # legal in safetensors (after an odd-sized U8 tensor); kernels want aligned
+                view = view.copy()
             if name in tensors:
                 raise ModelFormatError(f"{path}: tensor {name!r} appears in more than one shard")
             tensors[name] = (view, type_name)
