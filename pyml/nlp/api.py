@@ -88,13 +88,19 @@ def _load_safetensors(name_or_dir: str):
         raise UnsupportedError(f"{directory / 'config.json'}: model_type {model_type!r} is not supported "
                                f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
     config_cls, model_cls = HF_ARCHITECTURES[model_type]
-    config = config_cls.from_hf(cfg, source=str(directory / "config.json"))
+    try:  # a config.json of the right keys but absurd values (strings, zero heads) is bad input too
+        config = config_cls.from_hf(cfg, source=str(directory / "config.json"))
+    except (ValueError, TypeError, ZeroDivisionError, KeyError) as e:
+        raise ModelFormatError(f"{directory / 'config.json'}: {type(e).__name__}: {e}") from None
     store = load_tensors(directory)
     model = model_cls(config, store)
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         from pyml.nlp.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
+        if tokenizer.vocab_size > config.vocab_size:  # its ids would index past the embedding
+            raise ModelFormatError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but the model "
+                                   f"has {config.vocab_size} embedding rows (config.json vocab_size)")
     return model, tokenizer, str(directory), getattr(tokenizer, "chat_template", None)
 
 

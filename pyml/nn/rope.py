@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyml.core import ops, perf
+from pyml.core.errors import ModelFormatError
 
 _perf = perf.get("pyml.nn.rope")
 
@@ -22,6 +23,9 @@ class RoPE:
             raise ValueError(f"rope style {style!r}")
         self.head_dim, self.base, self.style = head_dim, base, style
         self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ModelFormatError(f"RoPE rotates pairs of a head's values: {self.rotary_dim} rotary dims "
+                                   f"in a head of {head_dim} cannot be")
         inv_freq = 1.0 / (base ** (np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim))
         self.inv_freq = inv_freq / scaling_factor  # linear scaling stretches positions
 
