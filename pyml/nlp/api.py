@@ -98,9 +98,6 @@ def _load_safetensors(name_or_dir: str):
     if (directory / "tokenizer.json").is_file():
         from pyml.nlp.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
-        if tokenizer.vocab_size > config.vocab_size:  # its ids would index past the embedding
-            raise ModelFormatError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but the model "
-                                   f"has {config.vocab_size} embedding rows (config.json vocab_size)")
     return model, tokenizer, str(directory), getattr(tokenizer, "chat_template", None)
 
 

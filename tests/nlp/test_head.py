@@ -16,8 +16,8 @@ from tests.nlp.test_cli import run_cli
 @pytest.fixture(scope="module")
 def untied_gpt2(tmp_path_factory, torch):
     d = tmp_path_factory.mktemp("gpt2_untied")
-    hf = save_hf_gpt2(d, tie_word_embeddings=False, vocab_size=203, seed=5)
-    write_byte_tokenizer(d, 203)
+    hf = save_hf_gpt2(d, tie_word_embeddings=False, vocab_size=300, seed=5)
+    write_byte_tokenizer(d, 300)
     return d, hf
 
 
@@ -71,5 +71,5 @@ def test_cli_debug_log_states_the_saving(untied_gpt2):
                 "--log", "debug", "--no-warmup")
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stderr.splitlines() if "lm_head: F32 -> Q4_0" in ln)
-    # 203 x 64 float32 = 51968 bytes; Q4_0 = 203 x 2 blocks x 18 bytes = 7308 bytes
-    assert "51,968 -> 7,308 bytes" in line
+    # 300 x 64 float32 = 76800 bytes; Q4_0 = 300 rows x 2 blocks x 18 bytes = 10800 bytes
+    assert "76,800 -> 10,800 bytes" in line

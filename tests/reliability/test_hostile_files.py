@@ -359,12 +359,17 @@ def test_absurd_config_values_are_one_line_errors(tiny_gpt2, values, needle):
         pyml.load_model(safetensors=str(tiny_gpt2), warmup=False)
 
 
-def test_tokenizer_larger_than_the_embedding_is_refused(tiny_gpt2):
+def test_tokenizer_larger_than_the_embedding_fails_on_the_token_not_at_load(tiny_gpt2):
+    """Real checkpoints ship tokenizers with a few more entries than embedding rows (added special
+    tokens the text model never sees), so the load accepts them; a prompt that reaches such an id
+    is refused by the embedding in one line instead of reading past it."""
     from pyml.nlp.standin import write_byte_tokenizer
     import pyml
     write_byte_tokenizer(tiny_gpt2, 400)
-    with pytest.raises(ModelFormatError, match="400 tokens, but the model has 300"):
-        pyml.load_model(safetensors=str(tiny_gpt2), warmup=False)
+    lm = pyml.load_model(safetensors=str(tiny_gpt2), warmup=False)
+    assert lm.generate("ok", max_tokens=1).tokens
+    with pytest.raises(PymlError, match="token id 399 is outside the vocabulary of 300"):
+        lm.forward([5, 399])
 
 
 @pytest.mark.parametrize("bad", [-1, 300, 2**40])
