@@ -136,6 +136,9 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
             quantize_head(model, lm_head_quant)
     load_s = perf.clock() - t0
     _perf.logger.debug("%s", model.describe())
+    if not model.uses_blas():
+        runtime.set_blas_threads(1)
+        _perf.logger.debug("BLAS kept to 1 thread: no float32 matmul of this model goes through it")
     if warmup:
         with perf.context(phase="warmup"):
             runtime.warmup_thread_pool(extra=[lambda: _warm_forward(model)])

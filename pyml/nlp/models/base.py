@@ -54,6 +54,13 @@ class DecoderModel:
         cache.length = pos + T
         return logits if all_logits else logits[0]
 
+    def uses_blas(self) -> bool:
+        """Whether any matmul of a forward pass goes through NumPy's BLAS (float32 weights);
+        quantized and F16/BF16 weights run in pyml.quant's Numba kernels."""
+        from pyml.quant import QuantType
+        linears = [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
+        return any(lin.weight.qtype == QuantType.F32 for lin in linears)
+
     def describe(self) -> str:
         """One line for the debug log: architecture, sizes and weight storage."""
         from collections import Counter
