@@ -37,6 +37,7 @@ printing anything.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -163,6 +164,7 @@ class PerfLogger:
     def _refresh(self):
         self.debug_on = self.logger.isEnabledFor(logging.DEBUG) or _collect_level <= logging.DEBUG
         self.trace_on = self.logger.isEnabledFor(TRACE) or _collect_level <= TRACE
+        self.direct = _direct_handler(self.logger)
 
     def debug(self, name, fmt="", *args, **attrs):
         if not self.debug_on:
@@ -193,8 +195,70 @@ class PerfLogger:
                 if level >= min_level:
                     fn(record)
         if self.logger.isEnabledFor(level):
-            self.logger.log(level, "[perf] %s", format_line(span.name, details, span.parts, elapsed,
-                                                            _context(span)))
+            line = "[perf] " + format_line(span.name, details, span.parts, elapsed, _context(span))
+            if self.direct is not None:
+                # written at once from debug up (a layer's line shows while a long prefill runs);
+                # trace lines wait for the next such line, one write per layer instead of per op
+                self.direct.add(line, flush=level > TRACE or not _tls.stack)
+            else:
+                self.logger.log(level, "%s", line)
+
+
+def _direct_handler(logger: logging.Logger) -> "_PerfHandler | None":
+    """pyml's own handler when it is the only place this logger's records can go (no other
+    handler or filter on the way up to `pyml`): then lines may skip the logging machinery."""
+    while logger is not None:
+        if logger.filters:
+            return None
+        if logger.name == "pyml":
+            hs = logger.handlers
+            ok = len(hs) == 1 and isinstance(hs[0], _PerfHandler) and not hs[0].filters and not logger.propagate
+            return hs[0] if ok else None
+        if logger.handlers or not logger.propagate:
+            return None
+        logger = logger.parent
+    return None
+
+
+class _PerfHandler(logging.StreamHandler):
+    """pyml's stderr handler. `[perf]` lines reach it without a LogRecord (building one costs
+    ~25 µs, several times the span it reports). Trace lines are held until the next debug line
+    or top-level span (a layer, a step) and written with it in one piece; any other record
+    first writes what is pending, so the order is kept."""
+
+    _pyml = True
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.pending: list[str] = []
+        self.setFormatter(_LineFormatter())
+
+    def add(self, line: str, flush: bool):
+        with self.lock:
+            self.pending.append(line)
+        if flush:
+            self.write_pending()
+
+    def write_pending(self):
+        with self.lock:
+            if self.pending:
+                text, self.pending = "\n".join(self.pending) + "\n", []
+                try:
+                    self.stream.write(text)
+                    self.flush()
+                except (OSError, ValueError):  # a closed or broken stderr: nothing to tell
+                    pass
+
+    def emit(self, record):
+        self.write_pending()
+        super().emit(record)
+
+
+def flush():
+    """Write the `[perf]` lines not yet written (before printing to stderr outside logging)."""
+    for h in logging.getLogger("pyml").handlers:
+        if isinstance(h, _PerfHandler):
+            h.write_pending()
 
 
 def _context(span: Span) -> str:
@@ -308,10 +372,7 @@ def configure(spec: str | None = None, stream=None):
         spec = os.environ.get("LOG", "")
     root = logging.getLogger("pyml")
     if not any(getattr(h, "_pyml", False) for h in root.handlers):
-        handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(_LineFormatter())
-        handler._pyml = True
-        root.addHandler(handler)
+        root.addHandler(_PerfHandler(stream or sys.stderr))
         root.propagate = False
     root.setLevel(logging.WARNING)
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -321,3 +382,6 @@ def configure(spec: str | None = None, stream=None):
             raise PymlError(f"log filter {item!r}: logger names start with 'pyml'")
         logging.getLogger(name or "pyml").setLevel(parse_level(level))
     refresh()
+
+
+atexit.register(flush)

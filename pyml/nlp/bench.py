@@ -353,6 +353,49 @@ def write_outputs(rows, info, peers, out: Path):
     (out / "bench.json").write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=2))
 
 
+def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
+    """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
+    levels off / debug / trace interleaved over `rounds` (a shared machine drifts; interleaving
+    spreads the drift over all three). Lines go to os.devnull: the cost of making them, not of
+    a terminal. Returns a Markdown table of median ms/step and the change against off."""
+    import pyml
+    from pyml.core import perf
+    sink = open(os.devnull, "w")
+    root = __import__("logging").getLogger("pyml")
+    saved = list(root.handlers)
+    root.handlers[:] = []
+    perf.configure("warning", stream=sink)
+    lines = ["| model | threads | LOG | ms/step (median) | vs off | per-block ms/step |", "|---|---|---|---|---|---|"]
+    try:
+        for name in model_names:
+            model = MODELS[name]
+            lm = pyml.load_model(threads=threads, **{model.kind: str(model.locate())})
+            cache = lm.new_cache(rounds * 3 * steps + 8)
+            lm.model.forward([1, 2, 3], cache)
+            got = {"off": [], "debug": [], "trace": []}
+            for _ in range(rounds):
+                for level in got:
+                    perf.configure("warning" if level == "off" else level)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        lm.model.forward([5], cache)
+                    perf.flush()
+                    got[level].append((time.perf_counter() - t0) / steps * 1e3)
+            perf.configure("warning")
+            off = statistics.median(got["off"])
+            for level, ms in got.items():
+                med = statistics.median(ms)
+                lines.append(f"| {name} | {threads} | {level} | {med:.2f} | {(med / off - 1) * 100:+.1f}% | "
+                             + " ".join(f"{x:.1f}" for x in ms) + " |")
+            lm = None
+            gc.collect()
+    finally:
+        root.handlers[:] = saved
+        perf.refresh()
+        sink.close()
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyml-bench", description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -364,8 +407,14 @@ def main(argv=None) -> int:
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--peers", default="", help="comma-separated: llama.cpp,transformers")
     p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
+    p.add_argument("--log-cost", action="store_true",
+                   help="instead of pp/tg: decode ms/step with LOG off, debug and trace, interleaved")
+    p.add_argument("--log", metavar="LEVEL", default=None,
+                   help="pyml's log level while measuring (or env LOG): the cost of logging, measured")
     args = p.parse_args(argv)
     try:
+        from pyml.core import perf
+        perf.configure(args.log)
         models = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
         unknown = [m for m in models if m not in MODELS]
         if unknown:
@@ -378,6 +427,13 @@ def main(argv=None) -> int:
         tests = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
         if args.reps < 1 or not tests or min(threads) < 1:
             raise PymlError("--reps and --threads must be >= 1 and --tests one of pp, tg")
+        if args.log_cost:
+            table = "".join(log_cost(models, t) for t in threads)
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "log-cost.md").write_text(table)
+            sys.stdout.write(table)
+            return 0
         rows, info = run(models, threads, args.reps, peers, tests, args.n_prompt, args.n_gen,
                          progress=sys.stderr.isatty())
     except PymlError as e:

@@ -55,8 +55,7 @@ def run(args) -> int:
     with ctx as prof:
         code = _generate(args, prof)
     if prof is not None:
-        print(f"pyml-infer: profile in {args.profile}: " + ", ".join(p.name for p in prof.written),
-              file=sys.stderr)
+        _stderr(f"pyml-infer: profile in {args.profile}: " + ", ".join(p.name for p in prof.written))
     return code
 
 
@@ -93,10 +92,15 @@ def _generate(args, prof) -> int:
     out.write("\n")
     out.flush()
     if result.stop_reason == "context":
-        print(f"pyml-infer: stopped at the context window ({lm.model.max_positions} tokens)", file=sys.stderr)
-    print(f"[{result.summary()} | load {lm.load_s * 1e3:.0f} ms | threads {lm.runtime.threads}"
-          f"{' | interrupted' if interrupted else ''}]", file=sys.stderr)
+        _stderr(f"pyml-infer: stopped at the context window ({lm.model.max_positions} tokens)")
+    _stderr(f"[{result.summary()} | load {lm.load_s * 1e3:.0f} ms | threads {lm.runtime.threads}"
+            f"{' | interrupted' if interrupted else ''}]")
     return 130 if interrupted else 0
+
+
+def _stderr(text: str) -> None:
+    perf.flush()  # the [perf] lines of what just ran come first
+    print(text, file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -106,20 +110,20 @@ def main(argv=None) -> int:
     except PymlError as e:
         if args.debug:
             raise
-        print(f"pyml-infer: error: {_one_line(e)}", file=sys.stderr)
+        _stderr(f"pyml-infer: error: {_one_line(e)}")
         return e.exit_code
     except KeyboardInterrupt:
-        print("pyml-infer: interrupted", file=sys.stderr)
+        _stderr("pyml-infer: interrupted")
         return 130
     except Exception as e:  # an internal error: still one line unless --debug
         from pyml.nlp.generator import was_interrupted
         if was_interrupted(e):  # Ctrl-C that a Numba call turned into a SystemError
-            print("pyml-infer: interrupted", file=sys.stderr)
+            _stderr("pyml-infer: interrupted")
             return 130
         if args.debug:
             raise
-        print(f"pyml-infer: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
-              f"traceback)", file=sys.stderr)
+        _stderr(f"pyml-infer: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
+                f"traceback)")
         return 1
 
 

@@ -180,3 +180,38 @@ def test_collector_sees_attributes(lm, records):
     blocks = [r for r in records if r["name"].startswith("transformer[")]
     assert sorted({r["layer"] for r in blocks}) == [0, 1, 2]
     assert np.isfinite([r["dur_ms"] for r in records]).all()
+
+
+def test_direct_lines_keep_their_order_with_other_records(log_to):
+    """[perf] lines skip LogRecord; trace lines are held until the next debug line or top-level
+    span, and a plain log message first writes what is held: the text reads in end order."""
+    stream = log_to("trace")
+    outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
+    assert outer.direct is not None  # the fast path is the one under test
+    with outer.debug("outer::step"):
+        with inner.trace("inner::op", "a"):
+            pass
+        assert "inner::op" not in stream.getvalue()  # held: one write per layer, not per op
+        logging.getLogger("pyml.test").debug("a plain message")
+        with inner.trace("inner::op", "b"):
+            pass
+    names = [ln.split()[1] if ln.startswith("[perf]") else ln for ln in stream.getvalue().splitlines()]
+    assert names == ["inner::op", "debug: a plain message", "inner::op", "outer::step"]
+
+
+def test_a_foreign_handler_gets_every_line(log_to):
+    """With another handler on a pyml logger, lines go through logging as before."""
+    log_to("trace")
+    extra = io.StringIO()
+    handler = logging.StreamHandler(extra)
+    logging.getLogger("pyml.test.inner").addHandler(handler)
+    try:
+        perf.refresh()
+        inner = perf.get("pyml.test.inner")
+        assert inner.direct is None
+        with inner.trace("inner::op", "c"):
+            pass
+        assert "inner::op c" in extra.getvalue()
+    finally:
+        logging.getLogger("pyml.test.inner").removeHandler(handler)
+        perf.refresh()
