@@ -14,6 +14,7 @@ import numpy as np
 
 from pyml import quant
 from pyml.core import perf
+from pyml.core.mapping import release_pages
 from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nn.linear")
@@ -101,6 +102,8 @@ class Linear:
                 or len({w.shape[1] for w in ws}) != 1:
             return None
         data = np.concatenate([w.data for w in ws], axis=0)
+        for w in ws:  # the file's pages of the parts are not read again: give them back
+            release_pages(w.data)
         out = sum(w.shape[0] for w in ws)
         biases = [lin.bias for lin in linears]
         if any(b is not None for b in biases):
