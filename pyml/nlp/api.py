@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,11 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     if warmup:
         with perf.context(phase="warmup"):
             runtime.warmup_thread_pool(extra=[lambda: _warm_forward(model)])
+    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
+    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
+    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.
+    gc.collect()
+    gc.freeze()
     return LanguageModel(model, tokenizer, where, load_s, runtime, template)
 
 
