@@ -274,7 +274,8 @@ def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True
     from tqdm import tqdm
 
     from pyml.nlp.models.base import _linears
-    rows, info = [], {}
+    from pyml.nlp.profile import git_info, machine_info
+    rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
     with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
         numba.set_num_threads(max(threads_list))
         info["bandwidth_gbs"] = read_bandwidth() / 1e9
@@ -322,6 +323,17 @@ def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True
 
 # --- output -------------------------------------------------------------------------
 
+def _peer_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for name in ("llama-cpp-python", "torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def markdown(rows, info, peers) -> str:
     head = ["model", "size (MiB)", "params (M)", "quant", "backend", "threads", "test", "t/s",
             "% of bw limit"] + [f"pyml/{p}" for p in peers]
@@ -331,6 +343,13 @@ def markdown(rows, info, peers) -> str:
                  f"{r.tok_s:.2f} ± {r.std:.2f}", "" if r.pct_limit is None else f"{r.pct_limit:.0f}%"]
         cells += [f"{r.ratio[p]:.2f}x" if p in r.ratio else "" for p in peers]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    git, machine = info.get("git"), info.get("machine") or {}
+    where = f"commit {git['commit'][:12]}{' (with local changes)' if git['dirty'] else ''}" if git else "no git checkout"
+    lines.append(f"Measured at {where} on {machine.get('cpu', '?')} ({machine.get('usable_cores', '?')} cores), "
+                 f"Python {machine.get('python', '?')}, NumPy {machine.get('numpy', '?')}, "
+                 f"Numba {machine.get('numba', '?')}"
+                 + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items()) + ".")
     lines.append("")
     lines.append(f"Read bandwidth (all threads): {info['bandwidth_gbs']:.1f} GB/s. Bandwidth limit of decode, "
                  "tok/s = bandwidth / bytes of weights per token:")
