@@ -197,9 +197,7 @@ class PerfLogger:
         if self.logger.isEnabledFor(level):
             line = "[perf] " + format_line(span.name, details, span.parts, elapsed, _context(span))
             if self.direct is not None:
-                # written at once from debug up (a layer's line shows while a long prefill runs);
-                # trace lines wait for the next such line, one write per layer instead of per op
-                self.direct.add(line, flush=level > TRACE or not _tls.stack)
+                self.direct.add(line, top_level=not _tls.stack)
             else:
                 self.logger.log(level, "%s", line)
 
@@ -222,25 +220,29 @@ def _direct_handler(logger: logging.Logger) -> "_PerfHandler | None":
 
 class _PerfHandler(logging.StreamHandler):
     """pyml's stderr handler. `[perf]` lines reach it without a LogRecord (building one costs
-    ~25 µs, several times the span it reports). Trace lines are held until the next debug line
-    or top-level span (a layer, a step) and written with it in one piece; any other record
-    first writes what is pending, so the order is kept."""
+    ~25 µs, several times the span it reports) and are written in one piece when a top-level
+    span ends (a decode step) or 50 ms after the last write; any other record first writes
+    what is pending, so the order is kept."""
 
     _pyml = True
 
     def __init__(self, stream):
         super().__init__(stream)
         self.pending: list[str] = []
+        self.written_at = clock()
         self.setFormatter(_LineFormatter())
 
-    def add(self, line: str, flush: bool):
+    def add(self, line: str, top_level: bool):
         with self.lock:
             self.pending.append(line)
-        if flush:
+        # one write per decode step; in a long pass (a prefill) at least every 50 ms, so a
+        # layer's line still shows while the pass runs
+        if top_level or clock() - self.written_at > 0.05:
             self.write_pending()
 
     def write_pending(self):
         with self.lock:
+            self.written_at = clock()
             if self.pending:
                 text, self.pending = "\n".join(self.pending) + "\n", []
                 try:

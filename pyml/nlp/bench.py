@@ -375,7 +375,7 @@ def write_outputs(rows, info, peers, out: Path):
 def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
     """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
     levels off / debug / trace interleaved over `rounds` (a shared machine drifts; interleaving
-    spreads the drift over all three). Lines go to os.devnull: the cost of making them, not of
+    spreads the drift over all three), every block over the same cache positions. Lines go to os.devnull: the cost of making them, not of
     a terminal. Returns a Markdown table of median ms/step and the change against off."""
     import pyml
     from pyml.core import perf
@@ -389,12 +389,13 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
         for name in model_names:
             model = MODELS[name]
             lm = pyml.load_model(threads=threads, **{model.kind: str(model.locate())})
-            cache = lm.new_cache(rounds * 3 * steps + 8)
+            cache = lm.new_cache(steps + 8)
             lm.model.forward([1, 2, 3], cache)
             got = {"off": [], "debug": [], "trace": []}
             for _ in range(rounds):
                 for level in got:
                     perf.configure("warning" if level == "off" else level)
+                    cache.length = 3  # every block decodes the same positions: the same work
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         lm.model.forward([5], cache)

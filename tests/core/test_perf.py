@@ -183,15 +183,15 @@ def test_collector_sees_attributes(lm, records):
 
 
 def test_direct_lines_keep_their_order_with_other_records(log_to):
-    """[perf] lines skip LogRecord; trace lines are held until the next debug line or top-level
-    span, and a plain log message first writes what is held: the text reads in end order."""
+    """[perf] lines skip LogRecord; they are held until a top-level span ends (or 50 ms pass),
+    and a plain log message first writes what is held: the text reads in end order."""
     stream = log_to("trace")
     outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
     assert outer.direct is not None  # the fast path is the one under test
     with outer.debug("outer::step"):
         with inner.trace("inner::op", "a"):
             pass
-        assert "inner::op" not in stream.getvalue()  # held: one write per layer, not per op
+        assert "inner::op" not in stream.getvalue()  # held: one write per step, not per op
         logging.getLogger("pyml.test").debug("a plain message")
         with inner.trace("inner::op", "b"):
             pass
