@@ -175,19 +175,19 @@ PARALLEL_MIN_WORK = 1 << 17
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[.., M, K] x [.., K, N] -> [.., M, N] (NumPy / BLAS)."""
-    with _perf.trace("matmul", "{}x{}", list(a.shape), list(b.shape)):
+    with _perf.trace("matmul", "{}x{}", a.shape, b.shape):
         return a @ b
 
 
 def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[B, M, K] x [B, K, N] -> [B, M, N]."""
-    with _perf.trace("batched_matmul", "{}x{}", list(a.shape), list(b.shape)):
+    with _perf.trace("batched_matmul", "{}x{}", a.shape, b.shape):
         return np.matmul(a, b)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Numerically stable softmax in place over `axis`; rows of all -inf stay finite-free."""
-    with _perf.trace("softmax", "{}", list(x.shape)):
+    with _perf.trace("softmax", "{}", x.shape):
         x -= x.max(axis=axis, keepdims=True)
         np.exp(x, out=x)
         x /= x.sum(axis=axis, keepdims=True)
@@ -197,7 +197,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, unit_offset: bool = False,
              out: np.ndarray | None = None) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * (w or 1 + w), over the last axis; x [.., d]."""
-    with _perf.trace("rms_norm", "{}", list(x.shape)):
+    with _perf.trace("rms_norm", "{}", x.shape):
         x2 = x.reshape(-1, x.shape[-1])
         res = np.empty_like(x2) if out is None else out.reshape(x2.shape)
         _rms_norm_rows(x2, weight, eps, unit_offset, res)
@@ -206,25 +206,25 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, unit_offset: bool = 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """(x - mean) / sqrt(var + eps) * w + b over the last axis; x [.., d]."""
-    with _perf.trace("layer_norm", "{}", list(x.shape)):
+    with _perf.trace("layer_norm", "{}", x.shape):
         x2 = x.reshape(-1, x.shape[-1])
         return _layer_norm_rows(x2, weight, bias, eps, np.empty_like(x2)).reshape(x.shape)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (GPT-2 `gelu_new`, Gemma `gelu_pytorch_tanh`)."""
-    with _perf.trace("gelu", "{} tanh", list(x.shape)):
+    with _perf.trace("gelu", "{} tanh", x.shape):
         return _gelu_tanh(x, np.empty_like(x))
 
 
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """GELU, exact erf form."""
-    with _perf.trace("gelu", "{} erf", list(x.shape)):
+    with _perf.trace("gelu", "{} erf", x.shape):
         return _gelu_erf(x, np.empty_like(x))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    with _perf.trace("silu", "{}", list(x.shape)):
+    with _perf.trace("silu", "{}", x.shape):
         return _silu(x, np.empty_like(x))
 
 
@@ -233,7 +233,7 @@ GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 def gated(gate_up: np.ndarray, act: str) -> np.ndarray:
     """act(gate) * up for a fused [T, 2f] gate+up projection -> [T, f] (SwiGLU / GeGLU)."""
-    with _perf.trace("gated_act", "{} {}", list(gate_up.shape), act):
+    with _perf.trace("gated_act", "{} {}", gate_up.shape, act):
         T, f2 = gate_up.shape
         return _gated(gate_up, GATED_ACTS[act], np.empty((T, f2 // 2), np.float32))
 
@@ -254,7 +254,7 @@ def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, 
     One jitted call instead of five NumPy ops and two batched matmuls: on a small
     model the dispatch of those costs more than the arithmetic of a decode step.
     """
-    with _perf.trace("attention::sdpa", "q={} kv=[{}, {}, {}]", list(q.shape), keys.shape[0], end - start,
+    with _perf.trace("attention::sdpa", "q={} kv=[{}, {}, {}]", q.shape, keys.shape[0], end - start,
                      keys.shape[2]):
         kernel = _attend_one_parallel if q.size * (end - start) >= PARALLEL_MIN_WORK else _attend_one_serial
         return kernel(q, keys, values, start, end, np.float32(scale), np.empty_like(q))

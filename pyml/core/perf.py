@@ -144,7 +144,11 @@ class Span:
         return False
 
     def details(self) -> str:
-        return self.fmt.format(*self.args) if self.args else self.fmt
+        """The formatted details; shapes are passed as tuples (no list built when the level is
+        off) and printed as lists, `[1, 576]`."""
+        if not self.args:
+            return self.fmt
+        return self.fmt.format(*(list(a) if type(a) is tuple else a for a in self.args))
 
 
 class PerfLogger:

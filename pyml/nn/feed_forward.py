@@ -18,7 +18,7 @@ class MLP:
         self.act = {"gelu_tanh": ops.gelu_tanh, "gelu": ops.gelu_erf, "silu": ops.silu}[act]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        with _perf.trace("feed_forward", "{} mlp", list(x.shape), module=self.name, op="feed_forward"):
+        with _perf.trace("feed_forward", "{} mlp", x.shape, module=self.name, op="feed_forward"):
             return self.down(self.act(self.up(x)))
 
 
@@ -32,7 +32,7 @@ class GatedMLP:
         self.fused = self.gate_up is not None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        with _perf.trace("feed_forward", "{} {}", list(x.shape), self.act, module=self.name, op="feed_forward"):
+        with _perf.trace("feed_forward", "{} {}", x.shape, self.act, module=self.name, op="feed_forward"):
             if self.gate_up is not None:
                 h = ops.gated(self.gate_up(x), self.act)
             else:

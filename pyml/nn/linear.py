@@ -73,12 +73,12 @@ class Linear:
         self.weight, self.bias, self.name = weight, bias, name
         self.out_features, self.in_features = weight.shape
         self._quant_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"
+        self._dims, self._type_name = [self.in_features, self.out_features], weight.qtype.name  # for the spans
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, in] -> [T, out]
         w = self.weight
-        with _perf.trace("linear::forward", "{}->{} {}", list(x.shape),
-                         [self.in_features, self.out_features], w.type_name,
-                         module=self.name, op="linear", dtype=w.type_name):
+        with _perf.trace("linear::forward", "{}->{} {}", x.shape, self._dims, self._type_name,
+                         module=self.name, op="linear", dtype=self._type_name):
             if w.qtype == QuantType.F32:
                 y = x @ (w.data if w.transposed else w.data.T)
             else:

@@ -31,5 +31,5 @@ class RoPE:
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""
-        with _perf.trace("rope", "{} pos={} {}", list(x.shape), pos, self.style, op="rope"):
+        with _perf.trace("rope", "{} pos={} {}", x.shape, pos, self.style, op="rope"):
             return ops.rope(x, pos, self.inv_freq, self.style == "interleaved")
