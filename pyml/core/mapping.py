@@ -34,12 +34,9 @@ def release_pages(array: np.ndarray) -> int:
     """Drop the whole pages `array` occupies from the resident set, if it is a view of a file
     mapping; returns the bytes released (0 for ordinary arrays, or where madvise is missing)."""
     mm = _mapping_of(array)
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+    if mm is None or mm.closed or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return 0
-    base = np.frombuffer(mm, dtype=np.uint8) if mm.closed is False else None
-    if base is None:
-        return 0
-    start = array.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    start = array.__array_interface__["data"][0] - np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
     if start < 0 or start + array.nbytes > len(mm):
         return 0
     first = -(-start // PAGE) * PAGE                   # whole pages only: neighbours stay
