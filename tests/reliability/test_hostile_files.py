@@ -116,6 +116,14 @@ GGUF_MODEL_CASES = {
 }
 
 
+def assert_one_line_naming(error, path, needles):
+    """The error is one line that names the file and says each of `needles`."""
+    msg = str(error)
+    assert "\n" not in msg and str(path) in msg, msg
+    for n in needles:
+        assert n in msg, msg
+
+
 @pytest.mark.parametrize("case", list(GGUF_CASES))
 def test_hostile_gguf_header(tmp_path, case):
     change, error, needles = GGUF_CASES[case]
@@ -123,10 +131,7 @@ def test_hostile_gguf_header(tmp_path, case):
     path.write_bytes(spec(change).encode())
     with pytest.raises(error) as e:
         load_gguf_model(path)
-    msg = str(e.value)
-    assert "\n" not in msg and str(path) in msg, msg
-    for n in needles:
-        assert n in msg, msg
+    assert_one_line_naming(e.value, path, needles)
 
 
 @pytest.mark.parametrize("case", list(GGUF_MODEL_CASES))
@@ -136,10 +141,7 @@ def test_hostile_gguf_hyperparameters(tmp_path, case):
     path.write_bytes(spec(change).encode())
     with pytest.raises(PymlError) as e:
         load_gguf_model(path)
-    msg = str(e.value)
-    assert "\n" not in msg and str(path) in msg, msg
-    for n in needles:
-        assert n in msg, msg
+    assert_one_line_naming(e.value, path, needles)
 
 
 def test_odd_head_dim_is_refused_before_rope_reads_past_the_head(tmp_path):
@@ -212,10 +214,7 @@ def test_hostile_safetensors_header(tmp_path, case):
     path.write_bytes(st_case(**kwargs))
     with pytest.raises(ModelFormatError) as e:
         load_tensors(tmp_path)
-    msg = str(e.value)
-    assert "\n" not in msg and str(path) in msg, msg
-    for n in needles:
-        assert n in msg, msg
+    assert_one_line_naming(e.value, path, needles)
 
 
 def test_unaligned_safetensors_tensor_is_read_correctly(tmp_path):
