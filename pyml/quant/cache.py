@@ -7,6 +7,8 @@ edit writes old code back into the cache after any clean-up. So the package's ca
 are stamped with a fingerprint of all the kernel source files as this process read them at
 import: an entry written from other sources is treated as absent and recompiled.
 
+The stamp holds in every place Numba may keep the cache (a NUMBA_CACHE_DIR, as CI sets, too:
+a CI cache kept across runs once served kernels compiled before a NaN fix in simd.py).
 This goes through Numba's cache-locator hook (the same one NUMBA_CACHE_LOCATOR_CLASSES
 uses); if that internal API is missing, stale entries are instead deleted whenever the
 sources change.
@@ -26,28 +28,38 @@ _FINGERPRINT = hashlib.sha1(b"".join((_HERE / name).read_bytes() for name in _KE
 
 
 def install() -> None:
-    """Register the fingerprint-stamped locator; call before any kernel module is imported."""
+    """Register the fingerprint-stamped locators; call before any kernel module is imported."""
     from numba.core import caching
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)  # renamed in 0.6x
-    InTreeCacheLocator = getattr(caching, "InTreeCacheLocator", None) or getattr(caching, "_InTreeCacheLocator", None)
-    if impl is None or InTreeCacheLocator is None or not hasattr(impl, "_locator_classes"):
+    # Numba's own order: a user-chosen NUMBA_CACHE_DIR, else __pycache__ beside the source,
+    # else the user-wide cache. Each gets a stamped twin, so the stamp holds wherever the cache is.
+    bases = [getattr(caching, name, None) for name in
+             ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
+    if impl is None or None in bases or not hasattr(impl, "_locator_classes"):
         _drop_stale_kernels()
         return
+    if any(getattr(c, "_pyml_stamped", False) for c in impl._locator_classes):
+        return
+    impl._locator_classes[:0] = [_stamped(base) for base in bases]
 
-    class PackageStampedLocator(InTreeCacheLocator):
-        """Numba's in-tree (__pycache__) cache, stamped with the package fingerprint."""
+
+def _stamped(base: type) -> type:
+    """`base`, restricted to this package's kernels and stamped with the package fingerprint."""
+
+    class PackageStampedLocator(base):
+        _pyml_stamped = True
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            if numba.config.CACHE_DIR or Path(py_file).resolve().parent != _HERE:
-                return None  # not ours, or the user chose a cache directory: Numba's own locators
+            if Path(py_file).resolve().parent != _HERE:
+                return None  # not ours: Numba's own locators
             return super().from_function(py_func, py_file)
 
         def get_source_stamp(self):
             return _FINGERPRINT
 
-    if not any(getattr(c, "__name__", "") == "PackageStampedLocator" for c in impl._locator_classes):
-        impl._locator_classes.insert(0, PackageStampedLocator)
+    PackageStampedLocator.__qualname__ = f"PackageStamped{base.__name__}"
+    return PackageStampedLocator
 
 
 def _drop_stale_kernels() -> None:
