@@ -3,8 +3,6 @@ built-in Gemma and ChatML templates against hand-written prompts."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pyml.core.errors import ModelFormatError, PymlError
@@ -16,10 +14,6 @@ from pyml.nlp.chat import (
     fallback_chat_template,
 )
 
-MODELS = Path.home() / ".cache" / "pyml" / "models"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} not downloaded (smollm2-135m)")
-
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
@@ -30,18 +24,17 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_oracle():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+def smollm2_oracle(smollm2_gguf):
+    from tests.nlp.test_tokenizer import transformers_tokenizer
+    return transformers_tokenizer(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
-def smollm2_template():
+def smollm2_template(smollm2_gguf):
     from gguf import GGUFReader
-    return GGUFReader(SMOLLM2).fields["tokenizer.chat_template"].contents()
+    return GGUFReader(smollm2_gguf).fields["tokenizer.chat_template"].contents()
 
 
-@needs_smollm2
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_matches_transformers(smollm2_oracle, smollm2_template, messages, add_generation_prompt):
@@ -51,11 +44,10 @@ def test_smollm2_template_matches_transformers(smollm2_oracle, smollm2_template,
     assert ours == theirs
 
 
-@needs_smollm2
-def test_tokenizer_applies_the_file_template(smollm2_oracle):
+def test_tokenizer_applies_the_file_template(smollm2_gguf, smollm2_oracle):
     from pyml.nlp.tokenizer import Tokenizer
     from tests.nlp.test_tokenizer import read_metadata
-    tokenizer = Tokenizer.from_gguf_metadata(read_metadata(SMOLLM2))
+    tokenizer = Tokenizer.from_gguf_metadata(read_metadata(smollm2_gguf))
     messages = CONVERSATIONS[0]
     prompt = tokenizer.apply_chat_template(messages)
     assert prompt == smollm2_oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -16,12 +16,6 @@ import pytest
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.nlp.tokenizer import Tokenizer
 
-MODELS = Path.home() / ".cache" / "pyml" / "models"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3 = MODELS / "gemma-3-270m-q4_k_m.gguf"
-needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} not downloaded (smollm2-135m)")
-needs_gemma3 = pytest.mark.skipif(not GEMMA3.is_file(), reason=f"{GEMMA3} not downloaded (gemma3-270m)")
-
 PROMPTS = [
     "Hello", "Hello world", "The capital of France is",
     " leading space", "  two leading spaces", "trailing space ", "trailing spaces   ", "a  b   c    d",
@@ -59,8 +53,8 @@ def transformers_tokenizer(path: Path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_metadata():
-    return read_metadata(SMOLLM2)
+def smollm2_metadata(smollm2_gguf):
+    return read_metadata(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +63,7 @@ def smollm2(smollm2_metadata):
 
 
 @pytest.fixture(scope="module")
-def smollm2_oracle():
+def smollm2_oracle(smollm2_gguf):
     """transformers' tokenizer for the file, with SmolLM2's own pre-tokenizer.
 
     transformers' GGUF converter does not know `tokenizer.ggml.pre = smollm` and splits with
@@ -77,7 +71,7 @@ def smollm2_oracle():
     We give the oracle that step back (tokenizers' Digits), so it matches the real model.
     """
     from tokenizers import pre_tokenizers
-    oracle = transformers_tokenizer(SMOLLM2)
+    oracle = transformers_tokenizer(smollm2_gguf)
     oracle.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
@@ -85,8 +79,8 @@ def smollm2_oracle():
 
 
 @pytest.fixture(scope="module")
-def gemma3_metadata():
-    return read_metadata(GEMMA3)
+def gemma3_metadata(gemma3_gguf):
+    return read_metadata(gemma3_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +89,11 @@ def gemma3(gemma3_metadata):
 
 
 @pytest.fixture(scope="module")
-def gemma3_oracle():
-    return transformers_tokenizer(GEMMA3)
+def gemma3_oracle(gemma3_gguf):
+    return transformers_tokenizer(gemma3_gguf)
 
 
 # --- SmolLM2: byte-level BPE, pre = smollm ---
-@needs_smollm2
 @pytest.mark.parametrize("text", PROMPTS + SMOLLM2_SPECIALS)
 def test_smollm2_ids_match_transformers(smollm2, smollm2_oracle, text):
     ids = smollm2.encode(text)
@@ -108,7 +101,6 @@ def test_smollm2_ids_match_transformers(smollm2, smollm2_oracle, text):
     assert smollm2.decode(ids) == smollm2_oracle.decode(ids) == text
 
 
-@needs_smollm2
 def test_smollm2_cuts_digits_one_by_one_as_llamacpp(smollm2, smollm2_metadata):
     """"x  0": llama.cpp's smollm pre-tokenizer cuts "0" off first, so the two spaces stay one
     token; transformers' converter (GPT-2 regex only) splits " ", " 0" -> x, Ġ, Ġ, 0."""
@@ -117,7 +109,6 @@ def test_smollm2_cuts_digits_one_by_one_as_llamacpp(smollm2, smollm2_metadata):
     assert [tokens[i] for i in smollm2.encode("12345")] == ["1", "2", "3", "4", "5"]
 
 
-@needs_smollm2
 def test_transformers_converter_alone_differs_on_digits(smollm2, smollm2_oracle):
     from tokenizers import pre_tokenizers
     backend = smollm2_oracle.backend_tokenizer
@@ -129,7 +120,6 @@ def test_transformers_converter_alone_differs_on_digits(smollm2, smollm2_oracle)
         backend.pre_tokenizer = ours
 
 
-@needs_smollm2
 def test_smollm2_hand_checked_ids(smollm2, smollm2_metadata):
     tokens = smollm2_metadata["tokenizer.ggml.tokens"]
     assert smollm2.encode("Hello") == [tokens.index("Hello")]
@@ -138,7 +128,6 @@ def test_smollm2_hand_checked_ids(smollm2, smollm2_metadata):
     assert smollm2.encode("\n") == [tokens.index("Ċ")]
 
 
-@needs_smollm2
 def test_smollm2_special_ids(smollm2):
     assert smollm2.vocab_size == 49152
     assert (smollm2.bos_id, smollm2.eos_id, smollm2.add_bos) == (1, 2, False)
@@ -148,7 +137,6 @@ def test_smollm2_special_ids(smollm2):
 
 
 # --- Gemma 3: SentencePiece BPE with byte fallback, add_bos ---
-@needs_gemma3
 @pytest.mark.parametrize("text", PROMPTS + GEMMA3_SPECIALS)
 def test_gemma3_ids_match_transformers(gemma3, gemma3_oracle, text):
     ids = gemma3.encode(text)
@@ -160,7 +148,6 @@ def test_gemma3_ids_match_transformers(gemma3, gemma3_oracle, text):
         assert plain == text
 
 
-@needs_gemma3
 def test_gemma3_hand_checked_ids(gemma3, gemma3_metadata):
     tokens = gemma3_metadata["tokenizer.ggml.tokens"]
     assert gemma3.encode("Hello") == [2, tokens.index("Hello")]            # no space prefix in Gemma
@@ -171,7 +158,6 @@ def test_gemma3_hand_checked_ids(gemma3, gemma3_metadata):
     assert [tokens[i] for i in gemma3.encode("ꙮ", add_special_tokens=False)] == ["<0xEA>", "<0x99>", "<0xAE>"]
 
 
-@needs_gemma3
 def test_gemma3_whitespace_runs_are_matched_whole_as_llamacpp(gemma3, gemma3_metadata):
     """Gemma's runs of spaces are user-defined tokens: llama.cpp matches them in the text
     before any merge, the longest first (39 spaces = 31 + 8). transformers' converter renames
@@ -181,7 +167,6 @@ def test_gemma3_whitespace_runs_are_matched_whole_as_llamacpp(gemma3, gemma3_met
     assert [tokens[i] for i in ids] == ["a", " " * 31, " " * 8, "b"]
 
 
-@needs_gemma3
 def test_gemma3_special_ids_and_bos(gemma3):
     assert gemma3.vocab_size == 262144
     assert (gemma3.bos_id, gemma3.eos_id, gemma3.add_bos) == (2, 1, True)
@@ -201,7 +186,6 @@ def _stream(tokenizer, ids, **kw):
     return chunks, stream.flush()
 
 
-@needs_smollm2
 def test_smollm2_stream_reproduces_decode(smollm2):
     ids = smollm2.encode(STREAM_TEXT)
     chunks, tail = _stream(smollm2, ids)
@@ -209,7 +193,6 @@ def test_smollm2_stream_reproduces_decode(smollm2):
     assert not any("\ufffd" in c for c in chunks)  # nothing released before it was whole
 
 
-@needs_gemma3
 def test_gemma3_stream_reproduces_decode(gemma3):
     ids = gemma3.encode(STREAM_TEXT)
     chunks, tail = _stream(gemma3, ids, skip_special_tokens=True)
@@ -217,7 +200,6 @@ def test_gemma3_stream_reproduces_decode(gemma3):
     assert not any("\ufffd" in c for c in chunks)
 
 
-@needs_smollm2
 def test_stream_holds_a_split_character_until_whole(smollm2):
     ids = smollm2.encode("🤗")  # 'ðŁ' '¤' 'Ĺ': F0 9F | A4 | 97
     assert len(ids) == 3
@@ -225,14 +207,12 @@ def test_stream_holds_a_split_character_until_whole(smollm2):
     assert chunks == ["", "", "🤗"] and tail == ""
 
 
-@needs_gemma3
 def test_stream_holds_byte_fallback_pieces(gemma3):
     ids = gemma3.encode("aꙮb", add_special_tokens=False)  # a, <0xEA>, <0x99>, <0xAE>, b
     chunks, tail = _stream(gemma3, ids)
     assert chunks == ["a", "", "", "ꙮ", "b"] and tail == ""
 
 
-@needs_smollm2
 def test_stream_flush_shows_invalid_trailing_bytes(smollm2):
     ids = smollm2.encode("ok🤗")[:-2]  # "ok" then only the first two bytes of the emoji
     chunks, tail = _stream(smollm2, ids)
@@ -361,7 +341,6 @@ def test_token_id_outside_vocabulary():
 
 
 # --- Hugging Face layout ---
-@needs_smollm2
 def test_from_file_smollm2(tmp_path, smollm2, smollm2_oracle):
     smollm2_oracle.save_pretrained(tmp_path)  # tokenizer.json (+ config, chat template)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
@@ -373,7 +352,6 @@ def test_from_file_smollm2(tmp_path, smollm2, smollm2_oracle):
     assert tok.chat_template == smollm2.chat_template
 
 
-@needs_gemma3
 def test_from_file_gemma3_reads_bos_from_the_post_processor(tmp_path, gemma3, gemma3_oracle):
     gemma3_oracle.save_pretrained(tmp_path)
     tok = Tokenizer.from_file(tmp_path)  # the directory works too

