@@ -20,8 +20,12 @@ def _start(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
     env.pop("LOG", None)
+    # A runner started in the background by a non-interactive shell (`cmd &`) ignores SIGINT, and
+    # children inherit that: Python would then never raise KeyboardInterrupt. Ctrl-C at a terminal
+    # is what is tested, so the child starts with SIGINT's default disposition.
     return subprocess.Popen([sys.executable, str(ROOT / "bin" / "pyml-infer"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _drain(stream, sink: list, event: threading.Event | None = None, needle: bytes | None = None):
