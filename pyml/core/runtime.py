@@ -53,17 +53,21 @@ class RuntimeConfig:
         from threadpoolctl import threadpool_limits
         threadpool_limits(n)
 
-    def warmup_thread_pool(self, extra=()):
+    def warmup_thread_pool(self, steps=()):
         """Start the thread pools and run every jitted kernel once on tiny inputs.
 
-        `extra` holds further callables (a model's own warm-up forward pass).
+        `steps` are further callables from the layers above (pyml.quant's kernels, a model's
+        own warm-up forward pass). On a first run, when the kernels compile rather than load
+        from Numba's disk cache (about a minute), a progress bar says so.
         """
-        with _perf.debug("runtime::warmup", "threads={}", self.threads):
-            from pyml.core import ops
+        from pyml.core import ops, progress
+        with _perf.debug("runtime::warmup", "threads={}", self.threads), \
+                progress.bar(total=1 + len(steps), desc="pyml: warm-up (compiles kernels on a first run)",
+                             unit="step", delay=2.0) as bar:
             ops.warmup()
-            from pyml import quant
-            quant.warmup()
             a = np.ones((64, 64), np.float32)
             a @ a  # starts the BLAS threads
-            for fn in extra:
-                fn()
+            bar.update()
+            for step in steps:
+                step()
+                bar.update()

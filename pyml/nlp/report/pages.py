@@ -233,7 +233,6 @@ def _matmul_section(doc, run):
 
 def _methodology(doc, run, timing, timing_src):
     doc.h("Methodology")
-    names = Counter(r.name for r in run.records)
     traced = any(r.op in ("linear", "attention") for r in run.records)
     doc.p("Every op and layer is timed by a `pyml.core.perf` span: two `perf_counter` reads around it, "
           "nested explicitly (each event knows its parent), stamped with the phase (load / warmup / prefill / "
