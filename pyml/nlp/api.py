@@ -135,6 +135,7 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
         if lm_head_quant:
             from pyml.nlp.head import quantize_head
             quantize_head(model, lm_head_quant)
+        model.pack_weights()
     load_s = perf.clock() - t0
     _perf.logger.debug("%s", model.describe())
     if not model.uses_blas():

@@ -25,11 +25,12 @@ class Weight:
     """A 2-D weight as stored in the model file; its logical shape is (out, in).
 
     data: float32 (out, in), or (in, out) when `transposed`; float16 (out, in);
-    uint16 bfloat16 bits (out, in); uint8 ggml blocks (out, row_bytes) for quant types.
+    uint16 bfloat16 bits (out, in); uint8 ggml blocks (out, row_bytes) for quant types,
+    or those blocks re-laid by quant.pack (a quant.Packed, after Linear.pack).
     Usually a read-only view into a memory-mapped file.
     """
 
-    data: np.ndarray
+    data: np.ndarray | quant.Packed
     qtype: QuantType
     shape: tuple
     transposed: bool = False
@@ -89,6 +90,20 @@ class Linear:
                 y += self.bias
             return y
 
+    def pack(self) -> bool:
+        """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1:
+        ~2.5x the matmul speed), giving back the file's pages of the original. Call after fuse.
+        Returns whether the weights were packed."""
+        w = self.weight
+        if w.transposed or isinstance(w.data, quant.Packed):
+            return False
+        packed = quant.pack(w.data, w.qtype, self.in_features)
+        if packed is None:
+            return False
+        release_pages(w.data)  # a tied embedding still reads its rows from the file, on demand
+        self.weight = Weight(packed, w.qtype, w.shape)
+        return True
+
     @staticmethod
     def fuse(linears: list["Linear"], name: str) -> "Linear | None":
         """One Linear computing the concatenation of several outputs (QKV, gate+up).
@@ -98,6 +113,8 @@ class Linear:
         storage types, or GPT-2-style transposed storage).
         """
         ws = [lin.weight for lin in linears]
+        if any(isinstance(w.data, quant.Packed) for w in ws):
+            raise ValueError("Linear.fuse takes weights as stored: fuse before pack")
         if len({w.qtype for w in ws}) != 1 or any(w.transposed for w in ws) \
                 or len({w.shape[1] for w in ws}) != 1:
             return None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
-_KERNEL_SOURCES = ("activation.py", "bench.py", "floats.py", "kquants.py", "legacy.py", "quantize.py", "simd.py")
+_KERNEL_SOURCES = ("activation.py", "bench.py", "floats.py", "kquants.py", "legacy.py", "packed.py", "quantize.py", "simd.py")
 _FINGERPRINT = hashlib.sha1(b"".join((_HERE / name).read_bytes() for name in _KERNEL_SOURCES)).hexdigest()
 
 

@@ -219,6 +219,26 @@ def load_fp16x8(typingctx, ary, idx, stride):
 
 
 @intrinsic
+def load_fp16x8c(typingctx, ary, idx):
+    """8 contiguous fp16 values at byte idx of a uint8 array as F32x8 (vcvtph2ps from memory):
+    the scales of 8 rows in the x8 layout (packed.py)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8), align=1)
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), F32x8.llvm())
+    return F32x8(ary, idx), codegen
+
+
+@intrinsic
+def load_i8x4_bcast(typingctx, ary, idx):
+    """The 4 bytes at idx, repeated in all 8 groups of 4 lanes (vpbroadcastd): one activation
+    quad against 8 weight rows whose 4 codes for it sit side by side (packed.py)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
+        return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(32)]))
+    return I8x32(ary, idx), codegen
+
+
+@intrinsic
 def load_u32(typingctx, ary, idx):
     """The little-endian uint32 at byte `idx` of a uint8 array (Q5 high bits)."""
     def codegen(context, builder, sig, args):
@@ -561,6 +581,31 @@ def pair_i16(typingctx, v, m):
         pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a, _I32(0)), b, _I32(1))
         return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
     return I16x16(v, m), codegen
+
+
+@intrinsic
+def add_i16(typingctx, a, b):
+    """Lane-wise I16x16 sum (wraps: callers keep the sums in range)."""
+    if not (_is_vec(a, I16x16) and _is_vec(b, I16x16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return I16x16(a, b), codegen
+
+
+@intrinsic
+def sub_i32(typingctx, v, s):
+    """I32x8 lanes minus the integer s in every lane."""
+    if not (_is_vec(v, I32x8) and isinstance(s, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = I32x8.llvm()
+        x = context.cast(builder, args[1], sig.args[1], types.int32)
+        one = builder.insert_element(ir.Constant(vt, None), x, _I32(0))
+        return builder.sub(args[0], builder.shuffle_vector(one, one, _mask([0] * 8)))
+    return I32x8(v, s), codegen
 
 
 @intrinsic

@@ -54,21 +54,31 @@ class DecoderModel:
         cache.length = pos + T
         return logits if all_logits else logits[0]
 
+    def linears(self) -> list:
+        """Every Linear of a forward pass: the blocks' projections, then the head."""
+        return [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
+
+    def pack_weights(self) -> int:
+        """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many."""
+        return sum(lin.pack() for lin in self.linears())
+
     def uses_blas(self) -> bool:
         """Whether any matmul of a forward pass goes through NumPy's BLAS (float32 weights);
         quantized and F16/BF16 weights run in pyml.quant's Numba kernels."""
         from pyml.quant import QuantType
-        linears = [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
-        return any(lin.weight.qtype == QuantType.F32 for lin in linears)
+        return any(lin.weight.qtype == QuantType.F32 for lin in self.linears())
 
     def describe(self) -> str:
         """One line for the debug log: architecture, sizes and weight storage."""
         from collections import Counter
-        linears = [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
+
+        from pyml.quant import Packed
+        linears = self.linears()
         types = Counter(lin.weight.type_name for lin in linears)
         fusions = sum(1 for lin in linears if lin.name.endswith(("qkv_proj", "gate_up_proj")))
+        packed = sum(1 for lin in linears if isinstance(lin.weight.data, Packed))
         return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
-                f"types={dict(types)} fusions={fusions}")
+                f"types={dict(types)} fusions={fusions} packed_x8={packed}")
 
 
 def _linears(block):
