@@ -70,6 +70,7 @@ __all__ = ["QuantType", "FORMATS", "BlockFormat", "is_supported", "row_bytes", "
 # quant type -> the module holding its kernels; the GGML type id is passed as `kind`
 _KERNELS = {QuantType.Q4_0: legacy, QuantType.Q4_1: legacy, QuantType.Q5_0: legacy, QuantType.Q5_1: legacy,
             QuantType.Q8_0: legacy, QuantType.Q4_K: kquants, QuantType.Q5_K: kquants, QuantType.Q6_K: kquants}
+_PACKABLE = frozenset({QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0})
 _QUANTIZERS = {QuantType.Q8_0: quantize_q8_0, QuantType.Q4_0: quantize_q4_0, QuantType.Q4_1: quantize_q4_1}
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
 
@@ -171,8 +172,9 @@ def _prepare(x, rows: int, n_cols: int, out):
 
 def pack(raw: np.ndarray, qtype, n_cols: int) -> Packed | None:
     """The matrix re-laid 8 rows at a time (packed.py: ~2.5x the matmul speed) where its type has
-    that layout (Q4_0, Q4_1) and it has 8 rows or more; otherwise None. One copy of the blocks."""
-    if qtype not in (QuantType.Q4_0, QuantType.Q4_1):
+    that layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and it has 8 rows or more; otherwise None. One copy
+    of the blocks."""
+    if qtype not in _PACKABLE:
         return None
     w = _as_stored(raw, qtype, n_cols)
     return x8.pack(w, int(qtype), n_cols) if w.shape[0] >= 8 else None

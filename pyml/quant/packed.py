@@ -1,33 +1,39 @@
-"""The x8 layout: ggml's 4-bit blocks re-laid 8 rows at a time, so each instruction serves 8 rows.
+"""The x8 layout: ggml's 32-value blocks re-laid 8 rows at a time, so each instruction serves 8 rows.
 
 Why: in the file's layout a GEMV spends ~14 instructions on every 32-value block of a row
-(unpack the nibbles, one maddubs, convert and broadcast the block's scale, and a horizontal sum
+(unpack the codes, one maddubs, convert and broadcast the block's scale, and a horizontal sum
 per row at the end); on this machine Q4_0 ran at 13-20 GB/s where the memory gives ~30, so the
 4-bit types decoded no faster than Q8_0 with twice their bytes. With 8 rows interleaved, one
 32-byte load holds 4 codes of each of 8 rows; a maddubs against the 4 matching activation bytes,
 broadcast, leaves each row's partial sums in that row's own lanes; the 8 rows' scales convert as
 one vector, and no horizontal sum is left: ~6 instructions per row and block. Measured on
-SmolLM2's shapes: the GEMV 2.5-3.1x, the GEMM (T = 128) 2.2-2.6x, from the same integer
+SmolLM2's shapes: the Q4_0 GEMV 2.5-3.1x, the GEMM (T = 128) 2.2-2.6x, from the same integer
 arithmetic. llama.cpp repacks Q4_0 in the same spirit for its AVX2 kernels (block_q4_0x8).
 
-Layout of a Q4_0 / Q4_1 matrix of R rows, nb blocks of 32 values per row (ts = 18 / 20 bytes):
+Layout of a matrix of R rows, nb blocks of 32 values per row, ts bytes per block in the file:
 
     groups  uint8 [R // 8, nb * 8 * ts]: group g holds rows 8g..8g+7; block b of the group is a
             superblock of 8 * ts bytes at b * 8 * ts:
-                d[8]          fp16, the scales of the 8 rows                    16 bytes
-                m[8]          fp16, the mins of the 8 rows (Q4_1 only)           16 bytes
-                qs[4][8][4]   chunk k: code bytes 4k..4k+3 of each of the 8 rows 128 bytes
-            so code byte j of row r sits at 32 * (j // 4) + 4 * r + j % 4; as in the file, its low
-            nibble is value j of the block and its high nibble value j + 16.
+                d[8]        fp16, the scales of the 8 rows                        16 bytes
+                m[8]        fp16, the mins of the 8 rows (Q4_1, Q5_1)             16 bytes
+                h[32]       Q5_0, Q5_1: the fifth bits, see below                 32 bytes
+                codes       Q4/Q5: qs[4][8][4], chunk k = code bytes 4k..4k+3 of each row   128 bytes
+                            Q8_0:  qs[8][8][4], chunk k = code bytes 4k..4k+3 of each row   256 bytes
+            So code byte j of row r sits at 32 * (j // 4) + 4 * r + j % 4 of the codes; as in the
+            file, a 4-bit code byte holds value j in its low nibble and value j + 16 in its high
+            nibble. Code vector n (n = 0..7) is, for Q4/Q5, chunk n // 2's low (n even) or high
+            (n odd) nibbles - values v(n, i) = 16 * (n % 2) + 4 * (n // 2) + i in lane 4r + i - and
+            for Q8_0 chunk n. Q5: bit n of h's byte 4r + i is the fifth bit of value v(n, i) of row r.
     tail    uint8 [R % 8, nb * ts]: the last rows, in the file's layout (the file kernels).
 
-The integer dot of a superblock with an activation block y (int8 [32], activation.py):
-    s      = sum over k of maddubs(chunk k & 15, y[4k:4k+4] in every quad)
-                         + maddubs(chunk k >> 4, y[16+4k:20+4k] in every quad)
-             each maddubs lane <= 2 * 15 * 127 = 3810 in magnitude, the 8 summed <= 30480 < 2^15
-    dot_r  = sum_pairs(s)[r] = sum_j code_rj * y_j                     (I32x8, lane r = row r)
-    Q4_0   value = d (code - 8):  y . w_r = d_r d_y (dot_r - 8 sum(y))
-    Q4_1   value = d code + m:    y . w_r = d_r d_y dot_r + m_r s_y    (s_y = d_y sum(y))
+The integer dot of a superblock with an activation block y (int8 [32], activation.py), lane r:
+    dot_r = sum over n of sum_pairs(maddubs(code vector n, y's quad for it in every quad))
+            Q4: the 8 maddubs add up in 16 bits first (|each| <= 2*15*127 = 3810, 8 <= 30480);
+            Q5: 4 at a time (|each| <= 2*31*127 = 7874, 4 <= 31496 < 2^15);
+            Q8_0: signed codes, each maddubs on |code| and y with the code's sign (ggml's trick),
+            each widened to 32 bits (a single one reaches 2*127*127 = 32258).
+    Q4_0, Q5_0, Q8_0  value = d (code - o), o = 8, 16, 0:  y . w_r = d_r d_y (dot_r - o sum(y))
+    Q4_1, Q5_1        value = d code + m:    y . w_r = d_r d_y dot_r + m_r s_y   (s_y = d_y sum(y))
 """
 
 from __future__ import annotations
@@ -39,13 +45,14 @@ import numpy as np
 from numba import prange
 
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
-from pyml.quant.simd import (FASTMATH, add_i16, f32x8, fma, load_fp16x8c, load_i8x4_bcast, load_u8x32, maddubs,
-                             mul, nibbles_hi, nibbles_lo, prefetch, store_f32x8, sub_i32, sum_pairs, to_f32,
-                             zeros_f32x8)
+from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, load_fp16x8c,
+                             load_i8x4_bcast, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
+                             store_f32x8, sub_i32, sum_pairs, to_f32, zeros_f32x8)
 
-# GGML type ids (compile-time constants in the kernels) -> bytes per block in the file
-Q4_0, Q4_1 = 2, 3
-TYPE_SIZE = {Q4_0: 18, Q4_1: 20}
+# GGML type ids (compile-time constants in the kernels)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}      # bytes per block in the file
+FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}              # fp16 fields first: d (, m)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,26 +71,44 @@ class Packed:
 
     def unpack(self) -> np.ndarray:
         """The matrix in the file's layout, uint8 [rows, nb * type_size] (a copy: the exact path, tests)."""
-        ts, nb, G = TYPE_SIZE[self.kind], self.n_cols // 32, self.groups.shape[0]
-        head = ts - 16  # the fp16 fields before the codes: d (Q4_0), d and m (Q4_1)
+        kind, nb, G = self.kind, self.n_cols // 32, self.groups.shape[0]
+        ts, f = TYPE_SIZE[kind], 2 * FIELDS[kind]
         sb = self.groups.reshape(G, nb, 8 * ts)
         out = np.empty((self.rows, nb, ts), np.uint8)
-        body = out[:8 * G].reshape(G, 8, nb, ts)
-        for f in range(0, head, 2):
-            body[..., f:f + 2] = sb[..., 8 * f:8 * f + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
-        body[..., head:] = (sb[..., 8 * head:].reshape(G, nb, 4, 8, 4).transpose(0, 3, 1, 2, 4)
-                            .reshape(G, 8, nb, 16))
+        body = out[:8 * G].reshape(G, 8, nb, ts)  # [g, r, b, byte]
+        for i in range(0, f, 2):
+            body[..., i:i + 2] = sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
+        at = 8 * f
+        if kind in (Q5_0, Q5_1):
+            h = np.unpackbits(sb[..., at:at + 32].reshape(G, nb, 8, 4, 1), axis=-1, bitorder="little")
+            bits = np.empty((G, nb, 8, 32), np.uint8)  # [g, b, r, value]
+            bits[..., _H_VALUES] = h  # h[g, b, r, i, n] is the bit of value v(n, i)
+            body[..., f:f + 4] = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3)
+            f, at = f + 4, at + 32
+        n_code = ts - f
+        body[..., f:] = (sb[..., at:].reshape(G, nb, n_code // 4, 8, 4).transpose(0, 3, 1, 2, 4)
+                         .reshape(G, 8, nb, n_code))
         out[8 * G:] = self.tail.reshape(-1, nb, ts)
         return out.reshape(self.rows, nb * ts)
 
 
+# value of code vector n's lane 4r + i: 16 * (n % 2) + 4 * (n // 2) + i, as an [i, n] table
+_H_VALUES = np.array([[16 * (n % 2) + 4 * (n // 2) + i for n in range(8)] for i in range(4)])
+
+
 def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
     """raw uint8 [rows, nb * type_size] in the file's layout -> the x8 layout (one copy, numpy)."""
-    ts, nb, G = TYPE_SIZE[kind], n_cols // 32, raw.shape[0] // 8
-    head = ts - 16
-    blocks = raw[:8 * G].reshape(G, 8, nb, ts)
-    parts = [blocks[..., f:f + 2].transpose(0, 2, 1, 3).reshape(G, nb, 16) for f in range(0, head, 2)]
-    parts.append(blocks[..., head:].reshape(G, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 128))
+    nb, G = n_cols // 32, raw.shape[0] // 8
+    ts, f = TYPE_SIZE[kind], 2 * FIELDS[kind]
+    blocks = raw[:8 * G].reshape(G, 8, nb, ts)  # [g, r, b, byte]
+    parts = [blocks[..., i:i + 2].transpose(0, 2, 1, 3).reshape(G, nb, 16) for i in range(0, f, 2)]
+    if kind in (Q5_0, Q5_1):
+        bits = np.unpackbits(blocks[..., f:f + 4], axis=-1, bitorder="little")  # [g, r, b, value]
+        h = bits.transpose(0, 2, 1, 3)[..., _H_VALUES]                          # [g, b, r, i, n]
+        parts.append(np.packbits(h, axis=-1, bitorder="little").reshape(G, nb, 32))
+        f += 4
+    n_code = ts - f
+    parts.append(blocks[..., f:].reshape(G, 8, nb, n_code // 4, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 8 * n_code))
     groups = np.concatenate(parts, axis=2).reshape(G, nb * 8 * ts)
     tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
     groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
@@ -93,26 +118,66 @@ def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
 # --- one superblock ----------------------------------------------------------------------
 
 @numba.njit
-def _codes(kind, w, o):
-    """The 8 code vectors of the superblock at byte o: chunk k's low and high nibbles, k = 0..3."""
+def _sb_size(kind):
     numba.literally(kind)
-    c = o + (16 if kind == Q4_0 else 32)
-    v0, v1, v2, v3 = load_u8x32(w, c), load_u8x32(w, c + 32), load_u8x32(w, c + 64), load_u8x32(w, c + 96)
-    return (nibbles_lo(v0), nibbles_hi(v0), nibbles_lo(v1), nibbles_hi(v1),
-            nibbles_lo(v2), nibbles_hi(v2), nibbles_lo(v3), nibbles_hi(v3))
+    if kind == Q4_0:
+        return 144
+    if kind == Q4_1:
+        return 160
+    if kind == Q5_0:
+        return 176
+    if kind == Q5_1:
+        return 192
+    return 272
 
 
 @numba.njit
-def _dot(v, y, yo):  # I32x8, lane r = sum_j code_rj * y[yo + j]
-    s = maddubs(v[0], load_i8x4_bcast(y, yo))
-    s = add_i16(s, maddubs(v[1], load_i8x4_bcast(y, yo + 16)))
-    s = add_i16(s, maddubs(v[2], load_i8x4_bcast(y, yo + 4)))
-    s = add_i16(s, maddubs(v[3], load_i8x4_bcast(y, yo + 20)))
-    s = add_i16(s, maddubs(v[4], load_i8x4_bcast(y, yo + 8)))
-    s = add_i16(s, maddubs(v[5], load_i8x4_bcast(y, yo + 24)))
-    s = add_i16(s, maddubs(v[6], load_i8x4_bcast(y, yo + 12)))
-    s = add_i16(s, maddubs(v[7], load_i8x4_bcast(y, yo + 28)))
-    return sum_pairs(s)
+def _codes(kind, w, o):
+    """The 8 code vectors of the superblock at byte o (module doc), as U8x32 (Q8_0: the bytes of
+    its signed codes; every kind returns the same type, as Numba needs for one function)."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        c = o + 16
+        return (load_u8x32(w, c), load_u8x32(w, c + 32), load_u8x32(w, c + 64), load_u8x32(w, c + 96),
+                load_u8x32(w, c + 128), load_u8x32(w, c + 160), load_u8x32(w, c + 192), load_u8x32(w, c + 224))
+    c = o + (32 if kind == Q4_1 else 48 if kind == Q5_0 else 64 if kind == Q5_1 else 16)
+    v0, v1, v2, v3 = load_u8x32(w, c), load_u8x32(w, c + 32), load_u8x32(w, c + 64), load_u8x32(w, c + 96)
+    n = (nibbles_lo(v0), nibbles_hi(v0), nibbles_lo(v1), nibbles_hi(v1),
+         nibbles_lo(v2), nibbles_hi(v2), nibbles_lo(v3), nibbles_hi(v3))
+    if kind == Q4_0 or kind == Q4_1:
+        return n
+    h = load_u8x32(w, c - 32)
+    return (or_u8(n[0], bit_to_u8(h, 0, 16)), or_u8(n[1], bit_to_u8(h, 1, 16)),
+            or_u8(n[2], bit_to_u8(h, 2, 16)), or_u8(n[3], bit_to_u8(h, 3, 16)),
+            or_u8(n[4], bit_to_u8(h, 4, 16)), or_u8(n[5], bit_to_u8(h, 5, 16)),
+            or_u8(n[6], bit_to_u8(h, 6, 16)), or_u8(n[7], bit_to_u8(h, 7, 16)))
+
+
+@numba.njit
+def _q8(v, y, yo):  # sum_pairs of one vector of signed codes (as bytes) against the activation quad at yo
+    q = as_i8(v)
+    return sum_pairs(maddubs(abs_u8(q), sign_i8(load_i8x4_bcast(y, yo), q)))
+
+
+@numba.njit
+def _dot(kind, v, y, yo):
+    """I32x8, lane r = sum_j code_rj * y[yo + j] for the code vectors v of a superblock."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        s = add_i32(add_i32(_q8(v[0], y, yo), _q8(v[1], y, yo + 4)), add_i32(_q8(v[2], y, yo + 8), _q8(v[3], y, yo + 12)))
+        return add_i32(s, add_i32(add_i32(_q8(v[4], y, yo + 16), _q8(v[5], y, yo + 20)),
+                                  add_i32(_q8(v[6], y, yo + 24), _q8(v[7], y, yo + 28))))
+    a = maddubs(v[0], load_i8x4_bcast(y, yo))
+    a = add_i16(a, maddubs(v[1], load_i8x4_bcast(y, yo + 16)))
+    a = add_i16(a, maddubs(v[2], load_i8x4_bcast(y, yo + 4)))
+    a = add_i16(a, maddubs(v[3], load_i8x4_bcast(y, yo + 20)))
+    b = maddubs(v[4], load_i8x4_bcast(y, yo + 8))
+    b = add_i16(b, maddubs(v[5], load_i8x4_bcast(y, yo + 24)))
+    b = add_i16(b, maddubs(v[6], load_i8x4_bcast(y, yo + 12)))
+    b = add_i16(b, maddubs(v[7], load_i8x4_bcast(y, yo + 28)))
+    if kind == Q4_0 or kind == Q4_1:
+        return sum_pairs(add_i16(a, b))
+    return add_i32(sum_pairs(a), sum_pairs(b))
 
 
 @numba.njit
@@ -120,10 +185,15 @@ def _block(kind, v, w, o, y, b, yd, ysum, ys, acc):
     """acc + the 8 rows' dot with activation block b (y int8, scale yd, code sum ysum, float sum ys)."""
     numba.literally(kind)
     scale = mul(load_fp16x8c(w, o), f32x8(yd))
+    i = _dot(kind, v, y, 32 * b)
     if kind == Q4_0:
-        return fma(scale, to_f32(sub_i32(_dot(v, y, 32 * b), 8 * ysum)), acc)
-    acc = fma(scale, to_f32(_dot(v, y, 32 * b)), acc)
-    return fma(load_fp16x8c(w, o + 16), f32x8(ys), acc)
+        i = sub_i32(i, 8 * ysum)
+    elif kind == Q5_0:
+        i = sub_i32(i, 16 * ysum)
+    acc = fma(scale, to_f32(i), acc)
+    if kind == Q4_1 or kind == Q5_1:
+        acc = fma(load_fp16x8c(w, o + 16), f32x8(ys), acc)
+    return acc
 
 
 @numba.njit
@@ -142,7 +212,7 @@ def _code_sums(xq, nb):  # xq [nb*32] int8 -> int32 [nb]: each activation block'
 @numba.njit
 def _gemv_group(kind, w, xq, xd, xs, xsum):  # F32x8: group w [nb * 8 * ts] . x, lane r = row r
     numba.literally(kind)
-    sb = 8 * (18 if kind == Q4_0 else 20)
+    sb = _sb_size(kind)
     acc = zeros_f32x8()
     for b in range(xd.size):
         o = sb * b
@@ -159,8 +229,14 @@ def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out 
     for g in prange(groups.shape[0]):
         if kind == Q4_0:
             store_f32x8(out, 8 * g, _gemv_group(Q4_0, groups[g], xq, xd, xs, xsum))
-        else:
+        elif kind == Q4_1:
             store_f32x8(out, 8 * g, _gemv_group(Q4_1, groups[g], xq, xd, xs, xsum))
+        elif kind == Q5_0:
+            store_f32x8(out, 8 * g, _gemv_group(Q5_0, groups[g], xq, xd, xs, xsum))
+        elif kind == Q5_1:
+            store_f32x8(out, 8 * g, _gemv_group(Q5_1, groups[g], xq, xd, xs, xsum))
+        else:
+            store_f32x8(out, 8 * g, _gemv_group(Q8_0, groups[g], xq, xd, xs, xsum))
     return out
 
 
@@ -170,7 +246,7 @@ def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out 
 def _gemm_group(kind, w, xq, xd, xs, xsum, out, g):
     """Rows 8g..8g+7 of out [T, R]: 4 activation rows at a time, each superblock unpacked once for them."""
     numba.literally(kind)
-    sb = 8 * (18 if kind == Q4_0 else 20)
+    sb = _sb_size(kind)
     T, nb = xd.shape
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
@@ -204,6 +280,12 @@ def gemm(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [T, nb*32] f32 -> o
     for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
         if kind == Q4_0:
             _gemm_group(Q4_0, groups[g], xq, xd, xs, xsum, out, g)
-        else:
+        elif kind == Q4_1:
             _gemm_group(Q4_1, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q5_0:
+            _gemm_group(Q5_0, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q5_1:
+            _gemm_group(Q5_1, groups[g], xq, xd, xs, xsum, out, g)
+        else:
+            _gemm_group(Q8_0, groups[g], xq, xd, xs, xsum, out, g)
     return out

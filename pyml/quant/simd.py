@@ -385,7 +385,7 @@ def minus_i8(typingctx, v, c):
 
 @intrinsic
 def as_i8(typingctx, v):
-    """Reinterpret U8x32 as I8x32 (for codes < 128)."""
+    """Reinterpret U8x32 as I8x32 (codes < 128, or bytes that hold signed codes)."""
     if not _is_vec(v, U8x32):
         return None
 
@@ -592,6 +592,17 @@ def add_i16(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.add(args[0], args[1])
     return I16x16(a, b), codegen
+
+
+@intrinsic
+def add_i32(typingctx, a, b):
+    """Lane-wise I32x8 sum."""
+    if not (_is_vec(a, I32x8) and _is_vec(b, I32x8)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return I32x8(a, b), codegen
 
 
 @intrinsic

@@ -38,8 +38,11 @@ def test_pack_keeps_results_and_rows(rng, qtype):
 
 
 def test_types_without_an_x8_layout_stay_as_stored(rng):
-    lin, raw, _ = _linear(rng, QuantType.Q8_0, 16, 64)
-    assert not lin.pack() and lin.weight.data is raw
+    from tests.quant.helpers import make_weights
+    for qtype, n_cols in ((QuantType.Q6_K, 256), (QuantType.F16, 64)):
+        raw = make_weights(rng, qtype, 16, n_cols)
+        lin = Linear(Weight(raw, qtype, (16, n_cols)))
+        assert not lin.pack() and lin.weight.data is raw
 
 
 def test_fuse_then_pack(rng):

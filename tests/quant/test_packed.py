@@ -10,7 +10,7 @@ from pyml.quant import QuantType
 from tests.quant.helpers import make_weights, q8_activation
 from tests.quant.test_matmul import RTOL, _q8_error_bound, _ref
 
-PACKABLE = [QuantType.Q4_0, QuantType.Q4_1]
+PACKABLE = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
@@ -29,21 +29,31 @@ def test_pack_is_lossless(rng, qtype, rows):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_layout_is_the_documented_one(qtype):
-    """Code byte j of row r of a group sits at 32 * (j // 4) + 4 * r + j % 4 after the fp16 fields."""
-    ts = 18 if qtype == QuantType.Q4_0 else 20
-    head = ts - 16
-    raw = np.zeros((8, 2 * ts), np.uint8)  # 8 rows, 2 blocks
-    for r in range(8):
-        for b in range(2):
-            raw[r, b * ts:b * ts + head] = np.arange(head) + 10 * r + 100 * b  # the fp16 fields, as bytes
-            raw[r, b * ts + head:(b + 1) * ts] = (np.arange(16) + 16 * r + 128 * b) % 256
-    sb = quant.pack(raw, qtype, 64).groups.reshape(2, 8 * ts)  # one group: superblocks of blocks 0, 1
+    """The module doc's layout, byte by byte: the fp16 fields of the 8 rows side by side, then (Q5)
+    the fifth bits, then code byte j of row r at 32 * (j // 4) + 4 * r + j % 4."""
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[qtype]
+    n_fields = 2 if qtype in (QuantType.Q4_1, QuantType.Q5_1) else 1
+    q5 = qtype in (QuantType.Q5_0, QuantType.Q5_1)
+    code_at = 2 * n_fields + (4 if q5 else 0)
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (8, 2 * ts), dtype=np.uint8)  # one group, 2 blocks
+    sb = quant.pack(raw, qtype, 64).groups.reshape(2, 8 * ts)
     for b in range(2):
+        block = raw[:, b * ts:(b + 1) * ts]  # [row, byte]
+        for f in range(n_fields):
+            np.testing.assert_array_equal(sb[b, 16 * f:16 * f + 16], block[:, 2 * f:2 * f + 2].reshape(16))
+        at = 16 * n_fields
+        if q5:
+            qh = block[:, 2 * n_fields:2 * n_fields + 4].copy().view("<u4")[:, 0]  # [row]
+            for r in range(8):
+                for i in range(4):
+                    for n in range(8):
+                        value = 16 * (n % 2) + 4 * (n // 2) + i
+                        assert (sb[b, at + 4 * r + i] >> n) & 1 == (qh[r] >> value) & 1
+            at += 32
         for r in range(8):
-            for f in range(0, head, 2):  # field f // 2 of row r at 8 * f + 2 * r
-                assert list(sb[b, 8 * f + 2 * r:8 * f + 2 * r + 2]) == [f + 10 * r + 100 * b, f + 1 + 10 * r + 100 * b]
-            for j in range(16):
-                assert sb[b, 8 * head + 32 * (j // 4) + 4 * r + j % 4] == (j + 16 * r + 128 * b) % 256
+            for j in range(ts - code_at):
+                assert sb[b, at + 32 * (j // 4) + 4 * r + j % 4] == block[r, code_at + j]
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
@@ -65,23 +75,25 @@ def test_packed_matmul(rng, qtype, rows, T):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_largest_codes_and_activations_do_not_overflow(qtype):
-    """Every code 15 against every activation +-127: the 16-bit lane sums reach their bound (30480)."""
-    ts = 18 if qtype == QuantType.Q4_0 else 20
-    raw = np.full((16, 8 * ts), 0xFF, np.uint8)  # 256 columns
+    """Every code at its largest magnitude (15, 31, or -128 for Q8_0) against activations of +-127:
+    the 16-bit lane sums reach their bounds (module doc) and must not wrap."""
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[qtype]
+    raw = np.full((16, 8 * ts), 0x80 if qtype == QuantType.Q8_0 else 0xFF, np.uint8)  # 256 columns
     for b in range(8):
         raw[:, b * ts:b * ts + 2] = np.array([0.01], np.float16).view(np.uint8)
-        if qtype == QuantType.Q4_1:
+        if qtype in (QuantType.Q4_1, QuantType.Q5_1):
             raw[:, b * ts + 2:b * ts + 4] = np.array([-0.05], np.float16).view(np.uint8)
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     for sign in (1.0, -1.0):
         x = np.full((5, 256), sign, np.float32)  # every block quantizes to +-127 exactly
-        y = quant.matmul(x, quant.pack(raw, qtype, 256), qtype, 256)
-        np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-6)
+        for T in (1, 5):
+            y = quant.matmul(x[:T], quant.pack(raw, qtype, 256), qtype, 256)
+            np.testing.assert_allclose(y, x[:T].astype(np.float64) @ w.T, rtol=1e-6)
 
 
 def test_only_the_x8_types_with_8_rows_pack(rng):
     assert quant.pack(make_weights(rng, QuantType.Q4_0, 7, 96), QuantType.Q4_0, 96) is None
-    assert quant.pack(make_weights(rng, QuantType.Q8_0, 16, 96), QuantType.Q8_0, 96) is None
+    assert quant.pack(make_weights(rng, QuantType.F16, 16, 96), QuantType.F16, 96) is None
     assert quant.pack(make_weights(rng, QuantType.Q4_K, 16, 768), QuantType.Q4_K, 768) is None
 
 
