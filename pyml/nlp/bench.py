@@ -416,6 +416,58 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
     return "\n".join(lines) + "\n"
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def memory_probe(name: str, threads: int, n_prompt: int, n_gen: int) -> dict:
+    """In this (fresh) process: RSS with pyml imported and its kernels loaded, then the peak RSS of
+    loading the model and running pp + tg on it. The difference is what the model costs."""
+    import pyml
+    from pyml import quant
+    from pyml.core import ops
+    from pyml.core.runtime import RuntimeConfig
+    RuntimeConfig(threads).apply()
+    ops.warmup()
+    quant.warmup()
+    gc.collect()
+    base = _status_kib("VmRSS")
+    try:  # restart the peak from here (Linux >= 4.0); without it the peak is still >= base
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    model = MODELS[name]
+    path = model.locate()
+    lm = pyml.load_model(threads=threads, **{model.kind: str(path)})
+    cache = lm.new_cache(n_prompt + n_gen)
+    token = int(np.argmax(lm.model.forward(list(range(1, n_prompt + 1)), cache)))
+    for _ in range(n_gen):
+        token = int(np.argmax(lm.model.forward([token], cache)))
+    return {"model": name, "file": model_size(path), "kv_cache": cache.nbytes,
+            "base": base * 1024, "peak": _status_kib("VmHWM") * 1024}
+
+
+def memory(model_names, threads: int, n_prompt: int, n_gen: int) -> str:
+    """Peak resident memory of each model, each in its own process, against file + KV cache."""
+    import subprocess
+    lines = ["| model | file (MiB) | KV cache (MiB) | peak RSS over pyml's own (MiB) | / (file + KV cache) |",
+             "|---|---|---|---|---|"]
+    for name in model_names:
+        MODELS[name].locate()  # build a stand-in here, not inside the measured process
+        cmd = [sys.executable, "-m", "pyml.nlp.bench", "--memory-probe", name, "--threads", str(threads),
+               "--n-prompt", str(n_prompt), "--n-gen", str(n_gen)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise PymlError(f"memory probe of {name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        m = json.loads(done.stdout.strip().splitlines()[-1])
+        model_part = m["peak"] - m["base"]
+        lines.append(f"| {name} | {m['file'] / 2**20:.0f} | {m['kv_cache'] / 2**20:.1f} | "
+                     f"{model_part / 2**20:.0f} | {model_part / (m['file'] + m['kv_cache']):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyml-bench", description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -431,7 +483,15 @@ def main(argv=None) -> int:
                    help="instead of pp/tg: decode ms/step with LOG off, debug and trace, interleaved")
     p.add_argument("--log", metavar="LEVEL", default=None,
                    help="pyml's log level while measuring (or env LOG): the cost of logging, measured")
+    p.add_argument("--memory", action="store_true",
+                   help="instead of pp/tg: peak resident memory of each model (one process each) "
+                        "against its file size + KV cache")
+    p.add_argument("--memory-probe", metavar="MODEL", help=argparse.SUPPRESS)  # the child of --memory
     args = p.parse_args(argv)
+    if args.memory_probe:
+        print(json.dumps(memory_probe(args.memory_probe, int(args.threads.split(",")[0]), args.n_prompt,
+                                      args.n_gen)))
+        return 0
     try:
         from pyml.core import perf
         perf.configure(args.log)
@@ -447,11 +507,14 @@ def main(argv=None) -> int:
         tests = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
         if args.reps < 1 or not tests or min(threads) < 1:
             raise PymlError("--reps and --threads must be >= 1 and --tests one of pp, tg")
-        if args.log_cost:
-            table = "".join(log_cost(models, t) for t in threads)
+        if args.log_cost or args.memory:
+            if args.log_cost:
+                table, name = "".join(log_cost(models, t) for t in threads), "log-cost.md"
+            else:
+                table, name = "".join(memory(models, t, args.n_prompt, args.n_gen) for t in threads), "memory.md"
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "log-cost.md").write_text(table)
+            (out / name).write_text(table)
             sys.stdout.write(table)
             return 0
         rows, info = run(models, threads, args.reps, peers, tests, args.n_prompt, args.n_gen,

@@ -44,6 +44,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, load_fp16x8c,
                              load_i8x4_bcast, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
@@ -71,48 +72,68 @@ class Packed:
 
     def unpack(self) -> np.ndarray:
         """The matrix in the file's layout, uint8 [rows, nb * type_size] (a copy: the exact path, tests)."""
-        kind, nb, G = self.kind, self.n_cols // 32, self.groups.shape[0]
-        ts, f = TYPE_SIZE[kind], 2 * FIELDS[kind]
-        sb = self.groups.reshape(G, nb, 8 * ts)
-        out = np.empty((self.rows, nb, ts), np.uint8)
-        body = out[:8 * G].reshape(G, 8, nb, ts)  # [g, r, b, byte]
-        for i in range(0, f, 2):
-            body[..., i:i + 2] = sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)
-        at = 8 * f
-        if kind in (Q5_0, Q5_1):
+        nb, G, ts = self.n_cols // 32, self.groups.shape[0], TYPE_SIZE[self.kind]
+        out = np.empty((self.rows, nb * ts), np.uint8)
+        _relay(self.kind, out[:8 * G].reshape(G, 8, nb, ts), self.groups.reshape(G, nb, 8 * ts), to_x8=False)
+        out[8 * G:] = self.tail
+        return out
+
+
+def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
+    """raw uint8 [rows, nb * type_size] in the file's layout -> the x8 layout.
+
+    Copied a slab of rows at a time, each slab's pages of a file-mapped `raw` given back as soon as
+    it is copied (raw stays valid: a later read pages it in again), so a load never holds the
+    file's pages and the copy of a whole tensor at once."""
+    nb, G, ts = n_cols // 32, raw.shape[0] // 8, TYPE_SIZE[kind]
+    groups = np.empty((G, nb * 8 * ts), np.uint8)
+    for g0 in range(0, G, _SLAB_GROUPS):
+        g1 = min(G, g0 + _SLAB_GROUPS)
+        src = raw[8 * g0:8 * g1]
+        _relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, 8 * ts), to_x8=True)
+        release_pages(src)
+    tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
+    groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
+    return Packed(kind, n_cols, raw.shape[0], groups, tail)
+
+
+_SLAB_GROUPS = 1024  # 8192 rows: a few MB in flight
+
+
+def _relay(kind: int, blocks: np.ndarray, sb: np.ndarray, to_x8: bool) -> None:
+    """Copy between the file's blocks [g, r, b, byte] and the superblocks [g, b, byte] of the same
+    groups, either way. Every view below only splits or permutes axes, so numpy copies element by
+    element with no temporary (the fifth bits of Q5 excepted: 8 bytes per bit while regrouped)."""
+    G, _, nb, ts = blocks.shape
+    f = 2 * FIELDS[kind]
+    for i in range(0, f, 2):  # fp16 fields: [g, b, (r, 2)] <-> [g, r, b, 2]
+        _copy(sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3), blocks[..., i:i + 2], to_x8)
+    at = 8 * f
+    if kind in (Q5_0, Q5_1):
+        if to_x8:
+            bits = np.unpackbits(blocks[..., f:f + 4], axis=-1, bitorder="little")   # [g, r, b, value]
+            h = bits.transpose(0, 2, 1, 3)[..., _H_VALUES]                            # [g, b, r, i, n]
+            sb[..., at:at + 32] = np.packbits(h, axis=-1, bitorder="little").reshape(G, nb, 32)
+        else:
             h = np.unpackbits(sb[..., at:at + 32].reshape(G, nb, 8, 4, 1), axis=-1, bitorder="little")
-            bits = np.empty((G, nb, 8, 32), np.uint8)  # [g, b, r, value]
-            bits[..., _H_VALUES] = h  # h[g, b, r, i, n] is the bit of value v(n, i)
-            body[..., f:f + 4] = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3)
-            f, at = f + 4, at + 32
-        n_code = ts - f
-        body[..., f:] = (sb[..., at:].reshape(G, nb, n_code // 4, 8, 4).transpose(0, 3, 1, 2, 4)
-                         .reshape(G, 8, nb, n_code))
-        out[8 * G:] = self.tail.reshape(-1, nb, ts)
-        return out.reshape(self.rows, nb * ts)
+            bits = np.empty((G, nb, 8, 32), np.uint8)
+            bits[..., _H_VALUES] = h
+            blocks[..., f:f + 4] = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3)
+        f, at = f + 4, at + 32
+    n = (ts - f) // 4  # code chunks: [g, b, (k, r, 4)] <-> [g, r, b, (k, 4)]
+    _copy(sb[..., at:].reshape(G, nb, n, 8, 4).transpose(0, 3, 1, 2, 4), blocks[..., f:].reshape(G, 8, nb, n, 4),
+          to_x8)
+
+
+def _copy(x8_view: np.ndarray, file_view: np.ndarray, to_x8: bool) -> None:
+    if to_x8:
+        x8_view[...] = file_view
+    else:
+        file_view[...] = x8_view
 
 
 # value of code vector n's lane 4r + i: 16 * (n % 2) + 4 * (n // 2) + i, as an [i, n] table
 _H_VALUES = np.array([[16 * (n % 2) + 4 * (n // 2) + i for n in range(8)] for i in range(4)])
-
-
-def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
-    """raw uint8 [rows, nb * type_size] in the file's layout -> the x8 layout (one copy, numpy)."""
-    nb, G = n_cols // 32, raw.shape[0] // 8
-    ts, f = TYPE_SIZE[kind], 2 * FIELDS[kind]
-    blocks = raw[:8 * G].reshape(G, 8, nb, ts)  # [g, r, b, byte]
-    parts = [blocks[..., i:i + 2].transpose(0, 2, 1, 3).reshape(G, nb, 16) for i in range(0, f, 2)]
-    if kind in (Q5_0, Q5_1):
-        bits = np.unpackbits(blocks[..., f:f + 4], axis=-1, bitorder="little")  # [g, r, b, value]
-        h = bits.transpose(0, 2, 1, 3)[..., _H_VALUES]                          # [g, b, r, i, n]
-        parts.append(np.packbits(h, axis=-1, bitorder="little").reshape(G, nb, 32))
-        f += 4
-    n_code = ts - f
-    parts.append(blocks[..., f:].reshape(G, 8, nb, n_code // 4, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 8 * n_code))
-    groups = np.concatenate(parts, axis=2).reshape(G, nb * 8 * ts)
-    tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
-    groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
-    return Packed(kind, n_cols, raw.shape[0], groups, tail)
 
 
 # --- one superblock ----------------------------------------------------------------------

@@ -42,3 +42,17 @@ def test_log_cost_table(tmp_path, smollm2_gguf):
 def test_bad_flags_are_one_line(tmp_path):
     one_line_error(run_bench("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
     one_line_error(run_bench("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
+
+
+def test_memory_table(tmp_path, smollm2_gguf):
+    """Each model measured in a process of its own: the weights it reads are resident (the model part
+    is at least the file), and the table is what the file holds."""
+    r = run_bench("--memory", "--models", "smollm2-135m-q4_1", "--n-prompt", "16", "--n-gen", "8",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "memory.md").read_text() == r.stdout
+    cells = [c.strip() for c in r.stdout.splitlines()[2].split("|")[1:-1]]
+    name, file_mib, kv_mib, model_mib, ratio = cells
+    assert name == "smollm2-135m-q4_1" and int(file_mib) == round(smollm2_gguf.stat().st_size / 2**20)
+    assert float(kv_mib) > 0 and int(model_mib) >= 0.9 * int(file_mib)
+    assert abs(float(ratio[:-1]) - int(model_mib) / (int(file_mib) + float(kv_mib))) < 0.02
