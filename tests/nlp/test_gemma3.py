@@ -299,13 +299,21 @@ def test_real_270m_gguf_exact_kernels_match_transformers(real_gemma, monkeypatch
 def test_real_270m_gguf_argmax_matches_transformers(real_gemma):
     """The default kernels round activations to int8 per 32 values, as ggml does; on Gemma's
     outlier-heavy activations that moves logits by ~2-3% of their range on these prompts (up
-    to 9% near <bos> in the chat prompt, where one argmax flips, so it is not listed here)."""
+    to 9% near <bos> in the chat prompt, so it is not listed here). The argmax must agree
+    wherever transformers' own top two logits are more than 0.5% of the range apart; a near-tie
+    may go either way (the fibonacci prompt's second position: 0.19% apart). The exact-path test
+    below asserts agreement at every position."""
     lm, hf = real_gemma
     for prompt in PROMPTS:
         ids = lm.encode(prompt)
-        rel, agree = compare(lm.forward(ids, all_logits=True), hf_logits(hf, ids))
-        print(f"int8, {len(ids)} tokens: max|diff|/range {rel:.2e}, argmax agree {agree}/{len(ids)}")
-        assert agree == len(ids) and rel < 5e-2, prompt
+        got, ref = lm.forward(ids, all_logits=True), hf_logits(hf, ids)
+        rel, agree = compare(got, ref)
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        margin = (top2[:, 1] - top2[:, 0]) / (ref.max(-1) - ref.min(-1))
+        flips = np.flatnonzero(got.argmax(-1) != ref.argmax(-1))
+        print(f"int8, {len(ids)} tokens: max|diff|/range {rel:.2e}, argmax agree {agree}/{len(ids)}, "
+              f"flips at {flips.tolist()} (reference margins {margin[flips].round(4).tolist()})")
+        assert rel < 5e-2 and np.all(margin[flips] < 5e-3), prompt
 
 
 @slow
