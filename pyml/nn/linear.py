@@ -1,9 +1,11 @@
 """Linear: the one thing a model multiplies through.
 
-It hides how a weight is stored — float32 (maybe transposed, as GPT-2's Conv1D
-keeps it), float16, bfloat16 bits, or ggml quantized blocks — behind `y = x W^T + b`.
-Quantized weights go to the fused kernels of pyml.quant, which read the blocks in
-place; float32 goes to BLAS.
+It hides how a weight is stored — float32, float16, bfloat16 bits, or ggml quantized
+blocks — behind `y = x W^T + b`. Every kind goes to pyml.quant's Numba kernels, which
+read the weights in place. Not BLAS, even for float32: on this machine its spinning
+worker threads and Numba's take the cores from each other whenever both run in one
+forward pass (GPT-2 124M F32: decode 23 -> 16 ms/token, prefill 1.4x, once every
+matmul runs in Numba and BLAS keeps to one thread).
 """
 
 from __future__ import annotations
@@ -24,16 +26,14 @@ _perf = perf.get("pyml.nn.linear")
 class Weight:
     """A 2-D weight as stored in the model file; its logical shape is (out, in).
 
-    data: float32 (out, in), or (in, out) when `transposed`; float16 (out, in);
-    uint16 bfloat16 bits (out, in); uint8 ggml blocks (out, row_bytes) for quant types,
-    or those blocks re-laid by quant.pack (a quant.Packed, after Linear.pack).
-    Usually a read-only view into a memory-mapped file.
+    data: float32 / float16 (out, in); uint16 bfloat16 bits (out, in); uint8 ggml blocks
+    (out, row_bytes) for quant types, or those blocks re-laid by quant.pack (a quant.Packed,
+    after Linear.pack). Usually a read-only view into a memory-mapped file.
     """
 
     data: np.ndarray | quant.Packed
     qtype: QuantType
     shape: tuple
-    transposed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -47,24 +47,20 @@ class Weight:
         """float32 rows `ids` of the (out, in) matrix: embedding lookups."""
         ids = np.asarray(ids, dtype=np.int64)
         if self.qtype == QuantType.F32:
-            return np.ascontiguousarray(self.data[:, ids].T if self.transposed else self.data[ids],
-                                        dtype=np.float32)
+            return np.ascontiguousarray(self.data[ids], dtype=np.float32)
         return quant.dequantize_rows(self.data, self.qtype, self.shape[1], ids)
 
     def dense(self) -> np.ndarray:
         """The whole matrix as float32 (out, in): for tests and small tensors only."""
         if self.qtype == QuantType.F32:
-            return np.ascontiguousarray(self.data.T if self.transposed else self.data)
+            return np.ascontiguousarray(self.data)
         return quant.dequantize(self.data, self.qtype, self.shape[1])
 
 
-def dense_weight(array: np.ndarray, transposed: bool = False) -> Weight:
-    """Wrap a float32 / float16 array (out, in) — or (in, out) with `transposed`."""
+def dense_weight(array: np.ndarray) -> Weight:
+    """Wrap a float32 / float16 array (out, in)."""
     qtype = {np.dtype(np.float32): QuantType.F32, np.dtype(np.float16): QuantType.F16}[array.dtype]
-    shape = array.shape[::-1] if transposed else array.shape
-    if transposed and qtype != QuantType.F32:  # only BLAS copes with the transposed layout
-        array, transposed = np.ascontiguousarray(array.T), False
-    return Weight(array, qtype, tuple(shape), transposed)
+    return Weight(array, qtype, tuple(array.shape))
 
 
 class Linear:
@@ -80,12 +76,9 @@ class Linear:
         w = self.weight
         with _perf.trace("linear::forward", "{}->{} {}", x.shape, self._dims, self._type_name,
                          module=self.name, op="linear", dtype=self._type_name):
-            if w.qtype == QuantType.F32:
-                y = x @ (w.data if w.transposed else w.data.T)
-            else:
-                with _perf.trace(self._quant_event, "[{}x{}]x[{}x{}]", x.shape[0], x.shape[1],
-                                 self.out_features, self.in_features, module=self.name, op="quant_matmul"):
-                    y = quant.matmul(x, w.data, w.qtype, self.in_features)
+            with _perf.trace(self._quant_event, "[{}x{}]x[{}x{}]", x.shape[0], x.shape[1],
+                             self.out_features, self.in_features, module=self.name, op="quant_matmul"):
+                y = quant.matmul(x, w.data, w.qtype, self.in_features)
             if self.bias is not None:
                 y += self.bias
             return y
@@ -95,7 +88,7 @@ class Linear:
         Q5_0, Q5_1, Q8_0: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of the
         original back as it copies. Call after fuse. Returns whether the weights were packed."""
         w = self.weight
-        if w.transposed or isinstance(w.data, quant.Packed):
+        if isinstance(w.data, quant.Packed):
             return False
         packed = quant.pack(w.data, w.qtype, self.in_features)
         if packed is None:
@@ -109,13 +102,12 @@ class Linear:
 
         Fewer, larger matmuls mean fewer calls per layer — what small models are
         bound by. Returns None when the weights cannot share one kernel (different
-        storage types, or GPT-2-style transposed storage).
+        storage types or input sizes).
         """
         ws = [lin.weight for lin in linears]
         if any(isinstance(w.data, quant.Packed) for w in ws):
             raise ValueError("Linear.fuse takes weights as stored: fuse before pack")
-        if len({w.qtype for w in ws}) != 1 or any(w.transposed for w in ws) \
-                or len({w.shape[1] for w in ws}) != 1:
+        if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1:
             return None
         data = np.concatenate([w.data for w in ws], axis=0)
         for w in ws:  # the file's pages of the parts are not read again: give them back

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyml.core.errors import ModelFormatError
+from pyml.core.mapping import release_pages
 from pyml.nn.linear import Weight
 from pyml.quant import QuantType
 
@@ -64,18 +65,18 @@ class TensorStore:
     def weight(self, name: str, shape, transposed: bool = False) -> Weight:
         """A 2-D weight of logical shape (out, in) = `shape`.
 
-        `transposed`: the file stores it (in, out) (GPT-2's Conv1D); kept as is for BLAS.
+        `transposed`: the file stores it (in, out) (GPT-2's Conv1D): it is copied once into
+        (out, in), the layout every kernel reads, and the file's pages are given back.
         """
         data, type_name, stored = self._entry(name)
         self._check(name, stored, tuple(shape)[::-1] if transposed else shape)
         self.used.add(name)
         qtype = _FLOAT_TYPES.get(type_name) or QuantType[type_name]
-        if transposed and qtype != QuantType.F32:
-            data = np.ascontiguousarray(data.T)  # only float32 keeps the transposed layout (BLAS)
-            if qtype == QuantType.BF16:
-                data = data.view(np.uint16)
-            transposed = False
-        return Weight(data, qtype, tuple(shape), transposed)
+        if transposed:
+            file_data, data = data, np.ascontiguousarray(data.T)
+            release_pages(file_data)
+            data.flags.writeable = False
+        return Weight(data, qtype, tuple(shape))
 
     def vector(self, name: str, shape) -> np.ndarray:
         """A small tensor (norm weight, bias) as float32."""

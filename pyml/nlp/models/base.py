@@ -62,12 +62,6 @@ class DecoderModel:
         """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many."""
         return sum(lin.pack() for lin in self.linears())
 
-    def uses_blas(self) -> bool:
-        """Whether any matmul of a forward pass goes through NumPy's BLAS (float32 weights);
-        quantized and F16/BF16 weights run in pyml.quant's Numba kernels."""
-        from pyml.quant import QuantType
-        return any(lin.weight.qtype == QuantType.F32 for lin in self.linears())
-
     def describe(self) -> str:
         """One line for the debug log: architecture, sizes and weight storage."""
         from collections import Counter

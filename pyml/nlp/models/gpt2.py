@@ -2,8 +2,8 @@
 
 Learned position embeddings, pre-LayerNorm blocks with biases, fused c_attn,
 GELU (tanh form, `gelu_new`) MLP, output head tied to wte. HF stores the four
-Conv1D weights as (in, out); they stay that way in memory and Linear multiplies
-`x @ W` (no transposed copy of the file).
+Conv1D weights as (in, out); the loader copies each once into the (out, in) layout
+every kernel reads (and gives the file's pages back).
 """
 
 from __future__ import annotations
