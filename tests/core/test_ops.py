@@ -12,7 +12,7 @@ def rng():
     return np.random.default_rng(11)
 
 
-@numba.njit(cache=True)
+@numba.njit  # not cached: its cache would be stamped with this file only, not with ops.py
 def _exp32_all(x, out):
     for i in range(x.size):
         out[i] = ops.exp32(x[i])
