@@ -53,16 +53,16 @@ class LanguageModel:
         sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)
         stream = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         pieces = []
+        stop = self.tokenizer.eos_ids if self.tokenizer is not None else ()
 
         def on_token(tok):
-            if stream is not None:
+            if stream is not None and tok not in stop:  # the stop token ends the text, it is not part of it
                 text = stream.push(tok)
                 if text:
                     pieces.append(text)
                     if on_text is not None:
                         on_text(text)
 
-        stop = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         result = result if result is not None else GenerationResult(ids)
         try:
             Generator(self.model, self.tokenizer).generate(ids, max_tokens, sampling, stop_ids=stop,

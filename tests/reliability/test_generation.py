@@ -205,3 +205,15 @@ def test_concurrent_generations_match_sequential_ones(smollm2):
             t.join(timeout=300)
         assert not errors, errors
         assert got == expected
+
+
+def test_the_stop_token_ends_the_text_without_appearing_in_it(smollm2):
+    """SmolLM2-Instruct answers and then emits <|im_end|>: the token is in the result, its text
+    is neither streamed nor in result.text."""
+    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                   template=smollm2.chat_template)
+    streamed = []
+    res = smollm2.generate(prompt, max_tokens=64, on_text=streamed.append)
+    assert res.stop_reason == "eos" and res.tokens[-1] in smollm2.tokenizer.eos_ids
+    assert res.text == "".join(streamed) == smollm2.tokenizer.decode(res.tokens[:-1])
+    assert "<|im_end|>" not in res.text and res.text.strip()
