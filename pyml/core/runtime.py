@@ -9,6 +9,8 @@ or decode step; `warmup_thread_pool()` moves it before the clock starts.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numba
@@ -18,6 +20,24 @@ from pyml.core import perf
 from pyml.core.errors import PymlError
 
 _perf = perf.get("pyml.core.runtime")
+
+
+_LAUNCH_LOCK = threading.Lock()
+_layer = None  # Numba's threading layer, once a parallel kernel has chosen it
+
+
+def kernel_lock():
+    """What to hold around a forward pass: a process-wide lock when Numba's thread pool cannot
+    take parallel launches from two threads at once (its fallback 'workqueue' layer aborts the
+    process), else a no-op. 'omp' and 'tbb' are thread-safe: generations on several threads
+    then run concurrently; under 'workqueue' they take turns, one forward pass at a time."""
+    global _layer
+    if _layer is None:
+        try:
+            _layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run yet: the lock is the safe answer
+            return _LAUNCH_LOCK
+    return _LAUNCH_LOCK if _layer == "workqueue" else nullcontext()
 
 
 def cpu_count() -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyml.core import perf
+from pyml.core import perf, runtime
 from pyml.nn import KVCache
 
 _perf = perf.get("pyml.nlp.model")
@@ -39,7 +39,8 @@ class DecoderModel:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         pos = cache.length if pos is None else pos
         T = tokens.shape[0]
-        with _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
+        with runtime.kernel_lock(), \
+                _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
             with span.part("embedding"):
                 x = self.embed(tokens, pos)
             with span.part("layers"):
