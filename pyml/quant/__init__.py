@@ -14,9 +14,9 @@ matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
   F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
                         with float32 FMAs (weights widened on the fly).
-  packed W (Q4_0, Q4_1) pack() re-lays the blocks 8 rows at a time (packed.py): GEMV and GEMM
-                        then work on 8 rows per instruction, ~2.5x the speed of the file layout;
-                        models pack their Linears at load (Linear.pack).
+  packed W              pack() re-lays Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks 8 rows at a time
+                        (packed.py): GEMV and GEMM then serve 8 rows per instruction, 1.2-3.8x
+                        the file layout's speed; models pack their Linears at load (Linear.pack).
 Why not BLAS (on decoded tiles) for T > 1: alone, at T = 128 with 2 threads, it is faster than
 the int8 GEMM (126-145 vs 63-128 GFLOP/s) and as fast as the float tiles (133-161 vs 113-134).
 But in a model each matmul sits between Numba kernels, and Numba's and OpenBLAS's thread pools
