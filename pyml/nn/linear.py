@@ -85,8 +85,8 @@ class Linear:
 
     def pack(self) -> bool:
         """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1,
-        Q5_0, Q5_1, Q8_0: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of the
-        original back as it copies. Call after fuse. Returns whether the weights were packed."""
+        Q5_0, Q5_1, Q8_0, Q4_K: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of
+        the original back as it copies. Call after fuse. Returns whether the weights were packed."""
         w = self.weight
         if isinstance(w.data, quant.Packed):
             return False

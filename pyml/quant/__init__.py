@@ -14,9 +14,9 @@ matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
   F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
                         with float32 FMAs (weights widened on the fly).
-  packed W              pack() re-lays Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks 8 rows at a time
-                        (packed.py): GEMV and GEMM then serve 8 rows per instruction, 1.2-3.8x
-                        the file layout's speed; models pack their Linears at load (Linear.pack).
+  packed W              pack() re-lays Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K blocks 8 rows at a
+                        time (packed.py): GEMV and GEMM then serve 8 rows per instruction,
+                        1.2-3.8x the file layout's speed; models pack their Linears at load.
 Why not BLAS (on decoded tiles) for T > 1: alone, at T = 128 with 2 threads, it is faster than
 the int8 GEMM (126-145 vs 63-128 GFLOP/s) and as fast as the float tiles (133-161 vs 113-134).
 But in a model each matmul sits between Numba kernels, and Numba's and OpenBLAS's thread pools
@@ -70,7 +70,8 @@ __all__ = ["QuantType", "FORMATS", "BlockFormat", "is_supported", "row_bytes", "
 # quant type -> the module holding its kernels; the GGML type id is passed as `kind`
 _KERNELS = {QuantType.Q4_0: legacy, QuantType.Q4_1: legacy, QuantType.Q5_0: legacy, QuantType.Q5_1: legacy,
             QuantType.Q8_0: legacy, QuantType.Q4_K: kquants, QuantType.Q5_K: kquants, QuantType.Q6_K: kquants}
-_PACKABLE = frozenset({QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0})
+_PACKABLE = frozenset({QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
+                       QuantType.Q4_K})
 _QUANTIZERS = {QuantType.Q8_0: quantize_q8_0, QuantType.Q4_0: quantize_q4_0, QuantType.Q4_1: quantize_q4_1}
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
 
@@ -172,8 +173,8 @@ def _prepare(x, rows: int, n_cols: int, out):
 
 def pack(raw: np.ndarray, qtype, n_cols: int) -> Packed | None:
     """The matrix re-laid 8 rows at a time (packed.py: ~2.5x the matmul speed) where its type has
-    that layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and it has 8 rows or more; otherwise None. One copy
-    of the blocks."""
+    that layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K) and it has 8 rows or more; otherwise None.
+    One copy of the blocks."""
     if qtype not in _PACKABLE:
         return None
     w = _as_stored(raw, qtype, n_cols)
@@ -190,14 +191,15 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
                          f"{getattr(qtype, 'name', qtype)} of {n_cols}")
     x, out = _prepare(x, p.rows, n_cols, out)
     T, head = x.shape[0], 8 * p.groups.shape[0]
+    file_kernels = _KERNELS[qtype]  # for the tail rows, kept in the file's layout
     if T == 1:
         x8.gemv(p.groups, x[0], out[0], p.kind)
         if p.tail.shape[0]:
-            legacy.gemv(p.tail, x[0], out[0, head:], p.kind)
+            file_kernels.gemv(p.tail, x[0], out[0, head:], p.kind)
     else:
         x8.gemm(p.groups, x, out, p.kind)
         if p.tail.shape[0]:
-            out[:, head:] = legacy.gemm(p.tail, x, np.empty((T, p.tail.shape[0]), np.float32), p.kind)
+            out[:, head:] = file_kernels.gemm(p.tail, x, np.empty((T, p.tail.shape[0]), np.float32), p.kind)
     return out
 
 

@@ -26,6 +26,17 @@ Layout of a matrix of R rows, nb blocks of 32 values per row, ts bytes per block
             for Q8_0 chunk n. Q5: bit n of h's byte 4r + i is the fifth bit of value v(n, i) of row r.
     tail    uint8 [R % 8, nb * ts]: the last rows, in the file's layout (the file kernels).
 
+Q4_K (256-value superblocks of 8 groups of 32, kquants.py) the same way, 8 rows x 256 values
+in 1184 bytes instead of 8 x 144 = 1152: its 6-bit scales and mins are stored one per byte,
+so a group's 8 rows load theirs as one 8-byte vector (kscales would unpack 8 rows separately):
+                d[8], dmin[8]   fp16                                      32 bytes
+                sc[8][8]        u8, group j's scales of the 8 rows at 8j  64 bytes
+                mn[8][8]        u8, the mins the same way                 64 bytes
+                codes[4][8][8][4]  chunk pair p = the file's 32 code bytes 32p..32p+31 of
+                                each row, in 8 chunks of 4 bytes x 8 rows  1024 bytes
+            The low nibbles of pair p are group 2p, the high nibbles group 2p + 1, value l of
+            the group in byte l as in the file: y . w_r = d_r sc_rj d_y dot_rj - dmin_r mn_rj s_y.
+
 The integer dot of a superblock with an activation block y (int8 [32], activation.py), lane r:
     dot_r = sum over n of sum_pairs(maddubs(code vector n, y's quad for it in every quad))
             Q4: the 8 maddubs add up in 16 bits first (|each| <= 2*15*127 = 3810, 8 <= 30480);
@@ -46,13 +57,15 @@ from numba import prange
 
 from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
-from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, load_fp16x8c,
-                             load_i8x4_bcast, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
+from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, fnma, load_fp16x8c,
+                             load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
                              store_f32x8, sub_i32, sum_pairs, to_f32, zeros_f32x8)
 
 # GGML type ids (compile-time constants in the kernels)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
-TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}      # bytes per block in the file
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K = 2, 3, 6, 7, 8, 12
+TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144}  # bytes per block in the file
+BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256}     # values per block
+SUPERBLOCK = {Q4_0: 144, Q4_1: 160, Q5_0: 176, Q5_1: 192, Q8_0: 272, Q4_K: 1184}  # bytes per 8 rows x block
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}              # fp16 fields first: d (, m)
 
 
@@ -72,9 +85,11 @@ class Packed:
 
     def unpack(self) -> np.ndarray:
         """The matrix in the file's layout, uint8 [rows, nb * type_size] (a copy: the exact path, tests)."""
-        nb, G, ts = self.n_cols // 32, self.groups.shape[0], TYPE_SIZE[self.kind]
+        kind, G = self.kind, self.groups.shape[0]
+        nb, ts, sb = self.n_cols // BLOCK[kind], TYPE_SIZE[kind], SUPERBLOCK[kind]
         out = np.empty((self.rows, nb * ts), np.uint8)
-        _relay(self.kind, out[:8 * G].reshape(G, 8, nb, ts), self.groups.reshape(G, nb, 8 * ts), to_x8=False)
+        relay = _relay_q4k if kind == Q4_K else _relay
+        relay(kind, out[:8 * G].reshape(G, 8, nb, ts), self.groups.reshape(G, nb, sb), to_x8=False)
         out[8 * G:] = self.tail
         return out
 
@@ -85,12 +100,14 @@ def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
     Copied a slab of rows at a time, each slab's pages of a file-mapped `raw` given back as soon as
     it is copied (raw stays valid: a later read pages it in again), so a load never holds the
     file's pages and the copy of a whole tensor at once."""
-    nb, G, ts = n_cols // 32, raw.shape[0] // 8, TYPE_SIZE[kind]
-    groups = np.empty((G, nb * 8 * ts), np.uint8)
+    G = raw.shape[0] // 8
+    nb, ts, sb = n_cols // BLOCK[kind], TYPE_SIZE[kind], SUPERBLOCK[kind]
+    relay = _relay_q4k if kind == Q4_K else _relay
+    groups = np.empty((G, nb * sb), np.uint8)
     for g0 in range(0, G, _SLAB_GROUPS):
         g1 = min(G, g0 + _SLAB_GROUPS)
         src = raw[8 * g0:8 * g1]
-        _relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, 8 * ts), to_x8=True)
+        relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, sb), to_x8=True)
         release_pages(src)
     tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
     groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
@@ -132,6 +149,28 @@ def _copy(x8_view: np.ndarray, file_view: np.ndarray, to_x8: bool) -> None:
         file_view[...] = x8_view
 
 
+def _relay_q4k(kind: int, blocks: np.ndarray, sb: np.ndarray, to_x8: bool) -> None:
+    """_relay for Q4_K: blocks [g, r, b, 144] <-> superblocks [g, b, 1184] (module doc)."""
+    G, _, nb, _ = blocks.shape
+    for i in (0, 2):  # d, dmin: [g, b, (r, 2)] <-> [g, r, b, 2]
+        _copy(sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3), blocks[..., i:i + 2], to_x8)
+    # scales and mins: [g, b, (j, r)] <-> the 12 packed bytes of [g, r, b]
+    sc, mn = sb[..., 32:96].reshape(G, nb, 8, 8), sb[..., 96:160].reshape(G, nb, 8, 8)
+    packed = blocks[..., 4:16]
+    if to_x8:
+        lo, mid, hi = (packed[..., k:k + 4].transpose(0, 2, 3, 1) for k in (0, 4, 8))  # [g, b, j, r]
+        sc[:, :, :4], mn[:, :, :4] = lo & 63, mid & 63
+        sc[:, :, 4:], mn[:, :, 4:] = (hi & 15) | (lo >> 6) << 4, (hi >> 4) | (mid >> 6) << 4
+    else:
+        s, m = sc.transpose(0, 3, 1, 2), mn.transpose(0, 3, 1, 2)  # [g, r, b, j]
+        packed[..., 0:4] = s[..., :4] | (s[..., 4:] >> 4) << 6
+        packed[..., 4:8] = m[..., :4] | (m[..., 4:] >> 4) << 6
+        packed[..., 8:12] = (s[..., 4:] & 15) | (m[..., 4:] & 15) << 4
+    # codes: [g, b, (p, k, r, 4)] <-> [g, r, b, (p, k, 4)]
+    _copy(sb[..., 160:].reshape(G, nb, 4, 8, 8, 4).transpose(0, 4, 1, 2, 3, 5),
+          blocks[..., 16:].reshape(G, 8, nb, 4, 8, 4), to_x8)
+
+
 # value of code vector n's lane 4r + i: 16 * (n % 2) + 4 * (n // 2) + i, as an [i, n] table
 _H_VALUES = np.array([[16 * (n % 2) + 4 * (n // 2) + i for n in range(8)] for i in range(4)])
 
@@ -149,6 +188,8 @@ def _sb_size(kind):
         return 176
     if kind == Q5_1:
         return 192
+    if kind == Q4_K:
+        return 1184
     return 272
 
 
@@ -218,6 +259,30 @@ def _block(kind, v, w, o, y, b, yd, ysum, ys, acc):
 
 
 @numba.njit
+def _k_codes(w, c, half):
+    """Q4_K: the 8 code vectors of one group, from the chunk pair at byte c: low nibbles (half 0)
+    or high (half 1), ordered as _dot pairs them with the activation (values 0, 16, 4, 20, ...)."""
+    numba.literally(half)
+    if half == 0:
+        return (nibbles_lo(load_u8x32(w, c)), nibbles_lo(load_u8x32(w, c + 128)),
+                nibbles_lo(load_u8x32(w, c + 32)), nibbles_lo(load_u8x32(w, c + 160)),
+                nibbles_lo(load_u8x32(w, c + 64)), nibbles_lo(load_u8x32(w, c + 192)),
+                nibbles_lo(load_u8x32(w, c + 96)), nibbles_lo(load_u8x32(w, c + 224)))
+    return (nibbles_hi(load_u8x32(w, c)), nibbles_hi(load_u8x32(w, c + 128)),
+            nibbles_hi(load_u8x32(w, c + 32)), nibbles_hi(load_u8x32(w, c + 160)),
+            nibbles_hi(load_u8x32(w, c + 64)), nibbles_hi(load_u8x32(w, c + 192)),
+            nibbles_hi(load_u8x32(w, c + 96)), nibbles_hi(load_u8x32(w, c + 224)))
+
+
+@numba.njit
+def _k_block(v, w, o, j, y, u, yd, ys, acc):
+    """Q4_K: acc + the 8 rows' group j of the superblock at o, dotted with activation block u."""
+    scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
+    acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u)), acc)  # 4-bit codes without offset: Q4_0's dot
+    return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
+
+
+@numba.njit
 def _code_sums(xq, nb):  # xq [nb*32] int8 -> int32 [nb]: each activation block's code sum
     s = np.empty(nb, np.int32)
     for b in range(nb):
@@ -243,6 +308,22 @@ def _gemv_group(kind, w, xq, xd, xs, xsum):  # F32x8: group w [nb * 8 * ts] . x,
     return acc
 
 
+@numba.njit
+def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane r = row r
+    acc = zeros_f32x8()
+    for s in range(xd.size // 8):
+        o = 1184 * s
+        for p in range(4):
+            c, u = o + 160 + 256 * p, 8 * s + 2 * p
+            prefetch(w, c + 1024)
+            prefetch(w, c + 1088)
+            prefetch(w, c + 1152)
+            prefetch(w, c + 1216)
+            acc = _k_block(_k_codes(w, c, 0), w, o, 2 * p, xq, u, xd[u], xs[u], acc)
+            acc = _k_block(_k_codes(w, c, 1), w, o, 2 * p + 1, xq, u + 1, xd[u + 1], xs[u + 1], acc)
+    return acc
+
+
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
 def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out [8G] f32
     xq, xd, xs, _ = quantize_q8(x)
@@ -256,6 +337,8 @@ def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out 
             store_f32x8(out, 8 * g, _gemv_group(Q5_0, groups[g], xq, xd, xs, xsum))
         elif kind == Q5_1:
             store_f32x8(out, 8 * g, _gemv_group(Q5_1, groups[g], xq, xd, xs, xsum))
+        elif kind == Q4_K:
+            store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
         else:
             store_f32x8(out, 8 * g, _gemv_group(Q8_0, groups[g], xq, xd, xs, xsum))
     return out
@@ -291,6 +374,29 @@ def _gemm_group(kind, w, xq, xd, xs, xsum, out, g):
         store_f32x8(out[t], 8 * g, acc)
 
 
+@numba.njit
+def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superblocks of module doc
+    T, n = xd.shape
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        for u in range(n):
+            s, j = u // 8, u % 8
+            o = 1184 * s
+            c = o + 160 + 256 * (j // 2)
+            v = _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
+            a0 = _k_block(v, w, o, j, y0, u, xd[t, u], xs[t, u], a0)
+            a1 = _k_block(v, w, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block(v, w, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block(v, w, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+        store_f32x8(out[t], 8 * g, a0)
+        store_f32x8(out[t + 1], 8 * g, a1)
+        store_f32x8(out[t + 2], 8 * g, a2)
+        store_f32x8(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
+
+
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
 def gemm(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [T, nb*32] f32 -> out [T, R >= 8G] f32
     xq, xd, xs, _ = quantize_rows_q8(x)
@@ -307,6 +413,8 @@ def gemm(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [T, nb*32] f32 -> o
             _gemm_group(Q5_0, groups[g], xq, xd, xs, xsum, out, g)
         elif kind == Q5_1:
             _gemm_group(Q5_1, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q4_K:
+            _gemm_group_k(groups[g], xq, xd, xs, out, g)
         else:
             _gemm_group(Q8_0, groups[g], xq, xd, xs, xsum, out, g)
     return out

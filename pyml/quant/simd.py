@@ -229,6 +229,16 @@ def load_fp16x8c(typingctx, ary, idx):
 
 
 @intrinsic
+def load_u8x8_f32(typingctx, ary, idx):
+    """8 unsigned bytes at idx as F32x8 (vpmovzxbd + vcvtdq2ps): Q4_K's 8 rows' scales of a group
+    in the x8 layout (packed.py)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 8))
+        return builder.uitofp(builder.zext(v, ir.VectorType(_I32, 8)), F32x8.llvm())
+    return F32x8(ary, idx), codegen
+
+
+@intrinsic
 def load_i8x4_bcast(typingctx, ary, idx):
     """The 4 bytes at idx, repeated in all 8 groups of 4 lanes (vpbroadcastd): one activation
     quad against 8 weight rows whose 4 codes for it sit side by side (packed.py)."""

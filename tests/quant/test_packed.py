@@ -7,27 +7,53 @@ import pytest
 
 from pyml import quant
 from pyml.quant import QuantType
-from tests.quant.helpers import make_weights, q8_activation
+from tests.quant.helpers import make_weights, odd_cols, q8_activation
 from tests.quant.test_matmul import RTOL, _q8_error_bound, _ref
 
-PACKABLE = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
+LEGACY = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
+PACKABLE = LEGACY + [QuantType.Q4_K]
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [8, 9, 33, 257])
 def test_pack_is_lossless(rng, qtype, rows):
-    raw = make_weights(rng, qtype, rows, 96)
-    packed = quant.pack(raw, qtype, 96)
-    assert packed.rows == rows and packed.nbytes == raw.nbytes
+    n_cols = odd_cols(qtype)
+    raw = make_weights(rng, qtype, rows, n_cols)
+    packed = quant.pack(raw, qtype, n_cols)
+    ts = gguf.constants.GGML_QUANT_SIZES[qtype][1]
+    superblock = 1184 if qtype == QuantType.Q4_K else 8 * ts  # Q4_K's scales one per byte: 1184 > 8 * 144
+    assert packed.rows == rows
+    assert packed.nbytes == (rows // 8) * (raw.shape[1] // ts) * superblock + (rows % 8) * raw.shape[1]
     assert packed.groups.shape[0] == rows // 8 and packed.tail.shape[0] == rows % 8
     np.testing.assert_array_equal(packed.unpack(), raw)
-    np.testing.assert_array_equal(quant.dequantize(packed, qtype, 96), gguf.quants.dequantize(raw, qtype))
+    np.testing.assert_array_equal(quant.dequantize(packed, qtype, n_cols), gguf.quants.dequantize(raw, qtype))
     ids = [0, rows - 1, rows // 2]
-    np.testing.assert_array_equal(quant.dequantize_rows(packed, qtype, 96, ids),
+    np.testing.assert_array_equal(quant.dequantize_rows(packed, qtype, n_cols, ids),
                                   gguf.quants.dequantize(raw[ids], qtype))
 
 
-@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+def test_q4k_layout_is_the_documented_one():
+    """Q4_K superblocks byte by byte: d and dmin of the 8 rows side by side, group j's 6-bit scales
+    and mins one byte per row (gguf's own unpacking is the oracle), then chunk k of pair p holding
+    code bytes 32p + 4k .. 32p + 4k + 3 of each row."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (8, 2 * 144), dtype=np.uint8)  # one group, 2 superblocks
+    sb = quant.pack(raw, QuantType.Q4_K, 512).groups.reshape(2, 1184)
+    for b in range(2):
+        block = raw[:, 144 * b:144 * (b + 1)]  # [row, byte]
+        np.testing.assert_array_equal(sb[b, 0:16], block[:, 0:2].reshape(16))
+        np.testing.assert_array_equal(sb[b, 16:32], block[:, 2:4].reshape(16))
+        sc, mn = gguf.quants.Q4_K.get_scale_min(block[:, 4:16])  # [row, group]
+        np.testing.assert_array_equal(sb[b, 32:96].reshape(8, 8), sc.reshape(8, 8).T)
+        np.testing.assert_array_equal(sb[b, 96:160].reshape(8, 8), mn.reshape(8, 8).T)
+        for p in range(4):
+            for k in range(8):
+                for r in range(8):
+                    got = sb[b, 160 + 256 * p + 32 * k + 4 * r:160 + 256 * p + 32 * k + 4 * r + 4]
+                    np.testing.assert_array_equal(got, block[r, 16 + 32 * p + 4 * k:16 + 32 * p + 4 * k + 4])
+
+
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda q: q.name)
 def test_layout_is_the_documented_one(qtype):
     """The module doc's layout, byte by byte: the fp16 fields of the 8 rows side by side, then (Q5)
     the fifth bits, then code byte j of row r at 32 * (j // 4) + 4 * r + j % 4."""
@@ -60,7 +86,7 @@ def test_layout_is_the_documented_one(qtype):
 @pytest.mark.parametrize("rows", [8, 33, 257])
 @pytest.mark.parametrize("T", [1, 3, 4, 5, 34])
 def test_packed_matmul(rng, qtype, rows, T):
-    n_cols = 96
+    n_cols = odd_cols(qtype)
     raw = make_weights(rng, qtype, rows, n_cols)
     packed = quant.pack(raw, qtype, n_cols)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
@@ -75,13 +101,15 @@ def test_packed_matmul(rng, qtype, rows, T):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_largest_codes_and_activations_do_not_overflow(qtype):
-    """Every code at its largest magnitude (15, 31, or -128 for Q8_0) against activations of +-127:
-    the 16-bit lane sums reach their bounds (module doc) and must not wrap."""
+    """Every code at its largest magnitude (15, 31, or -128 for Q8_0; Q4_K scales and mins 63)
+    against activations of +-127: the 16-bit lane sums reach their bounds (module doc) and must not
+    wrap."""
     bs, ts = gguf.constants.GGML_QUANT_SIZES[qtype]
-    raw = np.full((16, 8 * ts), 0x80 if qtype == QuantType.Q8_0 else 0xFF, np.uint8)  # 256 columns
-    for b in range(8):
+    n_blocks = 256 // bs
+    raw = np.full((16, n_blocks * ts), 0x80 if qtype == QuantType.Q8_0 else 0xFF, np.uint8)  # 256 columns
+    for b in range(n_blocks):
         raw[:, b * ts:b * ts + 2] = np.array([0.01], np.float16).view(np.uint8)
-        if qtype in (QuantType.Q4_1, QuantType.Q5_1):
+        if qtype in (QuantType.Q4_1, QuantType.Q5_1, QuantType.Q4_K):
             raw[:, b * ts + 2:b * ts + 4] = np.array([-0.05], np.float16).view(np.uint8)
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     for sign in (1.0, -1.0):
@@ -94,7 +122,7 @@ def test_largest_codes_and_activations_do_not_overflow(qtype):
 def test_only_the_x8_types_with_8_rows_pack(rng):
     assert quant.pack(make_weights(rng, QuantType.Q4_0, 7, 96), QuantType.Q4_0, 96) is None
     assert quant.pack(make_weights(rng, QuantType.F16, 16, 96), QuantType.F16, 96) is None
-    assert quant.pack(make_weights(rng, QuantType.Q4_K, 16, 768), QuantType.Q4_K, 768) is None
+    assert quant.pack(make_weights(rng, QuantType.Q6_K, 16, 768), QuantType.Q6_K, 768) is None
 
 
 def test_packed_weights_must_be_used_as_packed(rng):
