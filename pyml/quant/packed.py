@@ -57,15 +57,17 @@ from numba import prange
 
 from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
-from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, fnma, load_fp16x8c,
-                             load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
-                             store_f32x8, sub_i32, sum_pairs, to_f32, zeros_f32x8)
+from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, fnma,
+                             load_fp16x8c, load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi,
+                             nibbles_lo, or_u8, prefetch, sign_i8, store_f32x8, sub_i32, sum_pairs, to_f32,
+                             zeros_f32x8)
 
 # GGML type ids (compile-time constants in the kernels)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K = 2, 3, 6, 7, 8, 12
 TYPE_SIZE = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144}  # bytes per block in the file
 BLOCK = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256}     # values per block
 SUPERBLOCK = {Q4_0: 144, Q4_1: 160, Q5_0: 176, Q5_1: 192, Q8_0: 272, Q4_K: 1184}  # bytes per 8 rows x block
+# (the kernels read the same sizes from _sb_size: Numba freezes no dict)
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}              # fp16 fields first: d (, m)
 
 
