@@ -125,48 +125,29 @@ def _gelu_tanh1(v):  # 0.5 v (1 + tanh u) = v sigmoid(2u): no cancellation for n
 # a parallel region costs more than its few microseconds of work.
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _act_rows(x, act, out):  # x [T, n] -> out [T, n]; act: 0 silu, 1 gelu tanh, 2 gelu erf
-    T, n = x.shape
-    if T == 1:
-        _act_row(x[0], act, out[0])
+def _act_rows(x, act, gated, out):
+    """out [T, n] = act(x) for x [T, n]; gated: act(x[:, :n]) * x[:, n:] for x [T, 2n] (SwiGLU,
+    GeGLU). act: 0 silu, 1 gelu tanh, 2 gelu erf."""
+    if x.shape[0] == 1:
+        _act_row(x[0], act, gated, out[0])
     else:
-        for t in numba.prange(T):
-            _act_row(x[t], act, out[t])
+        for t in numba.prange(x.shape[0]):
+            _act_row(x[t], act, gated, out[t])
     return out
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _act_row(x, act, out):
-    for i in range(x.size):
+def _act_row(x, act, gated, out):  # the branches are loop-invariant: LLVM hoists them
+    n = out.size
+    for i in range(n):
         v = x[i]
         if act == 0:
-            out[i] = _silu1(v)
+            a = _silu1(v)
         elif act == 1:
-            out[i] = _gelu_tanh1(v)
+            a = _gelu_tanh1(v)
         else:
-            out[i] = np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.erf(v * 0.7071067811865476)))
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _gated(gate_up, act, out):  # gate_up [T, 2*f] -> out [T, f] = act(gate) * up
-    T, f2 = gate_up.shape
-    if T == 1:
-        _gated_row(gate_up[0], act, out[0])
-    else:
-        for t in numba.prange(T):
-            _gated_row(gate_up[t], act, out[t])
-    return out
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _gated_row(gate_up, act, out):
-    f = out.size
-    if act == 0:    # silu (SwiGLU)
-        for i in range(f):
-            out[i] = _silu1(gate_up[i]) * gate_up[f + i]
-    else:           # gelu tanh (GeGLU)
-        for i in range(f):
-            out[i] = _gelu_tanh1(gate_up[i]) * gate_up[f + i]
+            a = np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.erf(v * 0.7071067811865476)))
+        out[i] = a * x[n + i] if gated else a
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -298,7 +279,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def _activation(x: np.ndarray, act: int) -> np.ndarray:  # x [.., n] -> act(x), same shape
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    return _act_rows(x2, act, np.empty_like(x2)).reshape(x.shape)
+    return _act_rows(x2, act, False, np.empty_like(x2)).reshape(x.shape)
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -308,7 +289,7 @@ def gated(gate_up: np.ndarray, act: str) -> np.ndarray:
     """act(gate) * up for a fused [T, 2f] gate+up projection -> [T, f] (SwiGLU / GeGLU)."""
     with _perf.trace("gated_act", "{} {}", gate_up.shape, act):
         T, f2 = gate_up.shape
-        return _gated(gate_up, GATED_ACTS[act], np.empty((T, f2 // 2), np.float32))
+        return _act_rows(gate_up, GATED_ACTS[act], True, np.empty((T, f2 // 2), np.float32))
 
 
 def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -351,11 +332,8 @@ def warmup():
     _rms_norm_rows(x, w, 1e-6, True, np.empty_like(x))
     _layer_norm_rows(x, w, w, 1e-5, np.empty_like(x))
     for act in range(3):
-        _act_rows(x, act, np.empty_like(x))
-        _act_rows(x[:1], act, np.empty_like(x[:1]))
-    for act in range(2):
-        _gated(x, act, np.empty((2, 4), np.float32))
-        _gated(x[:1], act, np.empty((1, 4), np.float32))
+        _act_rows(x, act, False, np.empty_like(x))
+        _act_rows(x, act, True, np.empty((2, 4), np.float32))
     q = np.ones((2, 1, 8), np.float32)
     inv = np.ones(4, np.float64)
     _rope_rows(q, 0, inv, True)
