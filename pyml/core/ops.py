@@ -18,13 +18,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pyml.core import perf
+from pyml.core.jit import FASTMATH
 
 _perf = perf.get("pyml.core.ops")
 
-# fastmath without nnan/ninf: attention masks rely on -inf behaving as -inf. Every kernel also
-# takes error_model="numpy": with Python's, each float division checks for zero and raises,
-# and that branch keeps LLVM from vectorising the loop (a SiLU row ran 5x slower).
-FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
+# Every kernel takes error_model="numpy": with Python's, each float division checks for zero
+# and raises, and that branch keeps LLVM from vectorising the loop (a SiLU row ran 5x slower).
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -222,12 +221,6 @@ PARALLEL_MIN_WORK = 1 << 17
 
 # --- public ops -----------------------------------------------------------------
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[.., M, K] x [.., K, N] -> [.., M, N] (NumPy / BLAS)."""
-    with _perf.trace("matmul", "{}x{}", a.shape, b.shape):
-        return a @ b
-
-
 def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[B, M, K] x [B, K, N] -> [B, M, N]."""
     with _perf.trace("batched_matmul", "{}x{}", a.shape, b.shape):
@@ -312,16 +305,6 @@ def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, 
                      keys.shape[2]):
         kernel = _attend_one_parallel if q.size * (end - start) >= PARALLEL_MIN_WORK else _attend_one_serial
         return kernel(q, keys, values, start, end, np.float32(scale), np.empty_like(q))
-
-
-def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Elementwise a + b (residual connections); writes into `out` when given."""
-    return np.add(a, b, out=out)
-
-
-def scale(x: np.ndarray, s: float) -> np.ndarray:
-    x *= np.float32(s)
-    return x
 
 
 def warmup():

@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 
+from pyml.core.errors import PymlError
+
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 
@@ -347,7 +349,6 @@ def parse_level(text: str) -> int:
     try:
         return _LEVEL_NAMES[text.strip().lower()]
     except KeyError:
-        from pyml.core.errors import PymlError
         raise PymlError(f"unknown log level {text!r}: use one of "
                         + ", ".join(k for k in _LEVEL_NAMES if k != "warn")) from None
 
@@ -375,7 +376,6 @@ def configure(spec: str | None = None, stream=None):
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, level = item.rpartition("=")
         if name and not (name == "pyml" or name.startswith("pyml.")):
-            from pyml.core.errors import PymlError
             raise PymlError(f"log filter {item!r}: logger names start with 'pyml'")
         logging.getLogger(name or "pyml").setLevel(parse_level(level))
     refresh()

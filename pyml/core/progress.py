@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import sys
 
+from tqdm import tqdm
+
 
 def bar(total: int | None = None, desc: str = "", unit: str = "it", quiet: bool = False, delay: float = 0.0,
         **options):
-    from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, delay=delay,
                 disable=quiet or not sys.stderr.isatty(), **options)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from pyml.core import perf
+from pyml.core import ops, perf, progress
 from pyml.core.errors import PymlError
 
 _perf = perf.get("pyml.core.runtime")
@@ -65,12 +66,9 @@ class RuntimeConfig:
         return self
 
     def set_blas_threads(self, n: int) -> None:
-        """BLAS threads, separately from Numba's. OpenBLAS workers spin for a while after each
-        call; when the big matmuls are Numba kernels, those spinning workers take the cores from
-        them (a SmolLM2 Q4_1 prefill of 128 tokens: 1.40 s with 2 BLAS threads, 0.75 s with 1),
-        so a model whose matmuls never reach BLAS keeps it to the calling thread."""
+        """BLAS threads, separately from Numba's: a loaded model keeps BLAS to the calling thread
+        (docs/performance.md, "No BLAS in a forward pass")."""
         self.blas_threads = n
-        from threadpoolctl import threadpool_limits
         threadpool_limits(n)
 
     def warmup_thread_pool(self, steps=()):
@@ -80,7 +78,6 @@ class RuntimeConfig:
         own warm-up forward pass). On a first run, when the kernels compile rather than load
         from Numba's disk cache (about a minute), a progress bar says so.
         """
-        from pyml.core import ops, progress
         with _perf.debug("runtime::warmup", "threads={}", self.threads), \
                 progress.bar(total=1 + len(steps), desc="pyml: warm-up (compiles kernels on a first run)",
                              unit="step", delay=2.0) as bar:

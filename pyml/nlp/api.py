@@ -1,27 +1,40 @@
-"""The library entry point: `pyml.load_model(...)` and the LanguageModel it returns."""
+"""The library entry point: `load_model(...)`, the LanguageModel it returns, and the one place
+that builds a model from a file (loaders read files; the architectures compose layers).
+"""
 
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from pyml import quant
 from pyml.core import perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.generator import GenerationResult, Generator
+from pyml.nlp.loaders import hub
+from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
+from pyml.nlp.loaders.safetensors import load_tensors, read_config
+from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import SamplingConfig
+from pyml.nlp.tokenizer import Tokenizer
+from pyml.nn import KVCache
+from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nlp.load")
 DEFAULT_MODEL = "smollm2-135m"
+HEAD_TYPES = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}  # --lm-head-quant
 
 
 @dataclass
 class LanguageModel:
-    model: object           # a DecoderModel
-    tokenizer: object       # pyml.nlp.tokenizer.Tokenizer, or None
+    model: DecoderModel
+    tokenizer: Tokenizer | None
     source: str
     load_s: float
     runtime: RuntimeConfig
@@ -31,7 +44,7 @@ class LanguageModel:
     def config(self):
         return self.model.config
 
-    def new_cache(self, max_len: int | None = None):
+    def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.model.new_cache(max_len)
 
     def forward(self, token_ids, cache=None, all_logits: bool = False) -> np.ndarray:
@@ -78,34 +91,91 @@ class LanguageModel:
         return result
 
 
-def _load_safetensors(name_or_dir: str):
-    from pyml.nlp import hub
-    from pyml.nlp.loaders.safetensors import load_tensors, read_config
-    from pyml.nlp.models import HF_ARCHITECTURES
-    directory = Path(hub.resolve_safetensors(name_or_dir))
+class Built(NamedTuple):
+    """What a model file holds, built: the model, its tokenizer (or None), where it came from."""
+    model: DecoderModel
+    tokenizer: Tokenizer | None
+    source: str
+    chat_template: str | None
+
+
+def _architecture(table: dict, name, where: str, what: str):
+    """(config class, model class) for an architecture name, or one clear error."""
+    if name not in table:
+        raise UnsupportedError(f"{where}: {what} {name!r} is not supported (supported: {', '.join(sorted(table))})")
+    return table[name]
+
+
+def build_safetensors(directory: Path) -> Built:
+    """The model of a Hugging Face directory (config.json, *.safetensors, tokenizer.json)."""
+    directory = Path(directory)
     cfg = read_config(directory)
-    model_type = cfg.get("model_type")
-    if model_type not in HF_ARCHITECTURES:
-        raise UnsupportedError(f"{directory / 'config.json'}: model_type {model_type!r} is not supported "
-                               f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
-    config_cls, model_cls = HF_ARCHITECTURES[model_type]
+    where = str(directory / "config.json")
+    config_cls, model_cls = _architecture(HF_ARCHITECTURES, cfg.get("model_type"), where, "model_type")
     try:  # a config.json of the right keys but absurd values (strings, zero heads) is bad input too
-        config = config_cls.from_hf(cfg, source=str(directory / "config.json"))
+        config = config_cls.from_hf(cfg, source=where)
     except (ValueError, TypeError, ZeroDivisionError, KeyError) as e:
-        raise ModelFormatError(f"{directory / 'config.json'}: {type(e).__name__}: {e}") from None
-    store = load_tensors(directory)
-    model = model_cls(config, store)
-    tokenizer = None
-    if (directory / "tokenizer.json").is_file():
-        from pyml.nlp.tokenizer import Tokenizer
-        tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
-    return model, tokenizer, str(directory), getattr(tokenizer, "chat_template", None)
+        raise ModelFormatError(f"{where}: {type(e).__name__}: {e}") from None
+    model = model_cls(config, load_tensors(directory))
+    tokenizer = Tokenizer.from_file(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
+    return Built(model, tokenizer, str(directory), getattr(tokenizer, "chat_template", None))
 
 
-def _load_gguf(name_or_path: str):
-    from pyml.nlp import hub
-    from pyml.nlp.loaders.gguf import load_gguf_model
-    return load_gguf_model(Path(hub.resolve_gguf(name_or_path)))
+def build_gguf(path: Path, with_tokenizer: bool = True) -> Built:
+    """The model (and tokenizer) a GGUF file describes."""
+    f = GGUFFile(path)
+    arch = f.require("general.architecture")
+    config_cls, model_cls = _architecture(GGUF_ARCHITECTURES, arch, str(path), "architecture")
+    check_hyperparameters(f, arch)
+    try:
+        config = config_cls.from_gguf(f)
+        head_dim = getattr(config, "head_dim", 2)
+        if head_dim % 2:  # RoPE rotates pairs of values: an odd head would be read one past its end
+            raise ModelFormatError(f"{path}: head dimension {head_dim} is odd (RoPE needs pairs)")
+        model = model_cls(config, f.store(model_cls.gguf_name), rope_style=model_cls.gguf_rope_style)
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError, KeyError, IndexError) as e:
+        # metadata that passed the checks above but still cannot describe a model
+        raise ModelFormatError(f"{path}: the metadata does not describe a valid {arch} model "
+                               f"({type(e).__name__}: {e})") from None
+    if not with_tokenizer:
+        return Built(model, None, str(path), None)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata, source=str(path))
+    except ModelFormatError:
+        raise
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelFormatError(f"{path}: cannot build the tokenizer from its metadata ({e})") from None
+    if tokenizer.vocab_size > config.vocab_size:  # a prompt could then index past the embedding
+        raise ModelFormatError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
+                               f"embedding only {config.vocab_size} rows")
+    return Built(model, tokenizer, str(path), f.get("tokenizer.chat_template"))
+
+
+def quantize_head(model: DecoderModel, kind: str) -> None:
+    """--lm-head-quant: store a float output head as Q8_0 / Q4_0 blocks at load.
+
+    The head is the one matrix read whole on every decode step whatever the prompt: Gemma 3's
+    [262144 x 1152] is 1.21 GB in F32, 604 MB in BF16, 321 MB in Q8_0, 170 MB in Q4_0; decode is
+    bound by the bytes it reads. The embedding keeps its own float weight even when the head is
+    tied to it: a lookup reads one row, and quantizing it would only add error."""
+    qtype = HEAD_TYPES.get(str(kind).lower())
+    if qtype is None:
+        raise PymlError(f"--lm-head-quant {kind!r}: use one of {', '.join(HEAD_TYPES)}")
+    head = model.lm_head
+    w = head.weight
+    if w.qtype not in quant.FLOAT_TYPES:
+        raise PymlError(f"--lm-head-quant {kind}: the output head is already stored as {w.type_name}; "
+                        f"the option re-stores float (F32/F16/BF16) heads only")
+    block = quant.traits_of(qtype).block_size
+    if w.shape[1] % block:
+        raise PymlError(f"--lm-head-quant {kind}: the head's rows have {w.shape[1]} values, "
+                        f"not a multiple of the {qtype.name} block of {block}")
+    with _perf.debug("head::quantize", "{} {}->{}", list(w.shape), w.type_name, qtype.name,
+                     module=head.name, op="quantize"):
+        model.lm_head = head.requantize(qtype)
+    before, after = w.nbytes, model.lm_head.weight.nbytes
+    _perf.logger.debug("lm_head: %s -> %s at load: %s -> %s bytes read per decode step (%.1f MB saved)",
+                       w.type_name, qtype.name, f"{before:,}", f"{after:,}", (before - after) / 1e6)
 
 
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
@@ -129,32 +199,28 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     t0 = perf.clock()
     with perf.context(phase="load"), _perf.debug("model::load", "{}", gguf or safetensors, op="load"):
         if safetensors is not None:
-            model, tokenizer, where, template = _load_safetensors(safetensors)
+            built = build_safetensors(hub.resolve_safetensors(safetensors))
         else:
-            model, tokenizer, where, template = _load_gguf(gguf)
+            built = build_gguf(hub.resolve_gguf(gguf))
+        model = built.model
         if lm_head_quant:
-            from pyml.nlp.head import quantize_head
             quantize_head(model, lm_head_quant)
         model.pack_weights()
     load_s = perf.clock() - t0
     _perf.logger.debug("%s", model.describe())
-    # Every matmul of a model runs in pyml.quant's Numba kernels; NumPy's BLAS does only the
-    # attention's small batched matmuls of a prefill. With more threads its workers spin after
-    # each call and take the cores from the Numba kernels (SmolLM2 Q4_1 pp128: 1.40 s -> 0.75 s).
-    runtime.set_blas_threads(1)
+    runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
     if warmup:
         with perf.context(phase="warmup"):
-            from pyml import quant
             runtime.warmup_thread_pool(steps=[*quant.warmup_steps(), lambda: _warm_forward(model)])
     # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
     # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
     # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.
     gc.collect()
     gc.freeze()
-    return LanguageModel(model, tokenizer, where, load_s, runtime, template)
+    return LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template)
 
 
-def _warm_forward(model):
+def _warm_forward(model: DecoderModel):
     """One short prefill and one decode step: pages in the weights, compiles the kernels the
     model's real array kinds need, and starts every thread, before anything is measured."""
     cache = model.new_cache(4)

@@ -12,10 +12,6 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
-import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from pyml.core.errors import ModelFormatError, PymlError
 
 CHATML_TEMPLATE = (
@@ -69,13 +65,24 @@ def apply_chat_template(template: str, messages: list, bos_token: str = "", eos_
     try:
         return compiled.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
                                add_generation_prompt=add_generation_prompt, **context)
-    except jinja2.TemplateError as e:  # raise_exception, an undefined key, a sandbox refusal
+    except _jinja2().TemplateError as e:  # raise_exception, an undefined key, a sandbox refusal
         raise ChatTemplateError(f"chat template: {e}") from None
 
 
+def _jinja2():
+    # Deferred: importing jinja2 and its sandbox costs 45-55 ms, and a plain generation never
+    # renders a template.
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+    return jinja2
+
+
 @lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+def _compile(template: str):
+    jinja2 = _jinja2()
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -86,7 +93,7 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
+    raise _jinja2().exceptions.TemplateError(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

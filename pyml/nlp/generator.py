@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyml.core import perf
-from pyml.core.errors import PymlError
+from pyml.core.errors import PymlError, was_interrupted
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
 _perf = perf.get("pyml.nlp.generator")
@@ -117,18 +117,3 @@ class Generator:
             res.decode_s.append(perf.clock() - t0)
         return res
 
-
-def was_interrupted(e: BaseException | None) -> bool:
-    """True if `e` is a KeyboardInterrupt or was caused by one.
-
-    A SIGINT that lands while Numba's dispatcher runs its Python-level steps sets the
-    KeyboardInterrupt, which the compiled call then ignores; CPython reports that as
-    SystemError("... returned a result with an exception set") with the interrupt as its cause.
-    """
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 
 from pyml.core.errors import ModelFormatError, UnsupportedError
+from pyml.nlp.chat import CHATML_TEMPLATE, apply_chat_template, fallback_chat_template
 
 # --- pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe applies them (one after the other) ---
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -63,7 +64,7 @@ _SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 def _byte_level_alphabet() -> dict:
-    """GPT-2's printable stand-in character for each byte -> that byte."""
+    """GPT-2's printable stand-in character for each byte -> that byte (its bytes_to_unicode, inverted)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     stand_in = {b: chr(b) for b in printable}
     extra = 0
@@ -73,7 +74,7 @@ def _byte_level_alphabet() -> dict:
     return {ch: b for b, ch in stand_in.items()}
 
 
-_BYTE_OF_CHAR = _byte_level_alphabet()
+BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,6 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: dict, source: str = "GGUF metadata") -> Tokenizer:
         """Rebuild the tokenizer a GGUF describes from its `tokenizer.ggml.*` keys."""
-        from pyml.nlp.chat import fallback_chat_template
         model = metadata.get("tokenizer.ggml.model")
         texts = _string_list(metadata, "tokenizer.ggml.tokens", source)
         n = len(texts)
@@ -220,7 +220,7 @@ class Tokenizer:
         if kind == TokenType.BYTE:  # "<0x0A>"
             return bytes([int(text[3:5], 16)])
         if self._vocab.byte_level:
-            return bytes(_BYTE_OF_CHAR[c] for c in text) if all(c in _BYTE_OF_CHAR for c in text) \
+            return bytes(BYTE_OF_CHAR[c] for c in text) if all(c in BYTE_OF_CHAR for c in text) \
                 else text.encode("utf-8")
         return text.replace(_SPACE, " ").encode("utf-8")
 
@@ -240,8 +240,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list, template: str | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` in this model's chat format (or `template`)."""
-        from pyml.nlp.chat import apply_chat_template
-        return apply_chat_template(template or self.chat_template or _chatml(), messages,
+        return apply_chat_template(template or self.chat_template or CHATML_TEMPLATE, messages,
                                    bos_token=self.bos_token, eos_token=self.eos_token,
                                    add_generation_prompt=add_generation_prompt)
 
@@ -442,7 +441,3 @@ def _read_json(path: Path) -> dict:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
     return value if isinstance(value, dict) else {}
 
-
-def _chatml() -> str:
-    from pyml.nlp.chat import CHATML_TEMPLATE
-    return CHATML_TEMPLATE

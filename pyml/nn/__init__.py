@@ -5,9 +5,9 @@ from pyml.nn.block import TransformerBlock
 from pyml.nn.embedding import Embedding
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.kv_cache import KVCache
-from pyml.nn.linear import Linear, Weight, dense_weight
+from pyml.nn.linear import Linear, Weight
 from pyml.nn.norm import LayerNorm, RMSNorm
 from pyml.nn.rope import RoPE
 
 __all__ = ["Attention", "TransformerBlock", "Embedding", "MLP", "GatedMLP", "KVCache",
-           "Linear", "Weight", "dense_weight", "LayerNorm", "RMSNorm", "RoPE"]
+           "Linear", "Weight", "LayerNorm", "RMSNorm", "RoPE"]

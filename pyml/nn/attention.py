@@ -29,6 +29,11 @@ class Attention:
         self.q_norm, self.k_norm, self.window, self.name = q_norm, k_norm, window, name
         self.kind = "sliding" if window else "global"
 
+    def linears(self) -> list:
+        """The projections, in the order a forward pass runs them."""
+        qkv = [self.qkv] if isinstance(self.qkv, Linear) else list(self.qkv)
+        return qkv + [self.o_proj]
+
     def _project(self, x):  # [T, d] -> q [T, H, hd], k, v [T, Hkv, hd]
         T, hd = x.shape[0], self.head_dim
         nq, nkv = self.n_heads * hd, self.n_kv_heads * hd

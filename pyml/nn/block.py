@@ -22,6 +22,10 @@ class TransformerBlock:
         self.post_attn_norm, self.post_ffn_norm, self.name = post_attn_norm, post_ffn_norm, name
         self._event = f"transformer[{index}]::forward"
 
+    def linears(self) -> list:
+        """Every Linear of the block, in the order a forward pass runs them."""
+        return self.attn.linears() + self.ffn.linears()
+
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         with _perf.debug(self._event, "", module=self.name, op="block", layer=self.index,
                          kind=self.attn.kind) as span:

@@ -17,6 +17,9 @@ class MLP:
         self.up, self.down, self.name = up, down, name
         self.act = {"gelu_tanh": ops.gelu_tanh, "gelu": ops.gelu_erf, "silu": ops.silu}[act]
 
+    def linears(self) -> list:
+        return [self.up, self.down]
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         with _perf.trace("feed_forward", "{} mlp", x.shape, module=self.name, op="feed_forward"):
             return self.down(self.act(self.up(x)))
@@ -30,6 +33,9 @@ class GatedMLP:
         self.gate_up = Linear.fuse([gate, up], name=f"{name}.gate_up_proj")
         self.gate, self.up = (None, None) if self.gate_up else (gate, up)
         self.fused = self.gate_up is not None
+
+    def linears(self) -> list:
+        return ([self.gate_up] if self.fused else [self.gate, self.up]) + [self.down]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         with _perf.trace("feed_forward", "{} {}", x.shape, self.act, module=self.name, op="feed_forward"):

@@ -2,10 +2,8 @@
 
 It hides how a weight is stored — float32, float16, bfloat16 bits, or ggml quantized
 blocks — behind `y = x W^T + b`. Every kind goes to pyml.quant's Numba kernels, which
-read the weights in place. Not BLAS, even for float32: on this machine its spinning
-worker threads and Numba's take the cores from each other whenever both run in one
-forward pass (GPT-2 124M F32: decode 23 -> 16 ms/token, prefill 1.4x, once every
-matmul runs in Numba and BLAS keeps to one thread).
+read the weights in place; not BLAS, even for float32 (docs/performance.md, "No BLAS in a
+forward pass").
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from pyml.core.mapping import release_pages
 from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nn.linear")
+_SLAB_ROWS = 8192  # rows converted at a time by requantize: 8192 x 1152 float32 = 38 MB in flight
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,12 +56,6 @@ class Weight:
         return quant.dequantize(self.data, self.qtype, self.shape[1])
 
 
-def dense_weight(array: np.ndarray) -> Weight:
-    """Wrap a float32 / float16 array (out, in)."""
-    qtype = {np.dtype(np.float32): QuantType.F32, np.dtype(np.float16): QuantType.F16}[array.dtype]
-    return Weight(array, qtype, tuple(array.shape))
-
-
 class Linear:
     """y = x @ W^T + b for x [T, in] -> [T, out]."""
 
@@ -82,6 +75,22 @@ class Linear:
             if self.bias is not None:
                 y += self.bias
             return y
+
+    def requantize(self, qtype) -> "Linear":
+        """The same matrix re-stored as `qtype` (a type with a quantizer: Q8_0, Q4_0, Q4_1, ...),
+        converted through float32 a slab of rows at a time, so no float32 copy of the whole
+        matrix is ever held (Gemma 3's 262144 x 1152 head is 1.21 GB in float32)."""
+        w = self.weight
+        n_rows, n_cols = w.shape
+        blocks = None
+        for r0 in range(0, n_rows, _SLAB_ROWS):
+            r1 = min(n_rows, r0 + _SLAB_ROWS)
+            slab = quant.quantize(w.rows(np.arange(r0, r1)), qtype)
+            if blocks is None:
+                blocks = np.empty((n_rows, slab.shape[1]), slab.dtype)
+            blocks[r0:r1] = slab
+        blocks.flags.writeable = False
+        return Linear(Weight(blocks, qtype, (n_rows, n_cols)), self.bias, name=self.name)
 
     def pack(self) -> bool:
         """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1,

@@ -1,10 +1,10 @@
 """pyml.quant: ggml weight formats and the matmul kernels that read them where they lie.
 
 A quantized weight matrix is the raw GGUF tensor data: uint8 (rows, row_bytes), a run of
-blocks per row (formats.py has the traits table; legacy.py and kquants.py document each
-block layout beside its kernels). Float weights are (rows, n_cols) float32 / float16 /
-uint16 bfloat16 bits. Arrays may be read-only memory maps; the matmul path never copies a
-weight matrix nor decodes it whole (T > 1 decodes ~4 MB tiles, one at a time).
+blocks per row (formats.py holds the traits table, a row per type; blocks32.py and kquants.py
+document each block layout beside its kernels). Float weights are (rows, n_cols) float32 /
+float16 / uint16 bfloat16 bits. Arrays may be read-only memory maps; the matmul path never
+copies a weight matrix nor decodes it whole (the exact path at T > 1 decodes ~4 MB tiles).
 
 matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   quantized W, T == 1   GEMV, parallel over output rows (`prange`), int8 activations;
@@ -14,16 +14,10 @@ matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
   F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
                         with float32 FMAs (weights widened on the fly).
-  packed W              pack() re-lays Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K blocks 8 rows at a
-                        time (packed.py): GEMV and GEMM then serve 8 rows per instruction,
+  interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
+                        (interleaved.py): GEMV and GEMM then serve 8 rows per instruction,
                         1.2-3.8x the file layout's speed; models pack their Linears at load.
-Why not BLAS (on decoded tiles) for T > 1: alone, at T = 128 with 2 threads, it is faster than
-the int8 GEMM (126-145 vs 63-128 GFLOP/s) and as fast as the float tiles (133-161 vs 113-134).
-But in a model each matmul sits between Numba kernels, and Numba's and OpenBLAS's thread pools
-then fight over the cores with their spinning workers: measured with a Numba elementwise op
-after each matmul, BLAS fell to 34-75 GFLOP/s while the Numba GEMMs kept their speed (int8:
-60-120, float: 80-134); at T <= 32 BLAS is slower anyway. Shared with other jobs, BLAS on
-decoded tiles fell to 1-7 GFLOP/s where the int8 GEMM kept 24-30.
+Why pyml's own kernels and not BLAS at T > 1: docs/performance.md, "No BLAS in a forward pass".
 
 Int8 activations make a result a step function of x: two computations that differ by float
 rounding only (e.g. reordered sums upstream) can flip a code and differ by ~1e-3 relative per
@@ -53,51 +47,41 @@ import threading
 
 import numpy as np
 
-from pyml.quant import cache
+from pyml.quant import interleaved
+from pyml.quant.formats import FLOAT_TYPES, TRAITS, Traits, is_supported, row_bytes, traits_of
+from pyml.quant.ggml_types import QuantType
+from pyml.quant.interleaved import Packed
+from pyml.quant.quantizers import to_bf16_bits
+from pyml.quant.reference import dequantize_reference, matmul_reference
 
-cache.install()  # before the kernel modules are imported: their caches are stamped by it
+__all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
+           "dequantize", "dequantize_rows", "matmul", "pack", "Packed", "quantize", "to_bf16_bits",
+           "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
 
-from pyml.quant import floats, kquants, legacy  # noqa: E402
-from pyml.quant import packed as x8  # noqa: E402
-from pyml.quant.packed import Packed  # noqa: E402
-from pyml.quant.formats import FLOAT_TYPES, FORMATS, BlockFormat, QuantType, format_of, is_supported, row_bytes  # noqa: E402
-from pyml.quant.quantize import quantize_q4_0, quantize_q4_1, quantize_q8_0, to_bf16_bits  # noqa: E402
-from pyml.quant.reference import dequantize_reference, matmul_reference  # noqa: E402
-
-__all__ = ["QuantType", "FORMATS", "BlockFormat", "is_supported", "row_bytes", "dequantize", "dequantize_rows",
-           "matmul", "pack", "Packed", "quantize", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
-
-# quant type -> the module holding its kernels; the GGML type id is passed as `kind`
-_KERNELS = {QuantType.Q4_0: legacy, QuantType.Q4_1: legacy, QuantType.Q5_0: legacy, QuantType.Q5_1: legacy,
-            QuantType.Q8_0: legacy, QuantType.Q4_K: kquants, QuantType.Q5_K: kquants, QuantType.Q6_K: kquants}
-_PACKABLE = frozenset({QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
-                       QuantType.Q4_K})
-_QUANTIZERS = {QuantType.Q8_0: quantize_q8_0, QuantType.Q4_0: quantize_q4_0, QuantType.Q4_1: quantize_q4_1}
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
+_F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
 
-_F32, _U16, _U8 = np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.uint8)
-# qtype -> (kind, bytes of stored row per value block, values per block, dtype the kernels take)
-_SPECS = {q: (int(q), f.type_size, f.block_size, _F32 if q == QuantType.F32 else _U16 if q in FLOAT_TYPES else _U8)
-          for q, f in FORMATS.items()}
+
+def _kernel_dtype(t: Traits) -> np.dtype:
+    """What the kernels take: F16 as its uint16 bits (Numba has no float16), else the stored dtype."""
+    return _U16 if t.dtype.itemsize == 2 else t.dtype
 
 
 def _as_stored(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     """The weight array as the kernels take it (zero-copy): 2-D, C-contiguous, right dtype.
 
     F16 weights may come as float16 or uint16 bits, BF16 as uint16 bits or raw bytes (a GGUF
-    reader's uint8 [rows, 2 * n_cols]); the kernels read both as uint16 (Numba has no float16)."""
-    spec = _SPECS.get(qtype)
-    if spec is None:
-        format_of(qtype)  # raises: unsupported type
-    kind, type_size, block_size, dtype = spec
+    reader's uint8 [rows, 2 * n_cols]); the kernels read both as uint16."""
+    t = traits_of(qtype)
+    dtype = _kernel_dtype(t)
     # dtypes compare with == : a memory map's dtype is equal to, not always the same object as, np.uint8's
-    w = raw if dtype is not _U16 or raw.dtype == dtype else raw.view(np.uint16)
+    w = raw if dtype != _U16 or raw.dtype == dtype else raw.view(np.uint16)
     flags = w.flags
+    stored_cols = n_cols if t.is_float else n_cols // t.block_size * t.type_size
     if (w.dtype != dtype or w.ndim != 2 or not flags.c_contiguous
-            or n_cols % block_size or w.shape[1] * block_size != n_cols * (type_size if dtype is _U8 else 1)):
-        raise ValueError(f"{qtype.name} weights with {n_cols} columns must be a C-contiguous {dtype} array "
-                         f"(rows, {n_cols // block_size * type_size if dtype is _U8 else n_cols}); "
-                         f"got {raw.dtype} {raw.shape}")
+            or n_cols % t.block_size or w.shape[1] != stored_cols):
+        raise ValueError(f"{t.name} weights with {n_cols} columns must be a C-contiguous {dtype} array "
+                         f"(rows, {stored_cols}); got {raw.dtype} {raw.shape}")
     if flags.writeable:  # one array kind for the kernels: Numba compiles read-only and writable apart
         w = w.view()
         w.flags.writeable = False
@@ -107,10 +91,8 @@ def _as_stored(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
 def dequantize(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     """float32 (rows, n_cols): the whole matrix decoded (tests, small tensors)."""
     w = _as_stored(_file_layout(raw), qtype, n_cols)
-    if qtype in FLOAT_TYPES:
-        return floats.to_f32(w, int(qtype))
     out = np.empty((w.shape[0], n_cols), np.float32)
-    return _KERNELS[qtype].dequant_tile(w, 0, out, int(qtype))
+    return traits_of(qtype).kernels.dequant_tile(w, 0, out, int(qtype))
 
 
 def dequantize_rows(raw: np.ndarray, qtype, n_cols: int, row_ids) -> np.ndarray:
@@ -119,10 +101,8 @@ def dequantize_rows(raw: np.ndarray, qtype, n_cols: int, row_ids) -> np.ndarray:
     ids = np.asarray(row_ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise IndexError(f"row ids must be in [0, {w.shape[0]}), got {ids.min()}..{ids.max()}")
-    if qtype in FLOAT_TYPES:
-        return floats.to_f32(w[ids], int(qtype))
     out = np.empty((ids.size, n_cols), np.float32)
-    return _KERNELS[qtype].dequant_rows(w, ids, out, int(qtype))
+    return traits_of(qtype).kernels.dequant_rows(w, ids, out, int(qtype))
 
 
 def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None,
@@ -139,17 +119,10 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
         raw = raw.unpack()  # the exact kernels read the file's layout: tests, never a model's hot path
     w = _as_stored(raw, qtype, n_cols)
     x, out = _prepare(x, w.shape[0], n_cols, out)
-    T = x.shape[0]
-    kind = _SPECS[qtype][0]
-    kernels = _KERNELS.get(qtype)
-    if kernels is None:  # F32 / F16 / BF16
-        if T == 1:
-            floats.gemv(w, x[0], out[0], kind)
-        else:
-            floats.gemm(w, x, out, kind)
-    elif T == 1:
+    kernels, kind = traits_of(qtype).kernels, int(qtype)
+    if x.shape[0] == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0], kind)
-    elif exact:
+    elif exact and qtype not in FLOAT_TYPES:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile, kind))
     else:
         kernels.gemm(w, x, out, kind)
@@ -172,13 +145,13 @@ def _prepare(x, rows: int, n_cols: int, out):
 
 
 def pack(raw: np.ndarray, qtype, n_cols: int) -> Packed | None:
-    """The matrix re-laid 8 rows at a time (packed.py: ~2.5x the matmul speed) where its type has
-    that layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K) and it has 8 rows or more; otherwise None.
-    One copy of the blocks."""
-    if qtype not in _PACKABLE:
+    """The matrix re-laid 8 rows at a time (interleaved.py: 1.2-3.8x the matmul speed) where its
+    traits say the type has that layout and it has 8 rows or more; otherwise None. One copy of
+    the blocks."""
+    if not traits_of(qtype).interleaved:
         return None
     w = _as_stored(raw, qtype, n_cols)
-    return x8.pack(w, int(qtype), n_cols) if w.shape[0] >= 8 else None
+    return interleaved.pack(w, int(qtype), n_cols) if w.shape[0] >= 8 else None
 
 
 def _file_layout(raw):
@@ -191,13 +164,13 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
                          f"{getattr(qtype, 'name', qtype)} of {n_cols}")
     x, out = _prepare(x, p.rows, n_cols, out)
     T, head = x.shape[0], 8 * p.groups.shape[0]
-    file_kernels = _KERNELS[qtype]  # for the tail rows, kept in the file's layout
+    file_kernels = traits_of(qtype).kernels  # for the tail rows, kept in the file's layout
     if T == 1:
-        x8.gemv(p.groups, x[0], out[0], p.kind)
+        interleaved.gemv(p.groups, x[0], out[0], p.kind)
         if p.tail.shape[0]:
             file_kernels.gemv(p.tail, x[0], out[0, head:], p.kind)
     else:
-        x8.gemm(p.groups, x, out, p.kind)
+        interleaved.gemm(p.groups, x, out, p.kind)
         if p.tail.shape[0]:
             out[:, head:] = file_kernels.gemm(p.tail, x, np.empty((T, p.tail.shape[0]), np.float32), p.kind)
     return out
@@ -216,10 +189,8 @@ def _tile_buffer(n_floats: int) -> np.ndarray:
 
 
 def _matmul_tiles(x, w, n_cols, out, decode):
-    """out = x @ W.T with W decoded tile by tile into a float32 scratch, each tile through BLAS.
-
-    The decoding is single-threaded on purpose: a parallel (Numba) decode between parallel
-    (OpenBLAS) GEMMs leaves each pool's spinning workers in the other's way."""
+    """out = x @ W.T with W decoded tile by tile into a float32 scratch, each tile through BLAS;
+    the decoding runs on one thread (docs/performance.md, "No BLAS in a forward pass")."""
     T, rows = x.shape[0], w.shape[0]
     tile = max(8, min(rows, _TILE_BYTES // (4 * n_cols)))
     buf = _tile_buffer(tile * (n_cols + T))
@@ -235,21 +206,17 @@ def _matmul_tiles(x, w, n_cols, out, decode):
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:
-    """float32 (rows, n_cols) -> stored weights: uint8 blocks for Q8_0/Q4_0/Q4_1 (bit-exact with
-    ggml's reference quantizers), float32 / float16 / uint16 bf16 bits for F32 / F16 / BF16."""
+    """float32 (rows, n_cols) -> stored weights: uint8 blocks (bit-exact with ggml's reference
+    quantizers), float32, float16, or uint16 bf16 bits, for the types whose traits have a quantizer."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"quantize takes a 2-D matrix, got shape {x.shape}")
-    if qtype == QuantType.F32:
-        return x.copy()
-    if qtype == QuantType.F16:
-        return x.astype(np.float16)
-    if qtype == QuantType.BF16:
-        return to_bf16_bits(x)
-    if qtype not in _QUANTIZERS:
-        raise ValueError(f"quantize supports Q8_0, Q4_0, Q4_1, F32, F16, BF16; not {getattr(qtype, 'name', qtype)}")
-    out = np.empty((x.shape[0], row_bytes(qtype, x.shape[1])), np.uint8)
-    return _QUANTIZERS[qtype](x, out)
+    t = traits_of(qtype)
+    if t.quantize is None:
+        can = ", ".join(q.name for q, tr in TRAITS.items() if tr.quantize is not None)
+        raise ValueError(f"quantize supports {can}; not {t.name}")
+    out = np.empty((x.shape[0], row_bytes(qtype, x.shape[1]) // t.dtype.itemsize), t.dtype)
+    return t.quantize(x, out)
 
 
 def warmup() -> None:
@@ -258,22 +225,23 @@ def warmup() -> None:
         step()
 
 
-def warmup_steps() -> list:
-    """warmup() as one callable per weight type (so a caller can show progress): every type,
-    T == 1 and T > 1, int8 and exact paths, quantizers; weights given read-only and writable
-    (both reach the kernels read-only, see _as_stored), activations float32 and writable as
-    matmul passes them."""
-    return [lambda qtype=qtype: _warm_type(qtype) for qtype in FORMATS]
+def warmup_steps(types=None) -> list:
+    """warmup() as one callable per weight type (so a caller can show progress): every type of
+    `types` (default: all), T == 1 and T > 1, int8 and exact paths, quantizers; weights given
+    read-only and writable (both reach the kernels read-only, see _as_stored), activations
+    float32 and writable as matmul passes them."""
+    return [lambda qtype=qtype: _warm_type(qtype) for qtype in (TRAITS if types is None else types)]
 
 
 def _warm_type(qtype) -> None:
     rng = np.random.default_rng(0)
     n_cols = 256
     x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
-    if qtype in FLOAT_TYPES:
+    t = traits_of(qtype)
+    if t.is_float:
         stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
     else:
-        stored = np.zeros((9, row_bytes(qtype, n_cols)), np.uint8)  # 9: a packed group and a tail
+        stored = np.zeros((9, row_bytes(qtype, n_cols)), np.uint8)  # 9: an interleaved group and a tail
     for writable in (True, False):
         w = stored.copy()
         w.flags.writeable = writable
@@ -284,5 +252,5 @@ def _warm_type(qtype) -> None:
                     matmul(x3, weights, qtype, n_cols, exact=exact)
         dequantize(w, qtype, n_cols)
         dequantize_rows(w, qtype, n_cols, [1])
-    if qtype in _QUANTIZERS:
+    if t.quantize is not None and not t.is_float:
         quantize(x3, qtype)

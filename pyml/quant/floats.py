@@ -13,10 +13,10 @@ import numba
 import numpy as np
 from numba import prange
 
+from pyml.quant.ggml_types import BF16, F16, F32
 from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, fma, half_to_f32, hsum, load_bf16x8, load_f16x8, load_f32x8,
                              prefetch, zeros_f32x8)
 
-F32, F16, BF16 = 0, 1, 30  # GGML type ids: compile-time constants in the kernels below
 
 
 @numba.njit
@@ -71,6 +71,9 @@ def gemv(w, x, out, kind):  # w [R, n] f32 / u16 bits, x [n] f32 -> out [R] f32
     return out
 
 
+gemv_exact = gemv  # float weights meet a float32 activation on every path
+
+
 def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
     """A float32 copy of stored float weights (any shape)."""
     if kind == F32:
@@ -78,6 +81,16 @@ def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
     if kind == F16:
         return w.view(np.float16).astype(np.float32)
     return (w.astype(np.uint32) << 16).view(np.float32)
+
+
+def dequant_rows(raw, row_ids, out, kind):  # raw [R, n], row_ids [k] -> out [k, n] f32
+    out[...] = to_f32(raw[row_ids], kind)
+    return out
+
+
+def dequant_tile(raw, r0, out, kind):  # out [k, n] f32 <- rows r0 .. r0+k of raw
+    out[...] = to_f32(raw[r0:r0 + out.shape[0]], kind)
+    return out
 
 
 # --- T > 1 -----------------------------------------------------------------------------------

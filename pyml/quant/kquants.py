@@ -23,10 +23,10 @@ Q6_K: two halves of 128 values; half h uses ql[64h:64h+64], qh[32h:32h+32], scal
     and value e of the half has scale scales[8h + e // 16].   value = d * scale * (code - 32)
 
 Kernels work in 32-value groups (g = 8 * superblock + group) so the int8 activation format is
-the same as for the legacy blocks (activation.py). Per group: an integer dot of the codes with
+the same as for the 32-value blocks (activation.py). Per group: an integer dot of the codes with
 the activation, times d*sc*d_x (Q6_K: the two 16-value scales enter the integer dot through
 vpmaddwd). Mins of Q4_K/Q5_K are added per superblock as -dmin * sum(mn[j] * sum(x_group j)).
-Same kernel set and shapes as legacy.py; w is [R, nsb * type_size] uint8.
+Same kernel set and shapes as blocks32.py; w is [R, nsb * type_size] uint8.
 """
 
 from __future__ import annotations
@@ -36,23 +36,19 @@ import numpy as np
 from numba import prange
 
 from pyml.quant.activation import quantize_q8, quantize_rows_q8, sums32
+from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, add, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, f32x8, fma, fnma, hsum,
                              i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
                              load_i8x32, load_i16x16, load_u8x32, madd, maddubs, minus_i8, mul, nibbles_hi,
                              nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8, shr_u8, store_f32x8, sub,
                              sub_i16, sum_pairs, to_f32, zeros_f32x8)
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGML type ids: compile-time constants in the kernels below
-KINDS = (Q4_K, Q5_K, Q6_K)
 
 
 @numba.njit
 def _type_size(kind):
-    if kind == Q4_K:
-        return 144
-    if kind == Q5_K:
-        return 176
-    return 210
+    numba.literally(kind)
+    return TYPE_SIZE[kind]
 
 
 @numba.njit

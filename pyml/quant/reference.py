@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyml.quant import floats, kquants, legacy
-from pyml.quant.formats import FLOAT_TYPES, format_of, row_bytes
+from pyml.quant.formats import row_bytes, traits_of
 
 
 def dequantize_reference(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     """float32 (rows, n_cols) decoded by the scalar reference loops (dequant_rows)."""
-    fmt = format_of(qtype)
-    if qtype in FLOAT_TYPES:
-        return floats.to_f32(raw, int(qtype)).reshape(raw.shape[0], n_cols)
-    if raw.shape[1] != row_bytes(qtype, n_cols):
-        raise ValueError(f"{fmt.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
-    module = kquants if int(qtype) in kquants.KINDS else legacy
+    t = traits_of(qtype)
+    if not t.is_float and raw.shape[1] != row_bytes(qtype, n_cols):
+        raise ValueError(f"{t.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
     out = np.empty((raw.shape[0], n_cols), np.float32)
-    return module.dequant_rows(raw, np.arange(raw.shape[0]), out, int(qtype))
+    return t.kernels.dequant_rows(raw.reshape(raw.shape[0], -1), np.arange(raw.shape[0]), out, int(qtype))
 
 
 def matmul_reference(x: np.ndarray, raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:

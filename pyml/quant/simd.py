@@ -40,9 +40,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from pyml.core.jit import FASTMATH  # noqa: F401 - the kernels import it from here with the ops
+
 HAVE_AVX2 = bool(llvm_binding.get_host_cpu_features().get("avx2", False))
-# The kernels' fastmath flags: no nnan/ninf, so an inf or NaN in the data stays visible.
-FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
 
 
 class Vec(types.Type):
@@ -129,7 +129,7 @@ def load_i8x32(typingctx, ary, idx):
 def load_nibbles16(typingctx, ary, idx):
     """16 bytes -> 32 unsigned lanes: low nibbles in lanes 0-15, high nibbles in 16-31.
 
-    This is the element order of the legacy 4/5-bit blocks: byte j holds elements j and j+16.
+    This is the element order of the 32-value 4/5-bit blocks: byte j holds elements j and j+16.
     """
     def codegen(context, builder, sig, args):
         vt16 = ir.VectorType(_I8, 16)
@@ -221,7 +221,7 @@ def load_fp16x8(typingctx, ary, idx, stride):
 @intrinsic
 def load_fp16x8c(typingctx, ary, idx):
     """8 contiguous fp16 values at byte idx of a uint8 array as F32x8 (vcvtph2ps from memory):
-    the scales of 8 rows in the x8 layout (packed.py)."""
+    the scales of 8 rows in the 8-row interleaved layout (interleaved.py)."""
     def codegen(context, builder, sig, args):
         v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8), align=1)
         return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), F32x8.llvm())
@@ -231,7 +231,7 @@ def load_fp16x8c(typingctx, ary, idx):
 @intrinsic
 def load_u8x8_f32(typingctx, ary, idx):
     """8 unsigned bytes at idx as F32x8 (vpmovzxbd + vcvtdq2ps): Q4_K's 8 rows' scales of a group
-    in the x8 layout (packed.py)."""
+    in the 8-row interleaved layout (interleaved.py)."""
     def codegen(context, builder, sig, args):
         v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 8))
         return builder.uitofp(builder.zext(v, ir.VectorType(_I32, 8)), F32x8.llvm())
@@ -241,7 +241,7 @@ def load_u8x8_f32(typingctx, ary, idx):
 @intrinsic
 def load_i8x4_bcast(typingctx, ary, idx):
     """The 4 bytes at idx, repeated in all 8 groups of 4 lanes (vpbroadcastd): one activation
-    quad against 8 weight rows whose 4 codes for it sit side by side (packed.py)."""
+    quad against 8 weight rows whose 4 codes for it sit side by side (interleaved.py)."""
     def codegen(context, builder, sig, args):
         v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
         return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(32)]))

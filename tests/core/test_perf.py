@@ -9,7 +9,7 @@ import pytest
 
 import pyml
 from pyml.core import perf
-from pyml.nlp.standin import write_gpt2
+from pyml.cli.standins import write_gpt2
 
 # `[perf] name [details] [parts] elapsed | [module] depth=N start=S [phase=P step=K] [thread=T]`
 TAIL = r" \| (\S+ )?depth=\d+ start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?$"

@@ -148,8 +148,8 @@ def quant_bytes(ggml_type: int, shape_innermost_first, rng=None) -> bytes:
 
 def byte_level_vocab():
     """GPT-2's byte-level tokens (every byte one token) and an end-of-text token."""
-    from pyml.nlp.standin import _bytes_to_unicode
-    chars = _bytes_to_unicode()
+    from pyml.nlp.tokenizer import BYTE_OF_CHAR
+    chars = {b: ch for ch, b in BYTE_OF_CHAR.items()}
     return [chars[b] for b in range(256)] + ["<|endoftext|>"]
 
 

@@ -69,10 +69,11 @@ def _check_gguf_tensors(f):
 
 def check_gguf(path: Path, model: bool = False) -> str:
     """'ok' or 'rejected: <message>'; raises Finding (or anything unexpected) for a bug."""
-    from pyml.nlp.loaders.gguf import GGUFFile, load_gguf_model
+    from pyml.nlp.api import build_gguf
+    from pyml.nlp.loaders.gguf import GGUFFile
     try:
         if model:
-            net, tokenizer, _, _ = _timed(load_gguf_model, path)
+            net, tokenizer, _, _ = _timed(build_gguf, path)
             _run(net, tokenizer)  # not timed: the first call of a kernel compiles it
         else:
             _check_gguf_tensors(_timed(GGUFFile, path))

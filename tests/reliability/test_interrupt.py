@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from tests.nlp.test_cli import ROOT
+from tests.cli.test_infer import ROOT
 
 
 def _start(*args):

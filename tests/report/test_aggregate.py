@@ -2,9 +2,11 @@
 
 import pytest
 
-from pyml.nlp.report import aggregate as agg
-from pyml.nlp.report import findings
-from pyml.nlp.report.records import Run, normalize
+from pyml.report import aggregate
+from pyml.report.aggregate import (ACT, ATTN_CORE, ATTN_PROJ, EMB, FFN, GLUE, HEAD, NORM,
+                                   SAMPLE)
+from pyml.report import findings
+from pyml.report.records import Run, normalize
 from tests.report.streams import S, decode_step, emit, generation
 
 
@@ -19,28 +21,28 @@ def run():
 
 
 def test_categories_of_a_decode_step(run):
-    cats = agg.category_table(run.records, {"decode"})
+    cats = aggregate.category_table(run.records, {"decode"})
     per_step = {k: v / 3 for k, v in cats.items()}
-    assert per_step == pytest.approx({agg.HEAD: 1.4, agg.FFN: 1.2, agg.ATTN_PROJ: 2.0, agg.ATTN_CORE: 0.6,
-                                      agg.ACT: 0.2, agg.NORM: 1.2, agg.EMB: 0.8, agg.SAMPLE: 0.5, agg.GLUE: 2.1})
+    assert per_step == pytest.approx({HEAD: 1.4, FFN: 1.2, ATTN_PROJ: 2.0, ATTN_CORE: 0.6,
+                                      ACT: 0.2, NORM: 1.2, EMB: 0.8, SAMPLE: 0.5, GLUE: 2.1})
     assert sum(cats.values()) == pytest.approx(30.0)  # the three steps' durations, every µs counted once
 
 
 def test_labels_and_calls(run):
-    labels = agg.label_table(run.records, {"decode"})
+    labels = aggregate.label_table(run.records, {"decode"})
     assert labels["matmul:attn.c_attn"]["ms"] == pytest.approx(3 * 2 * 0.6)
     assert labels["matmul:attn.c_attn"]["calls"] == 6
-    assert labels["matmul:mlp.c_proj"]["category"] == agg.FFN  # not confused with attn.c_proj
-    assert labels["matmul:attn.c_proj"]["category"] == agg.ATTN_PROJ
+    assert labels["matmul:mlp.c_proj"]["category"] == aggregate.FFN  # not confused with attn.c_proj
+    assert labels["matmul:attn.c_proj"]["category"] == aggregate.ATTN_PROJ
     assert labels["attention (other)"]["ms"] == pytest.approx(3 * 2 * 0.2)
     assert labels["generator (other)"]["ms"] == pytest.approx(3 * 0.5)
-    by_layer = agg.label_table(run.records, {"decode"}, by_layer=True)
+    by_layer = aggregate.label_table(run.records, {"decode"}, by_layer=True)
     assert by_layer["matmul:attn.c_attn:L1"]["ms"] == pytest.approx(3 * 0.6)
     assert "matmul:lm_head" in by_layer
 
 
 def test_module_table_sums_to_total_and_per_call(run):
-    mt = agg.module_table(run.records, agg.GENERATION)
+    mt = aggregate.module_table(run.records, aggregate.GENERATION)
     assert mt["total_ms"] == pytest.approx(20.0 + 30.0)
     assert sum(r["pct"] for r in mt["rows"]) == pytest.approx(100.0)
     rows = {r["module"]: r for r in mt["rows"]}
@@ -56,19 +58,19 @@ def test_module_table_sums_to_total_and_per_call(run):
 
 
 def test_timeline_and_components(run):
-    tl = agg.timeline(run)
+    tl = aggregate.timeline(run)
     assert tl["load_ms"] == 50.0 and tl["warmup_ms"] is None
     assert tl["prefill"]["tokens"] == 5 and tl["prefill_ms_per_token"] == pytest.approx(4.0)
     assert tl["decode_steps"] == 3 and tl["decode_mean_ms"] == pytest.approx(10.0)
     assert tl["decode_tok_s"] == pytest.approx(100.0) and tl["ttft_ms"] == 20.0
-    comps = agg.components(agg.decode_steps(run))
+    comps = aggregate.components(aggregate.decode_steps(run))
     assert comps["layers"]["mean"] == pytest.approx(6.1) and comps["projection"]["pct"] == pytest.approx(14.5)
     assert comps["other"]["mean"] == pytest.approx(10.0 - (0.9 + 6.1 + 0.45 + 1.45 + 0.5))
-    assert sum(comps[k]["pct"] for k in agg.COMPONENTS) == pytest.approx(100.0)
+    assert sum(comps[k]["pct"] for k in aggregate.COMPONENTS) == pytest.approx(100.0)
 
 
 def test_layer_breakdown_groups_ops_under_attention_and_ffn(run):
-    bd = agg.layer_breakdown(run, 1, "decode")
+    bd = aggregate.layer_breakdown(run, 1, "decode")
     assert bd["n"] == 3 and bd["total"] == pytest.approx(3.0) and bd["traced"]
     attn = dict(bd["sections"]["attn"]["rows"])
     assert set(attn) == {"layer_norm", "matmul:attn.c_attn", "kv_cache", "sdpa", "matmul:attn.c_proj",
@@ -86,14 +88,14 @@ def test_gemma_style_norms_follow_their_branch():
           S("rms_norm", 0.2), S("rms_norm", 0.3), S("feed_forward", 1.0), S("rms_norm", 0.4),
           parts={"attn": 1.5, "ffn": 1.9})
     run = make_run([S("generator::decode_step", 5.0, S("model::forward", 4.5, b), phase="decode", step=1)])
-    bd = agg.layer_breakdown(run, 0)
+    bd = aggregate.layer_breakdown(run, 0)
     assert dict(bd["sections"]["attn"]["rows"])["rms_norm"]["ms"] == pytest.approx(0.3)
     assert dict(bd["sections"]["ffn"]["rows"])["rms_norm"]["ms"] == pytest.approx(0.7)
     assert run.records[-3].kind == "sliding"
 
 
 def test_attention_vs_ffn_per_phase(run):
-    af = agg.attn_ffn_by_phase(run)
+    af = aggregate.attn_ffn_by_phase(run)
     assert af["decode"]["ratio"] == pytest.approx(1.1 / 1.8)
     assert af["prefill"]["attn"] == pytest.approx(5.0) and af["prefill"]["ffn"] == pytest.approx(2.5)
     assert af["decode"]["attn_pct"] == pytest.approx(100 * 1.8 / 2.9)
@@ -105,30 +107,30 @@ def test_debug_level_parts_become_pieces():
     fwd = S("model::forward", 9.0, *blk, parts={"embedding": 0.9, "layers": 6.1, "norm": 0.45, "projection": 1.45})
     run = make_run([S("generator::decode_step", 10.0, fwd, parts={"model": 9.2, "sample": 0.5},
                       phase="decode", step=1)])
-    cats = agg.category_table(run.records)
-    assert cats[agg.ATTN_COARSE] == pytest.approx(3.6) and cats[agg.FFN_COARSE] == pytest.approx(2.2)
-    assert cats[agg.HEAD] == pytest.approx(1.45) and cats[agg.EMB] == pytest.approx(0.9)
+    cats = aggregate.category_table(run.records)
+    assert cats[aggregate.ATTN_COARSE] == pytest.approx(3.6) and cats[aggregate.FFN_COARSE] == pytest.approx(2.2)
+    assert cats[aggregate.HEAD] == pytest.approx(1.45) and cats[aggregate.EMB] == pytest.approx(0.9)
     assert sum(cats.values()) == pytest.approx(10.0)
-    bd = agg.layer_breakdown(run, 0)
+    bd = aggregate.layer_breakdown(run, 0)
     assert not bd["traced"]
 
 
 def test_matmul_bandwidth(run):
-    rows = {r["label"]: r for r in agg.matmul_table(run)}
+    rows = {r["label"]: r for r in aggregate.matmul_table(run)}
     head = rows["lm_head"]
     assert (head["in"], head["out"], head["dtype"], head["calls"]) == (64, 512, "F32", 3)
     assert head["gb_s"] == pytest.approx(64 * 512 * 4 / 1.4e-3 / 1e9)
-    assert agg.bytes_per_weight("Q8_0") == pytest.approx(34 / 32)
-    assert agg.bytes_per_weight("Q4_0") == pytest.approx(18 / 32)
+    assert aggregate.bytes_per_weight("Q8_0") == pytest.approx(34 / 32)
+    assert aggregate.bytes_per_weight("Q4_0") == pytest.approx(18 / 32)
 
 
 def test_consistency_and_instrumentation_cost(run):
     timing = {"span_overhead_us": 3.0, "span_floor_us": 1.0}
-    checks = {c["check"]: c for c in agg.consistency(run, timing)}
+    checks = {c["check"]: c for c in aggregate.consistency(run, timing)}
     layers = checks["layers part − Σ transformer[i]"]
     assert layers["gap_ms"] == pytest.approx(0.1) and layers["spans"] == 2
     assert layers["timing_ms"] == pytest.approx(2 * 2e-3)
-    cost = agg.instrumentation_cost(run, timing)
+    cost = aggregate.instrumentation_cost(run, timing)
     n_decode = sum(1 for r in run.records if r.phase == "decode") / 3
     assert cost["spans_per_step"] == n_decode and cost["ms_per_step"] == pytest.approx(n_decode * 3e-3)
 
@@ -137,11 +139,11 @@ def test_bottlenecks_ranked_by_share_with_mitigations(run):
     items = findings.bottlenecks(run, {"span_overhead_us": 3.0, "span_floor_us": 1.0})
     shares = [i["share"] for i in items]
     assert shares == sorted(shares, reverse=True)
-    assert items[0]["title"] == agg.GLUE and items[0]["share"] == pytest.approx(21.0)
-    head = next(i for i in items if i["title"] == agg.HEAD)
+    assert items[0]["title"] == aggregate.GLUE and items[0]["share"] == pytest.approx(21.0)
+    head = next(i for i in items if i["title"] == aggregate.HEAD)
     assert head["ms_per_step"] == pytest.approx(1.4)
     assert any("--lm-head-quant q8_0" in m for m in head["mitigations"])
-    attn = next(i for i in items if i["title"] == agg.ATTN_PROJ)
+    attn = next(i for i in items if i["title"] == aggregate.ATTN_PROJ)
     assert "already one matmul" in attn["mitigations"][0]
 
 
@@ -175,22 +177,22 @@ def test_a_quantized_linear_is_one_call():
     blk = S("transformer[0]::forward", 3.0, ffn, parts={"attn": 0.0, "ffn": 2.8}, module="model.layers.0")
     run = make_run([S("generator::decode_step", 4.0, S("model::forward", 3.5, blk, module="model"),
                       phase="decode", step=1)])
-    labels = agg.label_table(run.records)
-    assert labels["matmul:mlp.up_proj"] == {"ms": pytest.approx(2.0), "calls": 1, "category": agg.FFN}
-    rows = {r["module"]: r for r in agg.module_table(run.records)["rows"]}
+    labels = aggregate.label_table(run.records)
+    assert labels["matmul:mlp.up_proj"] == {"ms": pytest.approx(2.0), "calls": 1, "category": aggregate.FFN}
+    rows = {r["module"]: r for r in aggregate.module_table(run.records)["rows"]}
     assert rows["model.layers.0.mlp.up_proj"]["calls"] == 1
     assert rows["model.layers.0.mlp.up_proj"]["dtype"] == "Q4_0"
-    (mm,) = agg.matmul_table(run)
+    (mm,) = aggregate.matmul_table(run)
     assert mm["bytes"] == pytest.approx(64 * 256 * 18 / 32) and mm["calls"] == 1
 
 
 def test_a_run_without_generation_is_tabled_whole():
-    from pyml.nlp.report.pages import modules_page
-    from pyml.nlp.report.doc import render_md
+    from pyml.report.pages import modules_page
+    from pyml.report.doc import render_md
     run = make_run([S("model::forward", 5.0, S("linear::forward", 2.0, details="[3, 64]->[64, 512] F32",
                                                module="lm_head"), module="model")])
-    assert agg.scope(run.records) is None
-    mt = agg.module_table(run.records, agg.scope(run.records))
+    assert aggregate.scope(run.records) is None
+    mt = aggregate.module_table(run.records, aggregate.scope(run.records))
     assert mt["total_ms"] == pytest.approx(5.0) and mt["phases"] == "all"
     md = render_md(modules_page(run))
     assert "| lm_head | Linear F32 | 1 | 2.00 | 2.000 | 40.0 |" in md and "(no phase)" in md

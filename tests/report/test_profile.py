@@ -9,12 +9,13 @@ import pytest
 
 import pyml
 from pyml.core import perf
-from pyml.nlp.profile import measure_timing_overhead, profile
-from pyml.nlp.report import aggregate as agg
-from pyml.nlp.report import load_run, write_reports
-from pyml.nlp.report.chrome import chrome_trace, validate_chrome_trace
-from pyml.nlp.report.cli import main as report_main
-from pyml.nlp.standin import write_gpt2
+from pyml.report.profile import profile
+from pyml.report.timing import measure_timing_overhead
+from pyml.report import aggregate
+from pyml.report import load_run, write_reports
+from pyml.report.chrome import chrome_trace, validate_chrome_trace
+from pyml.cli.pyml_report import main as report_main
+from pyml.cli.standins import write_gpt2
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +78,11 @@ def test_profile_directory_holds_events_and_run_info(profiled):
 def test_the_saved_log_gives_the_same_records_and_tables(profiled):
     a, b = load_run(profiled / "warm"), load_run(profiled / "run.log")
     assert [r.key() for r in a.records] == [r.key() for r in b.records]
-    for phases in (agg.GENERATION, ("decode",), None):
-        assert agg.module_table(a.records, phases) == agg.module_table(b.records, phases)
-    assert agg.decode_steps(a) == agg.decode_steps(b)
-    assert agg.layer_breakdown(a, 1) == agg.layer_breakdown(b, 1)
-    assert agg.label_table(a.records, {"prefill"}) == agg.label_table(b.records, {"prefill"})
+    for phases in (aggregate.GENERATION, ("decode",), None):
+        assert aggregate.module_table(a.records, phases) == aggregate.module_table(b.records, phases)
+    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
+    assert aggregate.layer_breakdown(a, 1) == aggregate.layer_breakdown(b, 1)
+    assert aggregate.label_table(a.records, {"prefill"}) == aggregate.label_table(b.records, {"prefill"})
 
 
 def test_all_outputs_agree(profiled, tmp_path):
@@ -97,11 +98,11 @@ def test_all_outputs_agree(profiled, tmp_path):
         assert r["calls"] >= 1 and r["per_call_ms"] == pytest.approx(r["total_ms"] / r["calls"])
     steps = data["decode_steps"]
     for s in steps:  # components sum to the step, parts to the forward
-        assert sum(s[k] for k in agg.COMPONENTS) == pytest.approx(s["total"])
+        assert sum(s[k] for k in aggregate.COMPONENTS) == pytest.approx(s["total"])
         assert s["embedding"] + s["layers"] + s["norm"] + s["projection"] <= s["model"]
     assert sum(c["pct"] for k, c in data["components"].items() if k != "total") == pytest.approx(100.0)
     # the module table's decode total is the decode steps' total
-    dec = agg.module_table(run.records, ("decode",))
+    dec = aggregate.module_table(run.records, ("decode",))
     assert dec["total_ms"] == pytest.approx(sum(s["total"] for s in steps), abs=1e-6 * len(run.records))
     assert validate_chrome_trace(json.loads((tmp_path / "trace.json").read_text())) == len(run.records)
     md = (tmp_path / "modules.md").read_text()
@@ -128,12 +129,12 @@ def test_trace_nests_on_one_track(profiled):
 
 
 def test_plots_are_skipped_in_one_line_without_matplotlib(profiled, tmp_path, monkeypatch):
-    from pyml.nlp.report import plots
-    monkeypatch.setattr(plots, "available", lambda: False)
+    from pyml.report import plots, writer
+    monkeypatch.setattr(writer, "matplotlib_available", lambda: False)
     log = io.StringIO()
     written = write_reports(profiled / "warm", tmp_path, plots=True, log=log)
     assert not any(p.suffix == ".png" for p in written)
-    assert log.getvalue() == plots.MISSING + "\n"
+    assert log.getvalue() == plots.MATPLOTLIB_MISSING + "\n"
 
 
 def test_cli_on_directory_and_log(profiled, tmp_path, capsys):
@@ -194,5 +195,5 @@ def test_an_old_log_of_the_same_run_gives_the_same_step_and_category_tables(prof
     a, b = load_run(profiled / "warm"), load_run(old)
     assert [(r.name, r.depth, r.phase, r.step) for r in a.records] == [(r.name, r.depth, r.phase, r.step)
                                                                        for r in b.records]
-    assert agg.decode_steps(a) == agg.decode_steps(b)
-    assert agg.category_table(a.records, {"decode"}) == agg.category_table(b.records, {"decode"})
+    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
+    assert aggregate.category_table(a.records, {"decode"}) == aggregate.category_table(b.records, {"decode"})

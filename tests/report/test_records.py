@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pyml.core.errors import PymlError
-from pyml.nlp.report.records import (EventsFormatError, LogFormatError, load_run, normalize,
+from pyml.report.records import (EventsFormatError, LogFormatError, load_run, normalize,
                                      parse_log_line)
 from tests.report.streams import S, emit, generation, to_log
 
@@ -119,7 +119,7 @@ def test_missing_inputs(tmp_path):
 
 def test_a_log_from_before_the_context_tail_still_gives_its_tables(tmp_path):
     """Old lines (`[perf] name details elapsed`) are put back into their tree by pyml's span hierarchy."""
-    from pyml.nlp.report import aggregate as agg
+    from pyml.report import aggregate
     raws = emit(generation(3))
     events = write_events(tmp_path / "events.jsonl", raws)
     log = tmp_path / "old.log"
@@ -128,9 +128,9 @@ def test_a_log_from_before_the_context_tail_still_gives_its_tables(tmp_path):
     assert "predates" in b.notes[0]
     assert [(r.name, r.depth, r.phase, r.step, r.layer) for r in a.records] == \
         [(r.name, r.depth, r.phase, r.step, r.layer) for r in b.records]
-    assert agg.decode_steps(a) == agg.decode_steps(b)
+    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
     for phase in ("prefill", "decode"):
-        assert agg.category_table(a.records, {phase}) == agg.category_table(b.records, {phase})
+        assert aggregate.category_table(a.records, {phase}) == aggregate.category_table(b.records, {phase})
     names = {r.module for r in b.records if r.op == "linear"}
     assert names == {"lm_head", "layers.0.attn.in0", "layers.0.attn.out", "layers.0.mlp.in0", "layers.0.mlp.out",
                      "layers.1.attn.in0", "layers.1.attn.out", "layers.1.mlp.in0", "layers.1.mlp.out"}

@@ -20,6 +20,9 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.gguf_reader import ReaderField
 
 from pyml import quant
 from pyml.core.errors import ModelFormatError, UnsupportedError
@@ -71,156 +74,151 @@ def _precheck(path: Path, size: int):
                                f"{size}-byte file can hold")
 
 
-def _reader_class():
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-    from gguf.constants import GGML_QUANT_SIZES
-    from gguf.gguf_reader import ReaderField
-    value_types = {int(t) for t in GGUFValueType}
+_VALUE_TYPES = {int(t) for t in GGUFValueType}
 
-    class Reader(GGUFReader):
-        """GGUFReader with every read bounds-checked, vectorised metadata arrays, validated tensors.
 
-        The stock reader parses an array element by element, each through a NumPy
-        memmap slice: ~12 s for Gemma's 262K-entry vocabulary, and an endless loop
-        when a hostile header claims 2^60 elements that each read as zero bytes.
-        Here a numeric array is one view, a string array one pass over memoryview
-        slices, and every length is checked against the file first.
-        """
+class _Reader(GGUFReader):
+    """GGUFReader with every read bounds-checked, vectorised metadata arrays, validated tensors.
 
-        @property
-        def data(self):
-            return self._plain
+    The stock reader parses an array element by element, each through a NumPy
+    memmap slice: ~12 s for Gemma's 262K-entry vocabulary, and an endless loop
+    when a hostile header claims 2^60 elements that each read as zero bytes.
+    Here a numeric array is one view, a string array one pass over memoryview
+    slices, and every length is checked against the file first.
+    """
 
-        @data.setter
-        def data(self, mapped):  # a plain ndarray view: memmap subclass slicing is 3x slower
-            self._plain = mapped.view(np.ndarray)
-            self._bytes = memoryview(self._plain)
+    @property
+    def data(self):
+        return self._plain
 
-        def _need(self, offs: int, n: int, what: str):
-            if offs + n > len(self._plain):
-                raise _Bad(f"{what} at offset {offs} needs {n} bytes, past the end of the "
-                           f"{len(self._plain)}-byte file")
+    @data.setter
+    def data(self, mapped):  # a plain ndarray view: memmap subclass slicing is 3x slower
+        self._plain = mapped.view(np.ndarray)
+        self._bytes = memoryview(self._plain)
 
-        def _get_str(self, offset):
-            self._need(offset, 8, "string length")
-            n = int(self._get(offset, np.uint64)[0])
-            self._need(offset + 8, n, f"string of {n} bytes")
-            return super()._get_str(offset)
+    def _need(self, offs: int, n: int, what: str):
+        if offs + n > len(self._plain):
+            raise _Bad(f"{what} at offset {offs} needs {n} bytes, past the end of the "
+                       f"{len(self._plain)}-byte file")
 
-        def _build_fields(self, offs, count):
-            for _ in range(int(count)):
-                orig_offs = offs
-                key_len, key_data = self._get_str(offs)
-                key = _utf8(key_data, f"metadata key at offset {offs}")
-                offs += 8 + len(key_data)
-                try:
-                    self._need(offs, 4, "value type")
-                    raw_type = self._get(offs, np.uint32)
-                    if int(raw_type[0]) not in value_types:
-                        raise _Bad(f"unknown value type {int(raw_type[0])}")
-                    size, parts, idxs, types = self._get_field_parts(offs + 4, int(raw_type[0]))
-                except _Bad as e:
-                    raise _Bad(f"metadata key {key!r}: {e}") from None
-                if key in self.fields:
-                    raise _Bad(f"metadata key {key!r} appears twice")
-                self.fields[key] = ReaderField(orig_offs, key, [key_len, key_data, raw_type, *parts],
-                                               [i + 3 for i in idxs], types)
-                offs += 4 + size
-            return offs
+    def _get_str(self, offset):
+        self._need(offset, 8, "string length")
+        n = int(self._get(offset, np.uint64)[0])
+        self._need(offset + 8, n, f"string of {n} bytes")
+        return super()._get_str(offset)
 
-        def _get_tensor_info_field(self, orig_offs):
-            name_len, name_data = self._get_str(orig_offs)
-            name = _utf8(name_data, f"tensor name at offset {orig_offs}")
-            offs = orig_offs + 8 + len(name_data)
-            self._need(offs, 4, f"tensor {name!r}: n_dims")
-            n_dims = self._get(offs, np.uint32)
-            if not 1 <= int(n_dims[0]) <= MAX_DIMS:
-                raise _Bad(f"tensor {name!r}: {int(n_dims[0])} dimensions (expected 1 to {MAX_DIMS})")
-            nd = int(n_dims[0])
-            self._need(offs + 4, 8 * nd + 12, f"tensor {name!r}: dims, type and offset")
-            dims = self._get(offs + 4, np.uint64, nd)
-            raw_dtype = self._get(offs + 4 + 8 * nd, np.uint32)
-            offset = self._get(offs + 8 + 8 * nd, np.uint64)
-            return ReaderField(orig_offs, name, [name_len, name_data, n_dims, dims, raw_dtype, offset],
-                               [1, 3, 4, 5])
+    def _build_fields(self, offs, count):
+        for _ in range(int(count)):
+            orig_offs = offs
+            key_len, key_data = self._get_str(offs)
+            key = _utf8(key_data, f"metadata key at offset {offs}")
+            offs += 8 + len(key_data)
+            try:
+                self._need(offs, 4, "value type")
+                raw_type = self._get(offs, np.uint32)
+                if int(raw_type[0]) not in _VALUE_TYPES:
+                    raise _Bad(f"unknown value type {int(raw_type[0])}")
+                size, parts, idxs, types = self._get_field_parts(offs + 4, int(raw_type[0]))
+            except _Bad as e:
+                raise _Bad(f"metadata key {key!r}: {e}") from None
+            if key in self.fields:
+                raise _Bad(f"metadata key {key!r} appears twice")
+            self.fields[key] = ReaderField(orig_offs, key, [key_len, key_data, raw_type, *parts],
+                                           [i + 3 for i in idxs], types)
+            offs += 4 + size
+        return offs
 
-        def _build_tensors(self, start_offs, fields):
-            """Every tensor's type, dims, byte range, alignment checked against the file, once."""
-            start_offs = int(start_offs)
-            data_size = len(self._plain) - start_offs
-            if fields and data_size < 0:
-                raise _Bad(f"the data section would start at offset {start_offs}, past the end of the "
-                           f"{len(self._plain)}-byte file")
-            align, spans, names = int(self.alignment), [], set()
-            for field in fields:
-                _, _, _, dims, raw_dtype, offset = field.parts
-                where = f"tensor {field.name!r}"
-                if field.name in names:
-                    raise _Bad(f"{where} appears twice")
-                names.add(field.name)
-                try:
-                    qtype = GGMLQuantizationType(int(raw_dtype[0]))
-                    block, type_size = GGML_QUANT_SIZES[qtype]
-                except (ValueError, KeyError):
-                    raise _Bad(f"{where}: unknown ggml type {int(raw_dtype[0])}") from None
-                if not quant.is_supported(qtype):
-                    raise _Unsupported(f"{where}: quantization type {qtype.name} is not supported")
-                ne = [int(d) for d in dims]  # Python ints: a product cannot wrap around
-                if min(ne) < 1:
-                    raise _Bad(f"{where}: dimensions {ne} (each must be at least 1)")
-                if ne[0] % block:
-                    raise _Bad(f"{where}: row length {ne[0]} is not a multiple of the {qtype.name} "
-                               f"block size {block}")
-                nbytes = math.prod(ne) // block * type_size
-                begin = int(offset[0])
-                if begin % align:
-                    raise _Bad(f"{where}: data offset {begin} is not a multiple of the alignment {align}")
-                if begin + nbytes > data_size:
-                    raise _Bad(f"{where}: {ne} {qtype.name} needs {nbytes} bytes at data offset {begin}, "
-                               f"past the end of the {max(data_size, 0)}-byte data section")
-                if nbytes:
-                    spans.append((begin, begin + nbytes, field.name))
-            spans.sort()
-            for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-                if begin < end:
-                    raise _Bad(f"tensors {a!r} and {b!r} overlap (data offsets {begin} to {end})")
-            super()._build_tensors(start_offs, fields)
+    def _get_tensor_info_field(self, orig_offs):
+        name_len, name_data = self._get_str(orig_offs)
+        name = _utf8(name_data, f"tensor name at offset {orig_offs}")
+        offs = orig_offs + 8 + len(name_data)
+        self._need(offs, 4, f"tensor {name!r}: n_dims")
+        n_dims = self._get(offs, np.uint32)
+        if not 1 <= int(n_dims[0]) <= MAX_DIMS:
+            raise _Bad(f"tensor {name!r}: {int(n_dims[0])} dimensions (expected 1 to {MAX_DIMS})")
+        nd = int(n_dims[0])
+        self._need(offs + 4, 8 * nd + 12, f"tensor {name!r}: dims, type and offset")
+        dims = self._get(offs + 4, np.uint64, nd)
+        raw_dtype = self._get(offs + 4 + 8 * nd, np.uint32)
+        offset = self._get(offs + 8 + 8 * nd, np.uint64)
+        return ReaderField(orig_offs, name, [name_len, name_data, n_dims, dims, raw_dtype, offset],
+                           [1, 3, 4, 5])
 
-        def _get_field_parts(self, orig_offs, raw_type):
-            size = len(self._plain)
-            if raw_type != GGUFValueType.ARRAY:
-                if raw_type != GGUFValueType.STRING:
-                    self._need(orig_offs, np.dtype(self.gguf_scalar_to_np[GGUFValueType(raw_type)]).itemsize,
-                               GGUFValueType(raw_type).name)
-                return super()._get_field_parts(orig_offs, raw_type)
-            self._need(orig_offs, 12, "array header")
-            item_type = self._get(orig_offs, np.uint32)
-            count = self._get(orig_offs + 4, np.uint64)
-            n, offs = int(count[0]), orig_offs + 12
-            if int(item_type[0]) not in value_types:
-                raise _Bad(f"array of unknown value type {int(item_type[0])}")
-            sub = GGUFValueType(int(item_type[0]))
-            np_type = self.gguf_scalar_to_np.get(sub)
-            if np_type is not None:
-                self._need(offs, n * np.dtype(np_type).itemsize, f"array of {n} {sub.name}")
-                values = self._get(offs, np_type, n)
-                return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, sub]
-            if sub != GGUFValueType.STRING:  # llama.cpp's gguf reader refuses nested arrays too
-                raise _Bad("arrays of arrays are not supported")
-            if n > (size - offs) // 8:
-                raise _Bad(f"array of {n} strings at offset {orig_offs} cannot fit in the {size}-byte file")
-            mv, parts = self._bytes, [item_type, count]
-            order = "big" if self.byte_order == "S" else "little"
-            for _ in range(n):
-                self._need(offs, 8, "string length")
-                length = int.from_bytes(mv[offs:offs + 8], order)
-                self._need(offs + 8, length, f"string of {length} bytes")
-                parts.append(mv[offs:offs + 8])
-                parts.append(mv[offs + 8:offs + 8 + length])
-                offs += 8 + length
-            return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, sub]
+    def _build_tensors(self, start_offs, fields):
+        """Every tensor's type, dims, byte range, alignment checked against the file, once."""
+        start_offs = int(start_offs)
+        data_size = len(self._plain) - start_offs
+        if fields and data_size < 0:
+            raise _Bad(f"the data section would start at offset {start_offs}, past the end of the "
+                       f"{len(self._plain)}-byte file")
+        align, spans, names = int(self.alignment), [], set()
+        for field in fields:
+            _, _, _, dims, raw_dtype, offset = field.parts
+            where = f"tensor {field.name!r}"
+            if field.name in names:
+                raise _Bad(f"{where} appears twice")
+            names.add(field.name)
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise _Bad(f"{where}: unknown ggml type {int(raw_dtype[0])}") from None
+            if not quant.is_supported(qtype):
+                raise _Unsupported(f"{where}: quantization type {qtype.name} is not supported")
+            ne = [int(d) for d in dims]  # Python ints: a product cannot wrap around
+            if min(ne) < 1:
+                raise _Bad(f"{where}: dimensions {ne} (each must be at least 1)")
+            if ne[0] % block:
+                raise _Bad(f"{where}: row length {ne[0]} is not a multiple of the {qtype.name} "
+                           f"block size {block}")
+            nbytes = math.prod(ne) // block * type_size
+            begin = int(offset[0])
+            if begin % align:
+                raise _Bad(f"{where}: data offset {begin} is not a multiple of the alignment {align}")
+            if begin + nbytes > data_size:
+                raise _Bad(f"{where}: {ne} {qtype.name} needs {nbytes} bytes at data offset {begin}, "
+                           f"past the end of the {max(data_size, 0)}-byte data section")
+            if nbytes:
+                spans.append((begin, begin + nbytes, field.name))
+        spans.sort()
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise _Bad(f"tensors {a!r} and {b!r} overlap (data offsets {begin} to {end})")
+        super()._build_tensors(start_offs, fields)
 
-    return Reader
+    def _get_field_parts(self, orig_offs, raw_type):
+        size = len(self._plain)
+        if raw_type != GGUFValueType.ARRAY:
+            if raw_type != GGUFValueType.STRING:
+                self._need(orig_offs, np.dtype(self.gguf_scalar_to_np[GGUFValueType(raw_type)]).itemsize,
+                           GGUFValueType(raw_type).name)
+            return super()._get_field_parts(orig_offs, raw_type)
+        self._need(orig_offs, 12, "array header")
+        item_type = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        n, offs = int(count[0]), orig_offs + 12
+        if int(item_type[0]) not in _VALUE_TYPES:
+            raise _Bad(f"array of unknown value type {int(item_type[0])}")
+        sub = GGUFValueType(int(item_type[0]))
+        np_type = self.gguf_scalar_to_np.get(sub)
+        if np_type is not None:
+            self._need(offs, n * np.dtype(np_type).itemsize, f"array of {n} {sub.name}")
+            values = self._get(offs, np_type, n)
+            return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, sub]
+        if sub != GGUFValueType.STRING:  # llama.cpp's gguf reader refuses nested arrays too
+            raise _Bad("arrays of arrays are not supported")
+        if n > (size - offs) // 8:
+            raise _Bad(f"array of {n} strings at offset {orig_offs} cannot fit in the {size}-byte file")
+        mv, parts = self._bytes, [item_type, count]
+        order = "big" if self.byte_order == "S" else "little"
+        for _ in range(n):
+            self._need(offs, 8, "string length")
+            length = int.from_bytes(mv[offs:offs + 8], order)
+            self._need(offs + 8, length, f"string of {length} bytes")
+            parts.append(mv[offs:offs + 8])
+            parts.append(mv[offs + 8:offs + 8 + length])
+            offs += 8 + length
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, sub]
 
 
 def _utf8(data, what: str) -> str:
@@ -273,7 +271,7 @@ class GGUFFile:
         size = os.path.getsize(self.path)
         _precheck(self.path, size)
         try:
-            reader = _reader_class()(self.path, "r")
+            reader = _Reader(self.path, "r")
             self.metadata = {name: _value(name, f) for name, f in reader.fields.items()}
         except _Unsupported as e:
             raise UnsupportedError(f"{self.path}: {e}") from None
@@ -297,7 +295,7 @@ class GGUFFile:
         ne = [int(n) for n in t.shape]  # innermost first
         if not 1 <= len(ne) <= 4 or any(n <= 0 for n in ne):
             raise ModelFormatError(f"{where}: bad dimensions {ne}")
-        fmt = quant.FORMATS[qtype]
+        fmt = quant.traits_of(qtype)
         cols, rows = ne[0], math.prod(ne[1:])
         if cols % fmt.block_size:
             raise ModelFormatError(f"{where}: row length {cols} is not a multiple of the {qtype.name} "
@@ -331,35 +329,3 @@ class GGUFFile:
         store.rename(name_map)
         return store
 
-
-def load_gguf_model(path: Path):
-    """(model, tokenizer, source, chat template) for a GGUF file."""
-    from pyml.nlp.models import GGUF_ARCHITECTURES
-    from pyml.nlp.tokenizer import Tokenizer
-    f = GGUFFile(path)
-    arch = f.require("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedError(f"{path}: architecture {arch!r} is not supported "
-                               f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
-    config_cls, model_cls = GGUF_ARCHITECTURES[arch]
-    check_hyperparameters(f, arch)
-    try:
-        config = config_cls.from_gguf(f)
-        head_dim = getattr(config, "head_dim", 2)
-        if head_dim % 2:  # RoPE rotates pairs of values: an odd head would be read one past its end
-            raise ModelFormatError(f"{path}: head dimension {head_dim} is odd (RoPE needs pairs)")
-        model = model_cls(config, f.store(model_cls.gguf_name), rope_style=model_cls.gguf_rope_style)
-    except (ValueError, TypeError, ZeroDivisionError, OverflowError, KeyError, IndexError) as e:
-        # metadata that passed the checks above but still cannot describe a model
-        raise ModelFormatError(f"{path}: the metadata does not describe a valid {arch} model "
-                               f"({type(e).__name__}: {e})") from None
-    try:
-        tokenizer = Tokenizer.from_gguf_metadata(f.metadata, source=str(path))
-    except ModelFormatError:
-        raise
-    except (KeyError, ValueError, TypeError) as e:
-        raise ModelFormatError(f"{path}: cannot build the tokenizer from its metadata ({e})") from None
-    if tokenizer.vocab_size > config.vocab_size:  # a prompt could then index past the embedding
-        raise ModelFormatError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
-                               f"embedding only {config.vocab_size} rows")
-    return model, tokenizer, str(path), f.get("tokenizer.chat_template")

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyml import quant
 from pyml.core.errors import ModelFormatError
 from pyml.core.mapping import release_pages
 from pyml.nn.linear import Weight
 from pyml.quant import QuantType
-
-_FLOAT_TYPES = {"F32": QuantType.F32, "F16": QuantType.F16, "BF16": QuantType.BF16}
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class TensorStore:
@@ -71,7 +66,7 @@ class TensorStore:
         data, type_name, stored = self._entry(name)
         self._check(name, stored, tuple(shape)[::-1] if transposed else shape)
         self.used.add(name)
-        qtype = _FLOAT_TYPES.get(type_name) or QuantType[type_name]
+        qtype = QuantType[type_name]
         if transposed:
             file_data, data = data, np.ascontiguousarray(data.T)
             release_pages(file_data)
@@ -83,9 +78,6 @@ class TensorStore:
         data, type_name, stored = self._entry(name)
         self._check(name, stored, shape)
         self.used.add(name)
-        if type_name == "BF16":
-            return bf16_to_f32(np.asarray(data))
         if type_name in ("F32", "F16", "F64"):
             return np.ascontiguousarray(data, dtype=np.float32)
-        from pyml import quant
         return quant.dequantize(data.reshape(1, -1), QuantType[type_name], int(np.prod(shape))).reshape(shape)

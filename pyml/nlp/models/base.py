@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections import Counter
+
 from pyml.core import perf, runtime
 from pyml.nn import KVCache
+from pyml.quant import Packed
 
 _perf = perf.get("pyml.nlp.model")
 
@@ -57,7 +60,7 @@ class DecoderModel:
 
     def linears(self) -> list:
         """Every Linear of a forward pass: the blocks' projections, then the head."""
-        return [lin for b in self.blocks for lin in _linears(b)] + [self.lm_head]
+        return [lin for b in self.blocks for lin in b.linears()] + [self.lm_head]
 
     def pack_weights(self) -> int:
         """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many."""
@@ -65,9 +68,6 @@ class DecoderModel:
 
     def describe(self) -> str:
         """One line for the debug log: architecture, sizes and weight storage."""
-        from collections import Counter
-
-        from pyml.quant import Packed
         linears = self.linears()
         types = Counter(lin.weight.type_name for lin in linears)
         fusions = sum(1 for lin in linears if lin.name.endswith(("qkv_proj", "gate_up_proj")))
@@ -75,9 +75,3 @@ class DecoderModel:
         return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
                 f"types={dict(types)} fusions={fusions} packed_x8={packed}")
 
-
-def _linears(block):
-    attn, ffn = block.attn, block.ffn
-    qkv = [attn.qkv] if not isinstance(attn.qkv, tuple) else list(attn.qkv)
-    ffn_lins = [getattr(ffn, n) for n in ("up", "gate_up", "gate", "down") if getattr(ffn, n, None) is not None]
-    return qkv + [attn.o_proj] + ffn_lins

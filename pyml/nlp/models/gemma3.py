@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from pyml.core.errors import ModelFormatError, UnsupportedError
-from pyml.nlp.config_util import require
+from pyml.nlp.models.config_keys import require
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.models.llama import gguf_name as llama_gguf_name
 from pyml.nn import Attention, Embedding, GatedMLP, Linear, RMSNorm, RoPE, TransformerBlock

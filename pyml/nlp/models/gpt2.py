@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyml.core.errors import ModelFormatError, UnsupportedError
-from pyml.nlp.config_util import require
+from pyml.nlp.models.config_keys import require
 from pyml.nlp.models.base import DecoderModel
 from pyml.nn import MLP, Attention, Embedding, LayerNorm, Linear, TransformerBlock
 

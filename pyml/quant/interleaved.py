@@ -1,0 +1,416 @@
+"""The 8-row interleaved ("x8") layout: ggml's blocks re-laid 8 rows at a time, so each instruction serves 8 rows.
+
+Why: in the file's layout a GEMV spends ~14 instructions on every 32-value block of a row
+(unpack the codes, one maddubs, convert and broadcast the block's scale, and a horizontal sum
+per row at the end); on this machine Q4_0 ran at 13-20 GB/s where the memory gives ~30, so the
+4-bit types decoded no faster than Q8_0 with twice their bytes. With 8 rows interleaved, one
+32-byte load holds 4 codes of each of 8 rows; a maddubs against the 4 matching activation bytes,
+broadcast, leaves each row's partial sums in that row's own lanes; the 8 rows' scales convert as
+one vector, and no horizontal sum is left: ~6 instructions per row and block. Measured on
+SmolLM2's shapes: the Q4_0 GEMV 2.5-3.1x, the GEMM (T = 128) 2.2-2.6x, from the same integer
+arithmetic. llama.cpp repacks Q4_0 in the same spirit for its AVX2 kernels (block_q4_0x8).
+
+Layout of a matrix of R rows, nb blocks of 32 values per row, ts bytes per block in the file:
+
+    groups  uint8 [R // 8, nb * 8 * ts]: group g holds rows 8g..8g+7; block b of the group is a
+            superblock of 8 * ts bytes at b * 8 * ts:
+                d[8]        fp16, the scales of the 8 rows                        16 bytes
+                m[8]        fp16, the mins of the 8 rows (Q4_1, Q5_1)             16 bytes
+                h[32]       Q5_0, Q5_1: the fifth bits, see below                 32 bytes
+                codes       Q4/Q5: qs[4][8][4], chunk k = code bytes 4k..4k+3 of each row   128 bytes
+                            Q8_0:  qs[8][8][4], chunk k = code bytes 4k..4k+3 of each row   256 bytes
+            So code byte j of row r sits at 32 * (j // 4) + 4 * r + j % 4 of the codes; as in the
+            file, a 4-bit code byte holds value j in its low nibble and value j + 16 in its high
+            nibble. Code vector n (n = 0..7) is, for Q4/Q5, chunk n // 2's low (n even) or high
+            (n odd) nibbles - values v(n, i) = 16 * (n % 2) + 4 * (n // 2) + i in lane 4r + i - and
+            for Q8_0 chunk n. Q5: bit n of h's byte 4r + i is the fifth bit of value v(n, i) of row r.
+    tail    uint8 [R % 8, nb * ts]: the last rows, in the file's layout (the file kernels).
+
+Q4_K (256-value superblocks of 8 groups of 32, kquants.py) the same way, 8 rows x 256 values
+in 1184 bytes instead of 8 x 144 = 1152: its 6-bit scales and mins are stored one per byte,
+so a group's 8 rows load theirs as one 8-byte vector (kscales would unpack 8 rows separately):
+                d[8], dmin[8]   fp16                                      32 bytes
+                sc[8][8]        u8, group j's scales of the 8 rows at 8j  64 bytes
+                mn[8][8]        u8, the mins the same way                 64 bytes
+                codes[4][8][8][4]  chunk pair p = the file's 32 code bytes 32p..32p+31 of
+                                each row, in 8 chunks of 4 bytes x 8 rows  1024 bytes
+            The low nibbles of pair p are group 2p, the high nibbles group 2p + 1, value l of
+            the group in byte l as in the file: y . w_r = d_r sc_rj d_y dot_rj - dmin_r mn_rj s_y.
+
+The integer dot of a superblock with an activation block y (int8 [32], activation.py), lane r:
+    dot_r = sum over n of sum_pairs(maddubs(code vector n, y's quad for it in every quad))
+            Q4: the 8 maddubs add up in 16 bits first (|each| <= 2*15*127 = 3810, 8 <= 30480);
+            Q5: 4 at a time (|each| <= 2*31*127 = 7874, 4 <= 31496 < 2^15);
+            Q8_0: signed codes, each maddubs on |code| and y with the code's sign (ggml's trick),
+            each widened to 32 bits (a single one reaches 2*127*127 = 32258).
+    Q4_0, Q5_0, Q8_0  value = d (code - o), o = 8, 16, 0:  y . w_r = d_r d_y (dot_r - o sum(y))
+    Q4_1, Q5_1        value = d code + m:    y . w_r = d_r d_y dot_r + m_r s_y   (s_y = d_y sum(y))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import prange
+
+from pyml.core.mapping import release_pages
+from pyml.quant.activation import quantize_q8, quantize_rows_q8
+from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
+from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, fnma,
+                             load_fp16x8c, load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi,
+                             nibbles_lo, or_u8, prefetch, sign_i8, store_f32x8, sub_i32, sum_pairs, to_f32,
+                             zeros_f32x8)
+
+FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
+Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
+
+
+def superblock_bytes(kind: int) -> int:
+    """Bytes of 8 rows x one block in this layout."""
+    return Q4_K_SUPERBLOCK if kind == Q4_K else 8 * TYPE_SIZE[kind]
+
+
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """A quantized matrix in the 8-row interleaved layout; see the module doc. Made by pack(), read by
+    pyml.quant."""
+
+    kind: int             # GGML type id
+    n_cols: int
+    rows: int
+    groups: np.ndarray    # uint8 [rows // 8, nb * 8 * type_size], read-only
+    tail: np.ndarray      # uint8 [rows % 8, nb * type_size], read-only
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups.nbytes + self.tail.nbytes
+
+    def unpack(self) -> np.ndarray:
+        """The matrix in the file's layout, uint8 [rows, nb * type_size] (a copy: the exact path, tests)."""
+        kind, G = self.kind, self.groups.shape[0]
+        nb, ts, sb = self.n_cols // BLOCK_SIZE[kind], TYPE_SIZE[kind], superblock_bytes(kind)
+        out = np.empty((self.rows, nb * ts), np.uint8)
+        relay = _relay_q4k if kind == Q4_K else _relay
+        relay(kind, out[:8 * G].reshape(G, 8, nb, ts), self.groups.reshape(G, nb, sb), to_x8=False)
+        out[8 * G:] = self.tail
+        return out
+
+
+def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
+    """raw uint8 [rows, nb * type_size] in the file's layout -> the x8 layout.
+
+    Copied a slab of rows at a time, each slab's pages of a file-mapped `raw` given back as soon as
+    it is copied (raw stays valid: a later read pages it in again), so a load never holds the
+    file's pages and the copy of a whole tensor at once."""
+    G = raw.shape[0] // 8
+    nb, ts, sb = n_cols // BLOCK_SIZE[kind], TYPE_SIZE[kind], superblock_bytes(kind)
+    relay = _relay_q4k if kind == Q4_K else _relay
+    groups = np.empty((G, nb * sb), np.uint8)
+    for g0 in range(0, G, _SLAB_GROUPS):
+        g1 = min(G, g0 + _SLAB_GROUPS)
+        src = raw[8 * g0:8 * g1]
+        relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, sb), to_x8=True)
+        release_pages(src)
+    tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
+    groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
+    return Packed(kind, n_cols, raw.shape[0], groups, tail)
+
+
+_SLAB_GROUPS = 1024  # 8192 rows: a few MB in flight
+
+
+def _relay(kind: int, blocks: np.ndarray, sb: np.ndarray, to_x8: bool) -> None:
+    """Copy between the file's blocks [g, r, b, byte] and the superblocks [g, b, byte] of the same
+    groups, either way. Every view below only splits or permutes axes, so numpy copies element by
+    element with no temporary (the fifth bits of Q5 excepted: 8 bytes per bit while regrouped)."""
+    G, _, nb, ts = blocks.shape
+    f = 2 * FIELDS[kind]
+    for i in range(0, f, 2):  # fp16 fields: [g, b, (r, 2)] <-> [g, r, b, 2]
+        _copy(sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3), blocks[..., i:i + 2], to_x8)
+    at = 8 * f
+    if kind in (Q5_0, Q5_1):
+        if to_x8:
+            bits = np.unpackbits(blocks[..., f:f + 4], axis=-1, bitorder="little")   # [g, r, b, value]
+            h = bits.transpose(0, 2, 1, 3)[..., _H_VALUES]                            # [g, b, r, i, n]
+            sb[..., at:at + 32] = np.packbits(h, axis=-1, bitorder="little").reshape(G, nb, 32)
+        else:
+            h = np.unpackbits(sb[..., at:at + 32].reshape(G, nb, 8, 4, 1), axis=-1, bitorder="little")
+            bits = np.empty((G, nb, 8, 32), np.uint8)
+            bits[..., _H_VALUES] = h
+            blocks[..., f:f + 4] = np.packbits(bits, axis=-1, bitorder="little").transpose(0, 2, 1, 3)
+        f, at = f + 4, at + 32
+    n = (ts - f) // 4  # code chunks: [g, b, (k, r, 4)] <-> [g, r, b, (k, 4)]
+    _copy(sb[..., at:].reshape(G, nb, n, 8, 4).transpose(0, 3, 1, 2, 4), blocks[..., f:].reshape(G, 8, nb, n, 4),
+          to_x8)
+
+
+def _copy(x8_view: np.ndarray, file_view: np.ndarray, to_x8: bool) -> None:
+    if to_x8:
+        x8_view[...] = file_view
+    else:
+        file_view[...] = x8_view
+
+
+def _relay_q4k(kind: int, blocks: np.ndarray, sb: np.ndarray, to_x8: bool) -> None:
+    """_relay for Q4_K: blocks [g, r, b, 144] <-> superblocks [g, b, 1184] (module doc)."""
+    G, _, nb, _ = blocks.shape
+    for i in (0, 2):  # d, dmin: [g, b, (r, 2)] <-> [g, r, b, 2]
+        _copy(sb[..., 8 * i:8 * i + 16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3), blocks[..., i:i + 2], to_x8)
+    # scales and mins: [g, b, (j, r)] <-> the 12 packed bytes of [g, r, b]
+    sc, mn = sb[..., 32:96].reshape(G, nb, 8, 8), sb[..., 96:160].reshape(G, nb, 8, 8)
+    packed = blocks[..., 4:16]
+    if to_x8:
+        lo, mid, hi = (packed[..., k:k + 4].transpose(0, 2, 3, 1) for k in (0, 4, 8))  # [g, b, j, r]
+        sc[:, :, :4], mn[:, :, :4] = lo & 63, mid & 63
+        sc[:, :, 4:], mn[:, :, 4:] = (hi & 15) | (lo >> 6) << 4, (hi >> 4) | (mid >> 6) << 4
+    else:
+        s, m = sc.transpose(0, 3, 1, 2), mn.transpose(0, 3, 1, 2)  # [g, r, b, j]
+        packed[..., 0:4] = s[..., :4] | (s[..., 4:] >> 4) << 6
+        packed[..., 4:8] = m[..., :4] | (m[..., 4:] >> 4) << 6
+        packed[..., 8:12] = (s[..., 4:] & 15) | (m[..., 4:] & 15) << 4
+    # codes: [g, b, (p, k, r, 4)] <-> [g, r, b, (p, k, 4)]
+    _copy(sb[..., 160:].reshape(G, nb, 4, 8, 8, 4).transpose(0, 4, 1, 2, 3, 5),
+          blocks[..., 16:].reshape(G, 8, nb, 4, 8, 4), to_x8)
+
+
+# value of code vector n's lane 4r + i: 16 * (n % 2) + 4 * (n // 2) + i, as an [i, n] table
+_H_VALUES = np.array([[16 * (n % 2) + 4 * (n // 2) + i for n in range(8)] for i in range(4)])
+
+
+# --- one superblock ----------------------------------------------------------------------
+
+@numba.njit
+def _sb_size(kind):
+    numba.literally(kind)
+    if kind == Q4_K:
+        return Q4_K_SUPERBLOCK
+    return 8 * TYPE_SIZE[kind]
+
+
+@numba.njit
+def _codes(kind, w, o):
+    """The 8 code vectors of the superblock at byte o (module doc), as U8x32 (Q8_0: the bytes of
+    its signed codes; every kind returns the same type, as Numba needs for one function)."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        c = o + 16
+        return (load_u8x32(w, c), load_u8x32(w, c + 32), load_u8x32(w, c + 64), load_u8x32(w, c + 96),
+                load_u8x32(w, c + 128), load_u8x32(w, c + 160), load_u8x32(w, c + 192), load_u8x32(w, c + 224))
+    c = o + (32 if kind == Q4_1 else 48 if kind == Q5_0 else 64 if kind == Q5_1 else 16)
+    v0, v1, v2, v3 = load_u8x32(w, c), load_u8x32(w, c + 32), load_u8x32(w, c + 64), load_u8x32(w, c + 96)
+    n = (nibbles_lo(v0), nibbles_hi(v0), nibbles_lo(v1), nibbles_hi(v1),
+         nibbles_lo(v2), nibbles_hi(v2), nibbles_lo(v3), nibbles_hi(v3))
+    if kind == Q4_0 or kind == Q4_1:
+        return n
+    h = load_u8x32(w, c - 32)
+    return (or_u8(n[0], bit_to_u8(h, 0, 16)), or_u8(n[1], bit_to_u8(h, 1, 16)),
+            or_u8(n[2], bit_to_u8(h, 2, 16)), or_u8(n[3], bit_to_u8(h, 3, 16)),
+            or_u8(n[4], bit_to_u8(h, 4, 16)), or_u8(n[5], bit_to_u8(h, 5, 16)),
+            or_u8(n[6], bit_to_u8(h, 6, 16)), or_u8(n[7], bit_to_u8(h, 7, 16)))
+
+
+@numba.njit
+def _q8(v, y, yo):  # sum_pairs of one vector of signed codes (as bytes) against the activation quad at yo
+    q = as_i8(v)
+    return sum_pairs(maddubs(abs_u8(q), sign_i8(load_i8x4_bcast(y, yo), q)))
+
+
+@numba.njit
+def _dot(kind, v, y, yo):
+    """I32x8, lane r = sum_j code_rj * y[yo + j] for the code vectors v of a superblock."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        s = add_i32(add_i32(_q8(v[0], y, yo), _q8(v[1], y, yo + 4)), add_i32(_q8(v[2], y, yo + 8), _q8(v[3], y, yo + 12)))
+        return add_i32(s, add_i32(add_i32(_q8(v[4], y, yo + 16), _q8(v[5], y, yo + 20)),
+                                  add_i32(_q8(v[6], y, yo + 24), _q8(v[7], y, yo + 28))))
+    a = maddubs(v[0], load_i8x4_bcast(y, yo))
+    a = add_i16(a, maddubs(v[1], load_i8x4_bcast(y, yo + 16)))
+    a = add_i16(a, maddubs(v[2], load_i8x4_bcast(y, yo + 4)))
+    a = add_i16(a, maddubs(v[3], load_i8x4_bcast(y, yo + 20)))
+    b = maddubs(v[4], load_i8x4_bcast(y, yo + 8))
+    b = add_i16(b, maddubs(v[5], load_i8x4_bcast(y, yo + 24)))
+    b = add_i16(b, maddubs(v[6], load_i8x4_bcast(y, yo + 12)))
+    b = add_i16(b, maddubs(v[7], load_i8x4_bcast(y, yo + 28)))
+    if kind == Q4_0 or kind == Q4_1:
+        return sum_pairs(add_i16(a, b))
+    return add_i32(sum_pairs(a), sum_pairs(b))
+
+
+@numba.njit
+def _block(kind, v, w, o, y, b, yd, ysum, ys, acc):
+    """acc + the 8 rows' dot with activation block b (y int8, scale yd, code sum ysum, float sum ys)."""
+    numba.literally(kind)
+    scale = mul(load_fp16x8c(w, o), f32x8(yd))
+    i = _dot(kind, v, y, 32 * b)
+    if kind == Q4_0:
+        i = sub_i32(i, 8 * ysum)
+    elif kind == Q5_0:
+        i = sub_i32(i, 16 * ysum)
+    acc = fma(scale, to_f32(i), acc)
+    if kind == Q4_1 or kind == Q5_1:
+        acc = fma(load_fp16x8c(w, o + 16), f32x8(ys), acc)
+    return acc
+
+
+@numba.njit
+def _k_codes(w, c, half):
+    """Q4_K: the 8 code vectors of one group, from the chunk pair at byte c: low nibbles (half 0)
+    or high (half 1), ordered as _dot pairs them with the activation (values 0, 16, 4, 20, ...)."""
+    numba.literally(half)
+    if half == 0:
+        return (nibbles_lo(load_u8x32(w, c)), nibbles_lo(load_u8x32(w, c + 128)),
+                nibbles_lo(load_u8x32(w, c + 32)), nibbles_lo(load_u8x32(w, c + 160)),
+                nibbles_lo(load_u8x32(w, c + 64)), nibbles_lo(load_u8x32(w, c + 192)),
+                nibbles_lo(load_u8x32(w, c + 96)), nibbles_lo(load_u8x32(w, c + 224)))
+    return (nibbles_hi(load_u8x32(w, c)), nibbles_hi(load_u8x32(w, c + 128)),
+            nibbles_hi(load_u8x32(w, c + 32)), nibbles_hi(load_u8x32(w, c + 160)),
+            nibbles_hi(load_u8x32(w, c + 64)), nibbles_hi(load_u8x32(w, c + 192)),
+            nibbles_hi(load_u8x32(w, c + 96)), nibbles_hi(load_u8x32(w, c + 224)))
+
+
+@numba.njit
+def _k_block(v, w, o, j, y, u, yd, ys, acc):
+    """Q4_K: acc + the 8 rows' group j of the superblock at o, dotted with activation block u."""
+    scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
+    acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u)), acc)  # 4-bit codes without offset: Q4_0's dot
+    return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
+
+
+@numba.njit
+def _code_sums(xq, nb):  # xq [nb*32] int8 -> int32 [nb]: each activation block's code sum
+    s = np.empty(nb, np.int32)
+    for b in range(nb):
+        acc = 0
+        for j in range(32):
+            acc += xq[32 * b + j]
+        s[b] = acc
+    return s
+
+
+# --- T == 1 --------------------------------------------------------------------------------
+
+@numba.njit
+def _gemv_group(kind, w, xq, xd, xs, xsum):  # F32x8: group w [nb * 8 * ts] . x, lane r = row r
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    acc = zeros_f32x8()
+    for b in range(xd.size):
+        o = sb * b
+        prefetch(w, o + 1024)  # the streams of both threads stay ahead of their loads
+        prefetch(w, o + 1088)
+        acc = _block(kind, _codes(kind, w, o), w, o, xq, b, xd[b], xsum[b], xs[b], acc)
+    return acc
+
+
+@numba.njit
+def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane r = row r
+    acc = zeros_f32x8()
+    for s in range(xd.size // 8):
+        o = Q4_K_SUPERBLOCK * s
+        for p in range(4):
+            c, u = o + 160 + 256 * p, 8 * s + 2 * p
+            prefetch(w, c + 1024)
+            prefetch(w, c + 1088)
+            prefetch(w, c + 1152)
+            prefetch(w, c + 1216)
+            acc = _k_block(_k_codes(w, c, 0), w, o, 2 * p, xq, u, xd[u], xs[u], acc)
+            acc = _k_block(_k_codes(w, c, 1), w, o, 2 * p + 1, xq, u + 1, xd[u + 1], xs[u + 1], acc)
+    return acc
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out [8G] f32
+    xq, xd, xs, _ = quantize_q8(x)
+    xsum = _code_sums(xq, xd.size)
+    for g in prange(groups.shape[0]):
+        if kind == Q4_0:
+            store_f32x8(out, 8 * g, _gemv_group(Q4_0, groups[g], xq, xd, xs, xsum))
+        elif kind == Q4_1:
+            store_f32x8(out, 8 * g, _gemv_group(Q4_1, groups[g], xq, xd, xs, xsum))
+        elif kind == Q5_0:
+            store_f32x8(out, 8 * g, _gemv_group(Q5_0, groups[g], xq, xd, xs, xsum))
+        elif kind == Q5_1:
+            store_f32x8(out, 8 * g, _gemv_group(Q5_1, groups[g], xq, xd, xs, xsum))
+        elif kind == Q4_K:
+            store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
+        else:
+            store_f32x8(out, 8 * g, _gemv_group(Q8_0, groups[g], xq, xd, xs, xsum))
+    return out
+
+
+# --- T > 1 ---------------------------------------------------------------------------------
+
+@numba.njit
+def _gemm_group(kind, w, xq, xd, xs, xsum, out, g):
+    """Rows 8g..8g+7 of out [T, R]: 4 activation rows at a time, each superblock unpacked once for them."""
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    T, nb = xd.shape
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        for b in range(nb):
+            o = sb * b
+            v = _codes(kind, w, o)
+            a0 = _block(kind, v, w, o, y0, b, xd[t, b], xsum[t, b], xs[t, b], a0)
+            a1 = _block(kind, v, w, o, y1, b, xd[t + 1, b], xsum[t + 1, b], xs[t + 1, b], a1)
+            a2 = _block(kind, v, w, o, y2, b, xd[t + 2, b], xsum[t + 2, b], xs[t + 2, b], a2)
+            a3 = _block(kind, v, w, o, y3, b, xd[t + 3, b], xsum[t + 3, b], xs[t + 3, b], a3)
+        store_f32x8(out[t], 8 * g, a0)
+        store_f32x8(out[t + 1], 8 * g, a1)
+        store_f32x8(out[t + 2], 8 * g, a2)
+        store_f32x8(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        acc = zeros_f32x8()
+        for b in range(nb):
+            o = sb * b
+            acc = _block(kind, _codes(kind, w, o), w, o, xq[t], b, xd[t, b], xsum[t, b], xs[t, b], acc)
+        store_f32x8(out[t], 8 * g, acc)
+
+
+@numba.njit
+def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superblocks of module doc
+    T, n = xd.shape
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        for u in range(n):
+            s, j = u // 8, u % 8
+            o = Q4_K_SUPERBLOCK * s
+            c = o + 160 + 256 * (j // 2)
+            v = _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
+            a0 = _k_block(v, w, o, j, y0, u, xd[t, u], xs[t, u], a0)
+            a1 = _k_block(v, w, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block(v, w, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block(v, w, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+        store_f32x8(out[t], 8 * g, a0)
+        store_f32x8(out[t + 1], 8 * g, a1)
+        store_f32x8(out[t + 2], 8 * g, a2)
+        store_f32x8(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gemm(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [T, nb*32] f32 -> out [T, R >= 8G] f32
+    xq, xd, xs, _ = quantize_rows_q8(x)
+    T, nb = xd.shape
+    xsum = np.empty((T, nb), np.int32)
+    for t in range(T):
+        xsum[t] = _code_sums(xq[t], nb)
+    for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
+        if kind == Q4_0:
+            _gemm_group(Q4_0, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q4_1:
+            _gemm_group(Q4_1, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q5_0:
+            _gemm_group(Q5_0, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q5_1:
+            _gemm_group(Q5_1, groups[g], xq, xd, xs, xsum, out, g)
+        elif kind == Q4_K:
+            _gemm_group_k(groups[g], xq, xd, xs, out, g)
+        else:
+            _gemm_group(Q8_0, groups[g], xq, xd, xs, xsum, out, g)
+    return out

@@ -1,0 +1,109 @@
+"""float32 -> stored weights: Q8_0 / Q4_0 / Q4_1 blocks bit for bit as ggml's reference
+quantizers, and the float types. Every quantizer is `quantize(x [R, n] f32, out) -> out`.
+
+The arithmetic follows quantize_row_*_ref in ggml-quants.c (and gguf-py's NumPy port) in
+float32, operation by operation: no fastmath here, so nothing is fused or reassociated.
+
+    Q8_0  d = amax / 127,  q = round(x / d) half away from zero (as x * (1/d))
+    Q4_0  d = max / -8 (max: the value of largest |x|, first on ties),
+          q = min(15, trunc(x * (1/d) + 8.5))
+    Q4_1  d = (max - min) / 15, m = min,  q = min(15, trunc((x - min) * (1/d) + 0.5))
+d (and m) are stored as fp16 (round to nearest even); 1/d is taken from the float32 d.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from pyml.quant.simd import f32_to_half
+
+
+@numba.njit
+def _put_half(out, o, v):  # fp16 little-endian at byte o
+    h = f32_to_half(v)
+    out[o] = np.uint8(h & 0xFF)
+    out[o + 1] = np.uint8(h >> 8)
+
+
+@numba.njit
+def _round_away(v):  # round half away from zero, exactly (gguf's np_roundf)
+    a = abs(v)
+    f = np.float32(math.floor(a))
+    r = f + np.float32(math.floor(np.float32(2.0) * (a - f)))
+    return -r if v < 0 else r
+
+
+@numba.njit(cache=True)
+def quantize_q8_0(x, out):  # x [R, n] f32 -> out [R, n/32*34] u8
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(x[r, 32 * b + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            o = 34 * b
+            _put_half(out[r], o, d)
+            for j in range(32):
+                out[r, o + 2 + j] = np.uint8(np.int8(_round_away(x[r, 32 * b + j] * inv)) & 0xFF)
+    return out
+
+
+@numba.njit(cache=True)
+def quantize_q4_0(x, out):  # x [R, n] f32 -> out [R, n/32*18] u8
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            amax, vmax = np.float32(0.0), np.float32(0.0)
+            for j in range(32):
+                v = x[r, 32 * b + j]
+                if amax < abs(v):
+                    amax, vmax = abs(v), v
+            d = vmax / np.float32(-8.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            o = 18 * b
+            _put_half(out[r], o, d)
+            for j in range(16):
+                lo = min(15, np.int32(x[r, 32 * b + j] * inv + np.float32(8.5)))
+                hi = min(15, np.int32(x[r, 32 * b + 16 + j] * inv + np.float32(8.5)))
+                out[r, o + 2 + j] = np.uint8(lo | (hi << 4))
+    return out
+
+
+@numba.njit(cache=True)
+def quantize_q4_1(x, out):  # x [R, n] f32 -> out [R, n/32*20] u8
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // 32):
+            vmin, vmax = x[r, 32 * b], x[r, 32 * b]
+            for j in range(1, 32):
+                vmin = min(vmin, x[r, 32 * b + j])
+                vmax = max(vmax, x[r, 32 * b + j])
+            d = (vmax - vmin) / np.float32(15.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            o = 20 * b
+            _put_half(out[r], o, d)
+            _put_half(out[r], o + 2, vmin)
+            for j in range(16):
+                lo = min(15, np.int32((x[r, 32 * b + j] - vmin) * inv + np.float32(0.5)))
+                hi = min(15, np.int32((x[r, 32 * b + 16 + j] - vmin) * inv + np.float32(0.5)))
+                out[r, o + 4 + j] = np.uint8(lo | (hi << 4))
+    return out
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): round to nearest even, NaNs kept quiet (ggml_compute_fp32_to_bf16)."""
+    n = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    n = np.where((n & 0x7FFFFFFF) > 0x7F800000, (n & np.uint32(0xFFFF0000)) | np.uint32(64 << 16), n)
+    return ((n.astype(np.uint64) + (0x7FFF + ((n >> 16) & 1))) >> 16).astype(np.uint16)
+
+
+def cast(x, out):  # F32, F16: NumPy's conversion (round to nearest even)
+    out[...] = x
+    return out
+
+
+def to_bf16(x, out):  # BF16 as uint16 bits
+    out[...] = to_bf16_bits(x)
+    return out

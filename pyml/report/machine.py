@@ -1,0 +1,75 @@
+"""What a measurement ran on: the machine, the versions, the git commit, the command line.
+
+run.json (pyml.profile) and pyml-bench's tables record these beside their figures.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import threading
+from pathlib import Path
+
+import numba
+import numpy
+from threadpoolctl import threadpool_info
+
+from pyml.core.version import __version__
+
+
+def _read(path) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def machine_info() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine())
+    mem = {}
+    for line in _read("/proc/meminfo").splitlines():
+        k, _, v = line.partition(":")
+        if k in ("MemTotal", "MemAvailable"):
+            mem[k] = int(v.split()[0]) * 1024
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    blas = []
+    try:
+        blas = [{k: d.get(k) for k in ("internal_api", "version", "num_threads", "threading_layer")}
+                for d in threadpool_info()]
+    except Exception:  # optional, and its probing must never break a profile
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": affinity,
+            "memory_bytes": mem.get("MemTotal"), "memory_available_bytes": mem.get("MemAvailable"),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "numpy": numpy.__version__, "numba": numba.__version__, "pyml": __version__, "blas": blas,
+            "numba_threads": numba.get_num_threads()}
+
+
+def git_info() -> dict | None:
+    """The commit of the pyml checkout this code runs from (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    if not any((d / ".git").exists() for d in [here, *here.parents]):
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode:
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def run_info(argv) -> dict:
+    env = {k: os.environ[k] for k in ("LOG", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                      "MKL_NUM_THREADS", "NUMBA_CACHE_DIR") if k in os.environ}
+    return {"command": argv, "cwd": os.getcwd(), "env": env, "machine": machine_info(), "git": git_info(),
+            "main_thread": threading.main_thread().ident}

@@ -1,0 +1,79 @@
+"""PNG plots with matplotlib (the optional `plot` extra): decode step times, the component
+share of each step, and per-layer time in prefill and decode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from pyml.report import aggregate
+
+MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'pyml[plot]')"
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def write_plots(run, out_dir: Path) -> list:
+    """[(filename, description)] of the plots written into out_dir (none without decode steps)."""
+    # Deferred: matplotlib is an optional extra, and importing pyplot costs ~0.7 s.
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    steps = aggregate.decode_steps(run)
+    written = []
+    if steps:
+        x = [s["step"] for s in steps]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(x, [s["total"] for s in steps], marker="o", label="decode step")
+        ax.plot(x, [s["layers"] for s in steps], marker=".", label="layers")
+        ax.plot(x, [s["projection"] for s in steps], marker=".", label="projection (lm_head)")
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("ms")
+        ax.set_title(f"Decode step time per token — {run.label}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, plt, out_dir / "decode_steps.png", "decode step time per token"))
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        bottom = [0.0] * len(steps)
+        for k in aggregate.COMPONENTS:
+            share = [100.0 * s[k] / s["total"] if s["total"] else 0.0 for s in steps]
+            ax.bar(x, share, bottom=bottom, label=k)
+            bottom = [b + v for b, v in zip(bottom, share)]
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("% of step")
+        ax.set_ylim(0, 100)
+        ax.set_title("Component share per decode step")
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+        written.append(_save(fig, plt, out_dir / "component_share.png", "stacked component share per step"))
+
+    pre, dec = aggregate.layer_stats(run, "prefill"), aggregate.layer_stats(run, "decode")
+    if pre or dec:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        w = 0.4
+        if pre:
+            ax.bar([r["layer"] - w / 2 for r in pre], [r["mean"] for r in pre], width=w, label="prefill (per pass)")
+        if dec:
+            ax.bar([r["layer"] + w / 2 for r in dec], [r["mean"] for r in dec], width=w, label="decode (mean/step)")
+            ax.errorbar([r["layer"] + w / 2 for r in dec], [r["mean"] for r in dec],
+                        yerr=[[r["mean"] - r["min"] for r in dec], [r["max"] - r["mean"] for r in dec]],
+                        fmt="none", ecolor="black", capsize=2, linewidth=0.8, label="decode min–max")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("ms")
+        ax.set_title("Time per layer")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, plt, out_dir / "layers.png", "per-layer time, prefill and decode"))
+    return written
+
+
+def _save(fig, plt, path, what):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name, what

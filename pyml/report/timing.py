@@ -1,0 +1,98 @@
+"""What timing costs: empty spans measured on this machine, for run.json and the reports.
+
+A report states the instrumentation's own cost beside the times it shows; this measures it
+with spans shaped like the real call sites, recorded by a collector like the profile's.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import statistics
+
+from pyml.core import perf
+
+FLUSH_EVERY = 20000
+
+
+class RecordSink:
+    """A perf collector: append each record; ask for a flush when a top-level span ends with a
+    full buffer (so serialising never lands inside a measured span)."""
+
+    def __init__(self, on_full=None):
+        self.buf, self.on_full = [], on_full
+
+    def __call__(self, record):
+        self.buf.append(record)
+        if record["parent"] is None and self.on_full is not None and len(self.buf) >= FLUSH_EVERY:
+            self.on_full(record["thread"])
+
+
+def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = False) -> dict:
+    """What timing costs, measured with empty spans on this machine (µs unless named _ns).
+
+    span_floor_us: what an empty span reports as its own duration.
+    span_overhead_us: what one empty child span adds to its parent's duration (the
+      cost of recording a span, collector included, as seen from the parent).
+    clock_us: one perf_counter read. off_call_ns: a call site when its level is off.
+    line_us (with_lines): the extra cost of formatting the `[perf]` text line.
+    """
+    name = "pyml.profile.calibration"
+    logger = logging.getLogger(name)
+    saved = (logger.level, logger.propagate, list(logger.handlers))
+    pl = perf.get(name)
+    out = {}
+    try:
+        logger.setLevel(logging.CRITICAL + 10)
+        logger.propagate = False
+        if not perf._collectors:
+            perf.refresh()
+            t0 = perf.clock()
+            for _ in range(n * 10):
+                with pl.trace("calibrate::off"):
+                    pass
+            out["off_call_ns"] = (perf.clock() - t0) / (n * 10) * 1e9
+        out.update(_measure_spans(pl, n, repeats))
+        clk = perf.clock
+        t0 = clk()
+        for _ in range(n * 10):
+            clk()
+        out["clock_us"] = (clk() - t0) / (n * 10) * 1e6
+        if with_lines:
+            handler = logging.StreamHandler(io.StringIO())
+            logger.addHandler(handler)
+            logger.setLevel(perf.TRACE)
+            perf.refresh()
+            with_text = _measure_spans(pl, n, repeats)
+            out["line_us"] = max(0.0, with_text["span_overhead_us"] - out["span_overhead_us"])
+    finally:
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        logger.handlers[:] = saved[2]
+        perf.refresh()
+    out["method"] = (f"median of {repeats} runs of {n} empty spans nested in one parent, "
+                     f"recorded by a collector like the profile's")
+    return out
+
+
+def _measure_spans(pl, n, repeats) -> dict:
+    sink = RecordSink()
+    perf.add_collector(sink, level=perf.TRACE)
+    try:
+        floors, per_child = [], []
+        for _ in range(repeats):
+            sink.buf.clear()
+            with pl.trace("calibrate::parent"):
+                for _ in range(n):
+                    # shaped like a real call site: details formatted from arguments, attributes
+                    with pl.trace("calibrate::child", "{}->{} {}", [1, 768], [768, 3072], "F32",
+                                  module="model.layers.0.mlp.up_proj", op="linear", dtype="F32"):
+                        pass
+            parent = sink.buf[-1]["dur_ms"]
+            children = [r["dur_ms"] for r in sink.buf[:-1]]
+            floors.append(statistics.median(children))
+            per_child.append(parent / n)
+    finally:
+        perf.remove_collector(sink)
+    return {"span_floor_us": statistics.median(floors) * 1e3,
+            "span_overhead_us": statistics.median(per_child) * 1e3}

@@ -1,0 +1,58 @@
+"""pyml-bench as a user runs it: a real process writing its three tables."""
+
+import csv
+import json
+import subprocess
+import sys
+
+from tests.cli.test_infer import ROOT, one_line_error
+
+
+def run_bench(*args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-bench"), *args], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_bench_writes_markdown_csv_json(tmp_path, smollm2_gguf):
+    r = run_bench("--models", "smollm2-135m-q4_1", "--reps", "2", "--n-prompt", "16", "--n-gen", "8",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "bench.md").read_text()
+    assert md == r.stdout
+    assert "| smollm2-135m-q4_1 |" in md and "pp16" in md and "tg8" in md and "Measured at " in md
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [row["test"] for row in rows] == ["pp16", "tg8"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    limit = data["info"]["bandwidth_gbs"] * 1e9 / data["info"]["bytes_per_token"]["smollm2-135m-q4_1"]
+    tg = next(row for row in data["rows"] if row["test"] == "tg8")
+    assert 10 < data["info"]["bandwidth_gbs"] < 1000        # a vectorised read, not an add-latency loop
+    assert abs(tg["pct_limit"] - tg["tok_s"] / limit * 100) < 1e-6
+    assert 0 < tg["tok_s"] and tg["std"] >= 0
+
+
+def test_log_cost_table(tmp_path, smollm2_gguf):
+    r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    levels = [line.split("|")[3].strip() for line in r.stdout.splitlines()[2:]]
+    assert levels == ["off", "debug", "trace"]
+    assert (tmp_path / "log-cost.md").read_text() == r.stdout
+    assert "[perf]" not in r.stderr  # the lines went to os.devnull
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    one_line_error(run_bench("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
+    one_line_error(run_bench("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
+
+
+def test_memory_table(tmp_path, smollm2_gguf):
+    """Each model measured in a process of its own: the weights it reads are resident (the model part
+    is at least the file), and the table is what the file holds."""
+    r = run_bench("--memory", "--models", "smollm2-135m-q4_1", "--n-prompt", "16", "--n-gen", "8",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "memory.md").read_text() == r.stdout
+    cells = [c.strip() for c in r.stdout.splitlines()[2].split("|")[1:-1]]
+    name, file_mib, kv_mib, model_mib, ratio = cells
+    assert name == "smollm2-135m-q4_1" and int(file_mib) == round(smollm2_gguf.stat().st_size / 2**20)
+    assert float(kv_mib) > 0 and int(model_mib) >= 0.9 * int(file_mib)
+    assert abs(float(ratio[:-1]) - int(model_mib) / (int(file_mib) + float(kv_mib))) < 0.02

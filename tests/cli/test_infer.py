@@ -1,0 +1,104 @@
+"""pyml-infer as a user runs it: a real process, its exit code, its stdout and stderr."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyml.cli.standins import write_gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    env.pop("LOG", None)
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-infer"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def one_line_error(proc, *needles, code=2):
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == code, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=32)
+
+
+def test_generates_and_prints_a_summary(tiny):
+    proc = run_cli("--safetensors", str(tiny), "--prompt", "Hello", "--max-tokens", "5", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "prompt 5 tokens, generated 5 tokens" in summary
+    for key in ("prefill", "tok/s", "ms/token", "load", "threads 1"):
+        assert key in summary
+
+
+def test_debug_log_on_the_command_line(tiny):
+    proc = run_cli("--safetensors", str(tiny), "--prompt", "Hi", "--max-tokens", "2", "--log", "debug")
+    assert proc.returncode == 0, proc.stderr
+    assert "[perf] generator::prefill tokens=2" in proc.stderr
+    assert "[perf] transformer[1]::forward attn=" in proc.stderr
+
+
+def test_missing_directory():
+    one_line_error(run_cli("--safetensors", "/nonexistent/model-dir"), "/nonexistent/model-dir")
+
+
+def test_config_without_required_keys(tmp_path, tiny):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512}))
+    (d / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
+    one_line_error(run_cli("--safetensors", str(d)), "config.json", "'n_embd'", "missing")
+
+
+def test_tensor_shapes_disagree_with_config(tmp_path, tiny):
+    d = tmp_path / "m"
+    d.mkdir()
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").symlink_to(tiny / "model.safetensors")
+    one_line_error(run_cli("--safetensors", str(d)), "transformer.wte.weight", "[512, 64]", "[1000, 64]")
+
+
+def test_prompt_longer_than_the_context(tiny):
+    one_line_error(run_cli("--safetensors", str(tiny), "--prompt", "x" * 40), "40 tokens", "context window of 32")
+
+
+def test_generation_stops_at_the_context_window(tiny):
+    proc = run_cli("--safetensors", str(tiny), "--prompt", "x" * 30, "--max-tokens", "10")
+    assert proc.returncode == 0, proc.stderr
+    # positions 0..31 are fed; the token predicted at position 31 is the last one
+    assert "generated 3 tokens" in proc.stderr
+    assert "stopped at the context window (32 tokens)" in proc.stderr
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--max-tokens", "-1", "--max-tokens must be >= 0"),
+                                               ("--temperature", "-0.5", "--temperature must be >= 0"),
+                                               ("--top-p", "0", "--top-p"),
+                                               ("--threads", "0", "--threads")])
+def test_bad_flag_values(tiny, flag, value, needle):
+    one_line_error(run_cli("--safetensors", str(tiny), flag, value), needle)
+
+
+def test_unknown_flag_and_bad_log_level(tiny):
+    one_line_error(run_cli("--bogus"), "unrecognized arguments: --bogus")
+    one_line_error(run_cli("--safetensors", str(tiny), "--log", "loud"), "unknown log level 'loud'")
+
+
+def test_debug_flag_shows_the_traceback():
+    proc = run_cli("--safetensors", "/nonexistent/model-dir", "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr

@@ -1,0 +1,71 @@
+"""pyml-sweep on tiny shapes: the measurements are consistent, configurations that do not fit are skipped."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pyml.cli import pyml_sweep
+
+
+@pytest.fixture
+def tiny_sizes(monkeypatch):
+    monkeypatch.setattr(pyml_sweep, "SIZES", {"t1": (64, 256, 2, 4), "t2": (96, 384, 3, 4)})
+    monkeypatch.setattr(pyml_sweep, "CONTEXTS", (8, 16, 32, 1024))
+
+
+def test_shape_arithmetic():
+    s = pyml_sweep.Shape("small", *pyml_sweep.SIZES["small"], vocab=50257)
+    assert s.head_dim == 64
+    assert 123e6 < s.params < 124e6  # GPT-2 small (124M) without its 0.8M position embeddings
+    mm, sm = s.attention_flops(128)
+    assert sm / mm == pytest.approx(pyml_sweep.SOFTMAX_FLOPS_PER_SCORE / (4 * s.head_dim))
+    assert s.pass_bytes(1024) > s.pass_bytes(128)
+
+
+def test_measure_one_configuration():
+    shape = pyml_sweep.Shape("t", 64, 256, 2, 4, vocab=100)
+    model = pyml_sweep.build_gpt2(shape, n_positions=16)
+    assert model.blocks[1].attn.qkv.weight.shape == (192, 64)
+    r = pyml_sweep.measure(model, shape, 16, passes=2, plain_passes=1, all_logits=False)
+    assert r["config"] == "t_ctx16" and r["passes"] == 2
+    assert r["op_ms"] + r["glue_ms"] == pytest.approx(r["forward_ms"], rel=1e-6, abs=1e-3)
+    assert r["forward_ms"] <= r["python_ms"]
+    assert r["matmul_pct"] + r["other_ops_pct"] + r["glue_pct"] == pytest.approx(100.0)
+    top = {o["op"]: o for o in r["top_ops"]}
+    assert top["matmul:attn.c_attn"]["count"] == 2  # once per layer per pass
+    assert top["batched_matmul"]["count"] == 4      # Q·Kᵀ and P·V per layer
+    assert r["flop_ratio_pct"] == pytest.approx(100 * 5 / (4 * 16))
+    assert r["softmax_ms"] > 0 and r["attn_matmul_ms"] > 0
+
+
+def test_sweep_command_skips_what_does_not_fit(tiny_sizes, monkeypatch, tmp_path, capsys):
+    t1, t2 = (pyml_sweep.Shape(n, *pyml_sweep.SIZES[n], vocab=100) for n in ("t1", "t2"))
+    # enough for everything but t2 at 1024 tokens
+    limit = 1.2 * (t1.weight_bytes(1024) + t1.pass_bytes(1024)) + 1
+    monkeypatch.setattr(pyml_sweep, "available_memory", lambda: int(limit))
+    assert t2.weight_bytes(1024) + t2.pass_bytes(1024) > limit / 1.2
+    code = pyml_sweep.main(["--sizes", "t1,t2", "--contexts", "8,1024", "--passes", "1", "--plain-passes", "0",
+                       "--vocab", "100", "--out", str(tmp_path)])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "pyml-sweep: skip t2 ctx=1024: needs ~" in err
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["config"] for r in data["results"]] == ["t1_ctx8", "t1_ctx1024", "t2_ctx8"]
+    md = (tmp_path / "sweep.md").read_text()
+    for heading in ("## (a) Forward pass time", "## (b) Top op", "## (c) Top 5 ops", "## (d) Matrix multiplication",
+                    "## (e) Softmax vs matrix multiplication"):
+        assert heading in md
+    assert "t2 ctx=1024" in md
+
+
+def test_sweep_rejects_unknown_sizes(capsys):
+    with pytest.raises(SystemExit) as e:
+        pyml_sweep.main(["--sizes", "huge"])
+    assert e.value.code == 2 and "unknown size huge" in capsys.readouterr().err
+
+
+def test_random_weights_are_float32_and_finite():
+    model = pyml_sweep.build_gpt2(pyml_sweep.Shape("t", 32, 64, 1, 2, vocab=50), n_positions=8)
+    logits = model.forward(np.arange(8), model.new_cache(8))
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()

@@ -1,0 +1,57 @@
+"""Kernel cache entries are stamped with the fingerprint of all kernel sources (pyml/core/jit.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from pyml.core import jit, ops
+from pyml.quant import blocks32, kquants
+
+PACKAGE = Path(jit.__file__).resolve().parents[1]
+
+# Runs one cached kernel in a fresh process; prints whether it came from the disk cache.
+_PROBE = textwrap.dedent("""
+    import json
+    import numpy as np
+    from pyml.quant import blocks32
+    raw = np.zeros((2, 18), np.uint8)
+    out = np.empty((1, 32), np.float32)
+    blocks32.dequant_rows(raw, np.array([1], np.int64), out, 2)
+    stats = blocks32.dequant_rows.stats
+    print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
+                      "path": blocks32.dequant_rows._cache._impl.locator.get_cache_path()}))
+""")
+
+
+def test_kernels_use_the_package_stamped_cache():
+    for kernel in (blocks32.gemv, kquants.gemm, blocks32.dequant_rows, ops._rms_norm_rows):
+        locator = kernel._cache._impl.locator
+        assert getattr(type(locator), "_pyml_stamped", False), type(locator).__qualname__
+        assert locator.get_source_stamp() == jit.FINGERPRINT
+
+
+def test_an_edit_to_an_inlined_helper_recompiles_in_a_user_cache_dir(tmp_path):
+    """NUMBA_CACHE_DIR set (as CI sets it): an edit to simd.py, whose helpers are inlined into
+    blocks32.py's kernels, must recompile them - Numba's own stamp (blocks32.py alone) would load
+    the old machine code, as it once did in CI."""
+    tree = tmp_path / "tree"
+    shutil.copytree(PACKAGE, tree / "pyml", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(tree))
+
+    def probe():
+        out = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=tree,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = probe()
+    assert first["path"].startswith(str(tmp_path / "numba"))
+    assert (first["hits"], first["misses"]) == (0, 1)
+    assert (probe()["hits"], probe()["misses"]) == (1, 0)  # unchanged sources: loaded from disk
+    with open(tree / "pyml" / "quant" / "simd.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert probe()["misses"] == 1  # recompiled, not loaded stale
