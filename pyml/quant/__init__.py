@@ -92,7 +92,7 @@ def dequantize(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     """float32 (rows, n_cols): the whole matrix decoded (tests, small tensors)."""
     w = _as_stored(_file_layout(raw), qtype, n_cols)
     out = np.empty((w.shape[0], n_cols), np.float32)
-    return traits_of(qtype).kernels.dequant_tile(w, 0, out, int(qtype))
+    return traits_of(qtype).kernels.dequant_tile(w, 0, out)
 
 
 def dequantize_rows(raw: np.ndarray, qtype, n_cols: int, row_ids) -> np.ndarray:
@@ -102,7 +102,7 @@ def dequantize_rows(raw: np.ndarray, qtype, n_cols: int, row_ids) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise IndexError(f"row ids must be in [0, {w.shape[0]}), got {ids.min()}..{ids.max()}")
     out = np.empty((ids.size, n_cols), np.float32)
-    return traits_of(qtype).kernels.dequant_rows(w, ids, out, int(qtype))
+    return traits_of(qtype).kernels.dequant_rows(w, ids, out)
 
 
 def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None,
@@ -119,13 +119,13 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
         raw = raw.unpack()  # the exact kernels read the file's layout: tests, never a model's hot path
     w = _as_stored(raw, qtype, n_cols)
     x, out = _prepare(x, w.shape[0], n_cols, out)
-    kernels, kind = traits_of(qtype).kernels, int(qtype)
+    kernels = traits_of(qtype).kernels
     if x.shape[0] == 1:
-        (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0], kind)
+        (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0])
     elif exact and qtype not in FLOAT_TYPES:
-        _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile, kind))
+        _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile))
     else:
-        kernels.gemm(w, x, out, kind)
+        kernels.gemm(w, x, out)
     return out
 
 
@@ -148,7 +148,7 @@ def pack(raw: np.ndarray, qtype, n_cols: int) -> Packed | None:
     """The matrix re-laid 8 rows at a time (interleaved.py: 1.2-3.8x the matmul speed) where its
     traits say the type has that layout and it has 8 rows or more; otherwise None. One copy of
     the blocks."""
-    if not traits_of(qtype).interleaved:
+    if traits_of(qtype).interleaved is None:
         return None
     w = _as_stored(raw, qtype, n_cols)
     return interleaved.pack(w, int(qtype), n_cols) if w.shape[0] >= 8 else None
@@ -164,15 +164,15 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
                          f"{getattr(qtype, 'name', qtype)} of {n_cols}")
     x, out = _prepare(x, p.rows, n_cols, out)
     T, head = x.shape[0], 8 * p.groups.shape[0]
-    file_kernels = traits_of(qtype).kernels  # for the tail rows, kept in the file's layout
+    t = traits_of(qtype)  # t.kernels for the tail rows, kept in the file's layout
     if T == 1:
-        interleaved.gemv(p.groups, x[0], out[0], p.kind)
+        t.interleaved.gemv(p.groups, x[0], out[0])
         if p.tail.shape[0]:
-            file_kernels.gemv(p.tail, x[0], out[0, head:], p.kind)
+            t.kernels.gemv(p.tail, x[0], out[0, head:])
     else:
-        interleaved.gemm(p.groups, x, out, p.kind)
+        t.interleaved.gemm(p.groups, x, out)
         if p.tail.shape[0]:
-            out[:, head:] = file_kernels.gemm(p.tail, x, np.empty((T, p.tail.shape[0]), np.float32), p.kind)
+            out[:, head:] = t.kernels.gemm(p.tail, x, np.empty((T, p.tail.shape[0]), np.float32))
     return out
 
 

@@ -11,16 +11,16 @@ Block layouts (ggml-common.h; all little-endian, fp16 = IEEE half; "code" = the 
     4-bit codes: byte j of qs holds value j in its low nibble and value j+16 in its high nibble.
     5-bit codes: the same nibbles, plus bit j of qh as bit 4 of value j's code.
 
-Kernels (w [R, nb*type_size] uint8, a GGUF tensor, possibly read-only; `kind` is the GGML
-type id: the kernels branch on it once per row, and every helper specialises on it through
-numba.literally, so each type's inner loop is compiled on its own):
-    dequant_rows(raw, row_ids, out, kind)   scalar loops: the reference decoding, embedding rows
-    dequant_tile(raw, r0, out, kind)        vectorised decoding of rows r0.. (same float ops)
-    gemv(w, x, out, kind)                   T == 1, int8 activations (the default)
-    gemv_exact(w, x, out, kind)             T == 1, float32 activations (exact to f32 rounding)
-    gemm(w, x, out, kind)                   T > 1, int8 activations, register tiles of
-                                            2 weight rows x 4 activation rows: each weight block
-                                            is decoded once per 4 activation rows
+The row-level functions below are what kernel_set.py runs in its parallel loops (w a row of
+a GGUF tensor, [nb*type_size] uint8, possibly read-only; `kind` the GGML type id, on which each
+function specialises through numba.literally, so each type's inner loop compiles on its own):
+    dequant_row(kind, w, y)           scalar loops: the reference decoding, embedding rows
+    decode_row(kind, w, y)            vectorised decoding (same float ops)
+    gemv_row(kind, w, xq, xd, xs, xp) w . x, int8 activations (activation.py; the default path)
+    gemv_row_exact(kind, w, x, xsum)  w . x, float32 activations (exact to f32 rounding)
+    tile(kind, wa, wb, xq, xd, xs, xp, t0, T)   8 dot products of a T > 1 product: weight rows
+                                      wa, wb x activation rows t0..t0+3, int8 activations; each
+                                      weight block is decoded once for the 4 activation rows
 
 The integer kernels follow ggml's vec_dot: per block an integer dot of the weight codes with
 the int8 activation (activation.py), then one float multiply-add by d_w * d_x. Code offsets
@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
 
-from pyml.quant.activation import quantize_q8, quantize_rows_q8, sums32
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_SIZE
-from pyml.quant.simd import (FASTMATH, abs_u8, add, as_i8, bits_to_u8, dot32_f32, f32x8, fma, hsum, lane, lanes_f32,
+from pyml.quant.simd import (abs_u8, add, as_i8, bits_to_u8, dot32_f32, f32x8, fma, hsum, lane, lanes_f32,
                              load_f32x8, load_fp16, load_fp16x8, load_i8x32, load_i16x16, load_nibbles16, load_u32,
                              maddubs, minus_i8, mul, or_u8, prefetch, shl_i16, sign_i8, store_f32x8, sub_i16,
                              sum_pairs, to_f32, zeros_f32x8)
@@ -52,7 +50,7 @@ def _type_size(kind):
 # --- reference decoding --------------------------------------------------------------------
 
 @numba.njit
-def _dequant_row(kind, w, y):  # w [nb*type_size] u8 -> y [nb*32] f32
+def dequant_row(kind, w, y):  # w [nb*type_size] u8 -> y [nb*32] f32
     numba.literally(kind)
     ts = _type_size(kind)
     for b in range(y.size // 32):
@@ -80,24 +78,8 @@ def _dequant_row(kind, w, y):  # w [nb*type_size] u8 -> y [nb*32] f32
                 y[32 * b + 16 + j] = d * np.float32(hi)
 
 
-@numba.njit(cache=True)
-def dequant_rows(raw, row_ids, out, kind):  # raw [R, nb*ts] u8, row_ids [n] -> out [n, nb*32] f32
-    for i in range(row_ids.size):
-        if kind == Q4_0:
-            _dequant_row(Q4_0, raw[row_ids[i]], out[i])
-        elif kind == Q4_1:
-            _dequant_row(Q4_1, raw[row_ids[i]], out[i])
-        elif kind == Q5_0:
-            _dequant_row(Q5_0, raw[row_ids[i]], out[i])
-        elif kind == Q5_1:
-            _dequant_row(Q5_1, raw[row_ids[i]], out[i])
-        else:
-            _dequant_row(Q8_0, raw[row_ids[i]], out[i])
-    return out
-
-
 @numba.njit
-def _decode_row(kind, w, y):  # w [nb*ts] -> y [nb*32] f32, vectorised; same float ops as the reference
+def decode_row(kind, w, y):  # w [nb*ts] -> y [nb*32] f32, vectorised; same float ops as the reference
     numba.literally(kind)
     ts = _type_size(kind)
     for g in range(y.size // 32):
@@ -114,22 +96,6 @@ def _decode_row(kind, w, y):  # w [nb*ts] -> y [nb*32] f32, vectorised; same flo
         store_f32x8(y, 32 * g + 8, v1)
         store_f32x8(y, 32 * g + 16, v2)
         store_f32x8(y, 32 * g + 24, v3)
-
-
-@numba.njit(cache=True)  # serial: runs between BLAS calls, see _matmul_tiles
-def dequant_tile(raw, r0, out, kind):  # out [n, nb*32] f32 <- rows r0 .. r0+n of raw
-    for i in range(out.shape[0]):
-        if kind == Q4_0:
-            _decode_row(Q4_0, raw[r0 + i], out[i])
-        elif kind == Q4_1:
-            _decode_row(Q4_1, raw[r0 + i], out[i])
-        elif kind == Q5_0:
-            _decode_row(Q5_0, raw[r0 + i], out[i])
-        elif kind == Q5_1:
-            _decode_row(Q5_1, raw[r0 + i], out[i])
-        else:
-            _decode_row(Q8_0, raw[r0 + i], out[i])
-    return out
 
 
 # --- one block -------------------------------------------------------------------------------
@@ -220,7 +186,7 @@ def _block_of8(kind, w, g, j, dx, xq, xp, acc):  # acc + block g+j, its scale d*
 
 
 @numba.njit
-def _gemv_row(kind, w, xq, xd, xs, xp):  # w [nb*ts] . x
+def gemv_row(kind, w, xq, xd, xs, xp):  # w [nb*ts] . x
     numba.literally(kind)
     nb, ts = xd.size, _type_size(kind)
     a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
@@ -261,25 +227,8 @@ def _gemv_row(kind, w, xq, xd, xs, xp):  # w [nb*ts] . x
     return hsum(add(add(a0, a1), add(a2, a3))) + (hsum(mins) + tail)
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv(w, x, out, kind):  # w [R, nb*ts] u8, x [nb*32] f32 -> out [R] f32
-    xq, xd, xs, xp = quantize_q8(x)
-    for r in prange(w.shape[0]):
-        if kind == Q4_0:
-            out[r] = _gemv_row(Q4_0, w[r], xq, xd, xs, xp)
-        elif kind == Q4_1:
-            out[r] = _gemv_row(Q4_1, w[r], xq, xd, xs, xp)
-        elif kind == Q5_0:
-            out[r] = _gemv_row(Q5_0, w[r], xq, xd, xs, xp)
-        elif kind == Q5_1:
-            out[r] = _gemv_row(Q5_1, w[r], xq, xd, xs, xp)
-        else:
-            out[r] = _gemv_row(Q8_0, w[r], xq, xd, xs, xp)
-    return out
-
-
 @numba.njit
-def _gemv_row_exact(kind, w, x, xsum):
+def gemv_row_exact(kind, w, x, xsum):
     numba.literally(kind)
     nb = x.size // 32
     a0, a1 = zeros_f32x8(), zeros_f32x8()
@@ -289,23 +238,6 @@ def _gemv_row_exact(kind, w, x, xsum):
     if nb % 2:
         a0 = _block_exact(kind, w, nb - 1, x, xsum, a0)
     return hsum(add(a0, a1))
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv_exact(w, x, out, kind):  # w [R, nb*ts] u8, x [nb*32] f32 -> out [R] f32
-    xsum = sums32(x)
-    for r in prange(w.shape[0]):
-        if kind == Q4_0:
-            out[r] = _gemv_row_exact(Q4_0, w[r], x, xsum)
-        elif kind == Q4_1:
-            out[r] = _gemv_row_exact(Q4_1, w[r], x, xsum)
-        elif kind == Q5_0:
-            out[r] = _gemv_row_exact(Q5_0, w[r], x, xsum)
-        elif kind == Q5_1:
-            out[r] = _gemv_row_exact(Q5_1, w[r], x, xsum)
-        else:
-            out[r] = _gemv_row_exact(Q8_0, w[r], x, xsum)
-    return out
 
 
 # --- T > 1 -----------------------------------------------------------------------------------
@@ -321,7 +253,7 @@ def _tile_step(kind, c, s, dv, mv, y, p, xv, sv, acc):
 
 
 @numba.njit
-def _tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
+def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
     """8 dot products: weight rows wa, wb x activation rows t0..t0+3 (clamped to T-1).
 
     Returns the accumulators; every weight block is decoded once for the 4 activation rows."""
@@ -355,41 +287,3 @@ def _tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
                 a3 = _tile_step(kind, ca, sa, da, ma, y, p, xv, sv, a3)
                 b3 = _tile_step(kind, cb, sb, db, mb, y, p, xv, sv, b3)
     return a0, a1, a2, a3, b0, b1, b2, b3
-
-
-@numba.njit
-def _gemm_chunk(kind, w, xq, xd, xs, xp, out, r_lo, r_hi):
-    """Rows r_lo..r_hi of out[T, R]: activation tiles outside, so a chunk's weights stay in L2."""
-    numba.literally(kind)
-    T = xq.shape[0]
-    for t0 in range(0, T, 4):
-        for ra in range(r_lo, r_hi, 2):
-            rb = min(ra + 1, r_hi - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _tile(kind, w[ra], w[rb], xq, xd, xs, xp, t0, T)
-            out[t0, ra], out[t0, rb] = hsum(a0), hsum(b0)
-            if t0 + 1 < T:
-                out[t0 + 1, ra], out[t0 + 1, rb] = hsum(a1), hsum(b1)
-            if t0 + 2 < T:
-                out[t0 + 2, ra], out[t0 + 2, rb] = hsum(a2), hsum(b2)
-            if t0 + 3 < T:
-                out[t0 + 3, ra], out[t0 + 3, rb] = hsum(a3), hsum(b3)
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemm(w, x, out, kind):  # w [R, nb*ts] u8, x [T, nb*32] f32 -> out [T, R] f32
-    xq, xd, xs, xp = quantize_rows_q8(x)
-    R = w.shape[0]
-    chunk = 32  # rows per parallel task: 32 rows of weights fit in L2 while the T tiles stream by
-    for c in prange((R + chunk - 1) // chunk):
-        r_lo, r_hi = c * chunk, min(R, c * chunk + chunk)
-        if kind == Q4_0:
-            _gemm_chunk(Q4_0, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        elif kind == Q4_1:
-            _gemm_chunk(Q4_1, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        elif kind == Q5_0:
-            _gemm_chunk(Q5_0, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        elif kind == Q5_1:
-            _gemm_chunk(Q5_1, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        else:
-            _gemm_chunk(Q8_0, w, xq, xd, xs, xp, out, r_lo, r_hi)
-    return out

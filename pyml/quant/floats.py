@@ -9,11 +9,14 @@ shift for BF16). Both are exact up to float32 summation order.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numba
 import numpy as np
 from numba import prange
 
-from pyml.quant.ggml_types import BF16, F16, F32
+from pyml.quant.ggml_types import F16, F32
+from pyml.quant.kernel_set import KernelSet, chunk_rows, n_chunks
 from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, fma, half_to_f32, hsum, load_bf16x8, load_f16x8, load_f32x8,
                              prefetch, zeros_f32x8)
 
@@ -59,21 +62,6 @@ def _gemv_row(kind, w, x):  # w [n] . x [n], 32 weights per step in 4 accumulato
     return s
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv(w, x, out, kind):  # w [R, n] f32 / u16 bits, x [n] f32 -> out [R] f32
-    for r in prange(w.shape[0]):
-        if kind == F32:
-            out[r] = _gemv_row(F32, w[r], x)
-        elif kind == F16:
-            out[r] = _gemv_row(F16, w[r], x)
-        else:
-            out[r] = _gemv_row(BF16, w[r], x)
-    return out
-
-
-gemv_exact = gemv  # float weights meet a float32 activation on every path
-
-
 def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
     """A float32 copy of stored float weights (any shape)."""
     if kind == F32:
@@ -81,16 +69,6 @@ def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
     if kind == F16:
         return w.view(np.float16).astype(np.float32)
     return (w.astype(np.uint32) << 16).view(np.float32)
-
-
-def dequant_rows(raw, row_ids, out, kind):  # raw [R, n], row_ids [k] -> out [k, n] f32
-    out[...] = to_f32(raw[row_ids], kind)
-    return out
-
-
-def dequant_tile(raw, r0, out, kind):  # out [k, n] f32 <- rows r0 .. r0+k of raw
-    out[...] = to_f32(raw[r0:r0 + out.shape[0]], kind)
-    return out
 
 
 # --- T > 1 -----------------------------------------------------------------------------------
@@ -137,16 +115,33 @@ def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
                     out[t, ra], out[t, rb] = sa, sb
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemm(w, x, out, kind):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32
-    R = w.shape[0]
-    chunk = 32  # rows per parallel task: their weights stay in L2 while the T tiles stream by
-    for c in prange((R + chunk - 1) // chunk):
-        r_lo, r_hi = c * chunk, min(R, c * chunk + chunk)
-        if kind == F32:
-            _gemm_chunk(F32, w, x, out, r_lo, r_hi)
-        elif kind == F16:
-            _gemm_chunk(F16, w, x, out, r_lo, r_hi)
-        else:
-            _gemm_chunk(BF16, w, x, out, r_lo, r_hi)
-    return out
+# --- the kernels of one type ------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def float_kernels(kind: int) -> KernelSet:
+    """The kernels of a float type (F32, F16, BF16: `kind` a constant in each). Float weights meet
+    a float32 activation on every path, so gemv_exact is gemv."""
+    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+
+    def dequant_rows(raw, row_ids, out):  # raw [R, n], row_ids [k] -> out [k, n] f32
+        out[...] = to_f32(raw[row_ids], kind)
+        return out
+
+    def dequant_tile(raw, r0, out):  # out [k, n] f32 <- rows r0 .. r0+k of raw
+        out[...] = to_f32(raw[r0:r0 + out.shape[0]], kind)
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv(w, x, out):  # w [R, n] f32 / u16 bits, x [n] f32 -> out [R] f32
+        for r in prange(w.shape[0]):
+            out[r] = _gemv_row(kind, w[r], x)
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemm(w, x, out):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32
+        for c in prange(n_chunks(w.shape[0])):
+            r_lo, r_hi = chunk_rows(c, w.shape[0])
+            _gemm_chunk(kind, w, x, out, r_lo, r_hi)
+        return out
+
+    return KernelSet(dequant_rows, dequant_tile, gemv, gemv, gemm)

@@ -7,34 +7,39 @@ row_bytes = n_cols // block_size * type_size, each row a run of blocks. Float we
 Each row of TRAITS says what pyml knows of a type:
     block_size, type_size   values and bytes per block (ggml's numbers, ggml_types.py)
     dtype                   the stored matrix's element type (what loaders and quantize hand out)
-    kernels                 the module reading it: dequant_rows (the scalar reference decoding),
-                            gemv, gemv_exact, gemm; block types also dequant_tile (vectorised)
-    interleaved             whether interleaved.py can re-lay it 8 rows at a time
+    kernels                 its KernelSet (kernel_set.py): dequant_rows (the scalar reference
+                            decoding), dequant_tile (vectorised), gemv, gemv_exact, gemm, each with
+                            the type id a compile-time constant
+    interleaved             the GEMV and GEMM of the 8-row interleaved layout, for the types
+                            interleaved.py can re-lay (None: the file's layout only)
     quantize                float32 (rows, n_cols) -> stored, `quantize(x, out)`, or None
     activation              what x becomes on the default path: "q8" (int8 per 32 values with a
                             float32 scale, activation.py: ggml's vec_dot_type) or "f32"
 
-Adding a type is one row here plus its kernels (a block layout documented beside them).
+Adding a type is one row here plus its kernels (a block layout documented beside them, and
+the row-level functions kernel_set.py runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Callable
 
 import numpy as np
 
-from pyml.quant import blocks32, floats, kquants, quantizers
+from pyml.quant import quantizers
+from pyml.quant.floats import float_kernels
 from pyml.quant.ggml_types import BLOCK_SIZE, TYPE_SIZE, QuantType
+from pyml.quant.interleaved import InterleavedKernels, interleaved_kernels
+from pyml.quant.kernel_set import KernelSet, block_kernels
 
 
 @dataclass(frozen=True)
 class Traits:
     qtype: QuantType
-    kernels: ModuleType
+    kernels: KernelSet
     dtype: np.dtype
-    interleaved: bool = False
+    interleaved: InterleavedKernels | None = None
     quantize: Callable | None = None
     activation: str = "q8"
 
@@ -60,19 +65,22 @@ class Traits:
 
 
 _U8 = np.dtype(np.uint8)
+F32, F16, BF16 = QuantType.F32, QuantType.F16, QuantType.BF16
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0
+Q4_K, Q5_K, Q6_K = QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K
 
 TRAITS: dict[QuantType, Traits] = {t.qtype: t for t in (
-    Traits(QuantType.F32, floats, np.dtype(np.float32), quantize=quantizers.cast, activation="f32"),
-    Traits(QuantType.F16, floats, np.dtype(np.float16), quantize=quantizers.cast, activation="f32"),
-    Traits(QuantType.BF16, floats, np.dtype(np.uint16), quantize=quantizers.to_bf16, activation="f32"),
-    Traits(QuantType.Q4_0, blocks32, _U8, interleaved=True, quantize=quantizers.quantize_q4_0),
-    Traits(QuantType.Q4_1, blocks32, _U8, interleaved=True, quantize=quantizers.quantize_q4_1),
-    Traits(QuantType.Q5_0, blocks32, _U8, interleaved=True),
-    Traits(QuantType.Q5_1, blocks32, _U8, interleaved=True),
-    Traits(QuantType.Q8_0, blocks32, _U8, interleaved=True, quantize=quantizers.quantize_q8_0),
-    Traits(QuantType.Q4_K, kquants, _U8, interleaved=True),
-    Traits(QuantType.Q5_K, kquants, _U8),
-    Traits(QuantType.Q6_K, kquants, _U8),
+    Traits(F32, float_kernels(F32), np.dtype(np.float32), quantize=quantizers.cast, activation="f32"),
+    Traits(F16, float_kernels(F16), np.dtype(np.float16), quantize=quantizers.cast, activation="f32"),
+    Traits(BF16, float_kernels(BF16), np.dtype(np.uint16), quantize=quantizers.to_bf16, activation="f32"),
+    Traits(Q4_0, block_kernels(Q4_0), _U8, interleaved_kernels(Q4_0), quantize=quantizers.quantize_q4_0),
+    Traits(Q4_1, block_kernels(Q4_1), _U8, interleaved_kernels(Q4_1), quantize=quantizers.quantize_q4_1),
+    Traits(Q5_0, block_kernels(Q5_0), _U8, interleaved_kernels(Q5_0)),
+    Traits(Q5_1, block_kernels(Q5_1), _U8, interleaved_kernels(Q5_1)),
+    Traits(Q8_0, block_kernels(Q8_0), _U8, interleaved_kernels(Q8_0), quantize=quantizers.quantize_q8_0),
+    Traits(Q4_K, block_kernels(Q4_K), _U8, interleaved_kernels(Q4_K)),
+    Traits(Q5_K, block_kernels(Q5_K), _U8),
+    Traits(Q6_K, block_kernels(Q6_K), _U8),
 )}
 
 FLOAT_TYPES = frozenset(q for q, t in TRAITS.items() if t.is_float)

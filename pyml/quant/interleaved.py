@@ -50,6 +50,8 @@ The integer dot of a superblock with an activation block y (int8 [32], activatio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, NamedTuple
 
 import numba
 import numpy as np
@@ -320,26 +322,6 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
     return acc
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [nb*32] f32 -> out [8G] f32
-    xq, xd, xs, _ = quantize_q8(x)
-    xsum = _code_sums(xq, xd.size)
-    for g in prange(groups.shape[0]):
-        if kind == Q4_0:
-            store_f32x8(out, 8 * g, _gemv_group(Q4_0, groups[g], xq, xd, xs, xsum))
-        elif kind == Q4_1:
-            store_f32x8(out, 8 * g, _gemv_group(Q4_1, groups[g], xq, xd, xs, xsum))
-        elif kind == Q5_0:
-            store_f32x8(out, 8 * g, _gemv_group(Q5_0, groups[g], xq, xd, xs, xsum))
-        elif kind == Q5_1:
-            store_f32x8(out, 8 * g, _gemv_group(Q5_1, groups[g], xq, xd, xs, xsum))
-        elif kind == Q4_K:
-            store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
-        else:
-            store_f32x8(out, 8 * g, _gemv_group(Q8_0, groups[g], xq, xd, xs, xsum))
-    return out
-
-
 # --- T > 1 ---------------------------------------------------------------------------------
 
 @numba.njit
@@ -393,24 +375,42 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
         store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemm(groups, x, out, kind):  # groups [G, nb*8*ts] u8, x [T, nb*32] f32 -> out [T, R >= 8G] f32
-    xq, xd, xs, _ = quantize_rows_q8(x)
-    T, nb = xd.shape
-    xsum = np.empty((T, nb), np.int32)
-    for t in range(T):
-        xsum[t] = _code_sums(xq[t], nb)
-    for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
-        if kind == Q4_0:
-            _gemm_group(Q4_0, groups[g], xq, xd, xs, xsum, out, g)
-        elif kind == Q4_1:
-            _gemm_group(Q4_1, groups[g], xq, xd, xs, xsum, out, g)
-        elif kind == Q5_0:
-            _gemm_group(Q5_0, groups[g], xq, xd, xs, xsum, out, g)
-        elif kind == Q5_1:
-            _gemm_group(Q5_1, groups[g], xq, xd, xs, xsum, out, g)
-        elif kind == Q4_K:
-            _gemm_group_k(groups[g], xq, xd, xs, out, g)
-        else:
-            _gemm_group(Q8_0, groups[g], xq, xd, xs, xsum, out, g)
-    return out
+# --- the kernels of one type ------------------------------------------------------------------
+
+class InterleavedKernels(NamedTuple):
+    gemv: Callable  # (groups, x, out): groups [G, nb*sb] u8, x [n_cols] f32 -> out [>= 8G] f32
+    gemm: Callable  # (groups, x, out): x [T, n_cols] f32 -> out [T, >= 8G] f32
+
+
+@lru_cache(maxsize=None)
+def interleaved_kernels(kind: int) -> InterleavedKernels:
+    """The GEMV and GEMM of one type in this layout (`kind` a constant in each); the tail rows
+    (R % 8) stay in the file's layout and go through the type's KernelSet."""
+    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv(groups, x, out):
+        xq, xd, xs, _ = quantize_q8(x)
+        xsum = _code_sums(xq, xd.size)
+        for g in prange(groups.shape[0]):
+            if kind == Q4_K:
+                store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
+            else:
+                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], xq, xd, xs, xsum))
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemm(groups, x, out):
+        xq, xd, xs, _ = quantize_rows_q8(x)
+        T, nb = xd.shape
+        xsum = np.empty((T, nb), np.int32)
+        for t in range(T):
+            xsum[t] = _code_sums(xq[t], nb)
+        for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
+            if kind == Q4_K:
+                _gemm_group_k(groups[g], xq, xd, xs, out, g)
+            else:
+                _gemm_group(kind, groups[g], xq, xd, xs, xsum, out, g)
+        return out
+
+    return InterleavedKernels(gemv, gemm)

@@ -26,18 +26,16 @@ Kernels work in 32-value groups (g = 8 * superblock + group) so the int8 activat
 the same as for the 32-value blocks (activation.py). Per group: an integer dot of the codes with
 the activation, times d*sc*d_x (Q6_K: the two 16-value scales enter the integer dot through
 vpmaddwd). Mins of Q4_K/Q5_K are added per superblock as -dmin * sum(mn[j] * sum(x_group j)).
-Same kernel set and shapes as blocks32.py; w is [R, nsb * type_size] uint8.
+The same row-level functions as blocks32.py, for kernel_set.py; w is a row of [nsb * type_size] uint8.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
 
-from pyml.quant.activation import quantize_q8, quantize_rows_q8, sums32
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K, TYPE_SIZE
-from pyml.quant.simd import (FASTMATH, add, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, f32x8, fma, fnma, hsum,
+from pyml.quant.simd import (add, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, f32x8, fma, fnma, hsum,
                              i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
                              load_i8x32, load_i16x16, load_u8x32, madd, maddubs, minus_i8, mul, nibbles_hi,
                              nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8, shr_u8, store_f32x8, sub,
@@ -64,7 +62,7 @@ def _scale_min(w, o, j):  # 6-bit (sc, mn) of sub-block j of the Q4_K/Q5_K super
 # --- reference decoding --------------------------------------------------------------------
 
 @numba.njit
-def _dequant_row(kind, w, y):  # w [nsb*type_size] u8 -> y [nsb*256] f32, scalar loops
+def dequant_row(kind, w, y):  # w [nsb*type_size] u8 -> y [nsb*256] f32, scalar loops
     numba.literally(kind)
     ts = _type_size(kind)
     for sb in range(y.size // 256):
@@ -98,20 +96,8 @@ def _dequant_row(kind, w, y):  # w [nsb*type_size] u8 -> y [nsb*256] f32, scalar
                 y[e0 + 32 * j + l] = dl * np.float32(q) - ml
 
 
-@numba.njit(cache=True)
-def dequant_rows(raw, row_ids, out, kind):  # raw [R, nsb*ts] u8, row_ids [n] -> out [n, nsb*256] f32
-    for i in range(row_ids.size):
-        if kind == Q4_K:
-            _dequant_row(Q4_K, raw[row_ids[i]], out[i])
-        elif kind == Q5_K:
-            _dequant_row(Q5_K, raw[row_ids[i]], out[i])
-        else:
-            _dequant_row(Q6_K, raw[row_ids[i]], out[i])
-    return out
-
-
 @numba.njit
-def _decode_row(kind, w, y):  # w [nsb*ts] -> y [nsb*256] f32, vectorised; same float ops as the reference
+def decode_row(kind, w, y):  # w [nsb*ts] -> y [nsb*256] f32, vectorised; same float ops as the reference
     numba.literally(kind)
     ts = _type_size(kind)
     for sb in range(y.size // 256):
@@ -138,18 +124,6 @@ def _decode_group(kind, w, o, j, ds, dm, y, e):  # y[e : e+32] = values of group
     store_f32x8(y, e + 8, sub(mul(d, lanes_f32(c, 1)), m))
     store_f32x8(y, e + 16, sub(mul(d, lanes_f32(c, 2)), m))
     store_f32x8(y, e + 24, sub(mul(d, lanes_f32(c, 3)), m))
-
-
-@numba.njit(cache=True)  # serial: runs between BLAS calls, see _matmul_tiles
-def dequant_tile(raw, r0, out, kind):  # out [n, nsb*256] f32 <- rows r0 .. r0+n of raw
-    for i in range(out.shape[0]):
-        if kind == Q4_K:
-            _decode_row(Q4_K, raw[r0 + i], out[i])
-        elif kind == Q5_K:
-            _decode_row(Q5_K, raw[r0 + i], out[i])
-        else:
-            _decode_row(Q6_K, raw[r0 + i], out[i])
-    return out
 
 
 # --- one 32-value group ----------------------------------------------------------------------
@@ -219,7 +193,7 @@ def _group_exact(kind, w, o, j, g, x, ds, acc):  # acc + group j (float path); d
 # --- T == 1 ----------------------------------------------------------------------------------
 
 @numba.njit
-def _gemv_row(kind, w, xq, xd, xs, xp):  # w [nsb*ts] . x
+def gemv_row(kind, w, xq, xd, xs, xp):  # w [nsb*ts] . x
     numba.literally(kind)
     ts = _type_size(kind)
     a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
@@ -244,21 +218,8 @@ def _gemv_row(kind, w, xq, xd, xs, xp):  # w [nsb*ts] . x
     return hsum(add(add(a0, a1), add(a2, a3))) - hsum(mins)
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv(w, x, out, kind):  # w [R, nsb*ts] u8, x [nsb*256] f32 -> out [R] f32
-    xq, xd, xs, xp = quantize_q8(x)
-    for r in prange(w.shape[0]):
-        if kind == Q4_K:
-            out[r] = _gemv_row(Q4_K, w[r], xq, xd, xs, xp)
-        elif kind == Q5_K:
-            out[r] = _gemv_row(Q5_K, w[r], xq, xd, xs, xp)
-        else:
-            out[r] = _gemv_row(Q6_K, w[r], xq, xd, xs, xp)
-    return out
-
-
 @numba.njit
-def _gemv_row_exact(kind, w, x, xsum):
+def gemv_row_exact(kind, w, x, xsum):
     numba.literally(kind)
     ts = _type_size(kind)
     a0, a1 = zeros_f32x8(), zeros_f32x8()
@@ -277,19 +238,6 @@ def _gemv_row_exact(kind, w, x, xsum):
         a0 = _group_exact(kind, w, o, 6, g + 6, x, ds, a0)
         a1 = _group_exact(kind, w, o, 7, g + 7, x, ds, a1)
     return hsum(add(a0, a1)) - hsum(mins)
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemv_exact(w, x, out, kind):  # w [R, nsb*ts] u8, x [nsb*256] f32 -> out [R] f32
-    xsum = sums32(x)
-    for r in prange(w.shape[0]):
-        if kind == Q4_K:
-            out[r] = _gemv_row_exact(Q4_K, w[r], x, xsum)
-        elif kind == Q5_K:
-            out[r] = _gemv_row_exact(Q5_K, w[r], x, xsum)
-        else:
-            out[r] = _gemv_row_exact(Q6_K, w[r], x, xsum)
-    return out
 
 
 # --- T > 1 -----------------------------------------------------------------------------------
@@ -319,7 +267,7 @@ def _tile_group(kind, wa, wb, o, j, g, xq, xd, xp, ts_, accs):
 
 
 @numba.njit
-def _tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
+def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
     """8 dot products: weight rows wa, wb x activation rows t0..t0+3 (clamped to T-1);
     each group of weights is decoded once for the 4 activation rows."""
     numba.literally(kind)
@@ -348,37 +296,3 @@ def _tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
         st = _tile_group(kind, wa, wb, o, 7, g + 7, xq, xd, xp, ts_, st)
         accs = st[0]
     return accs
-
-
-@numba.njit
-def _gemm_chunk(kind, w, xq, xd, xs, xp, out, r_lo, r_hi):
-    """Rows r_lo..r_hi of out[T, R]: activation tiles outside, so a chunk's weights stay in L2."""
-    numba.literally(kind)
-    T = xq.shape[0]
-    for t0 in range(0, T, 4):
-        for ra in range(r_lo, r_hi, 2):
-            rb = min(ra + 1, r_hi - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _tile(kind, w[ra], w[rb], xq, xd, xs, xp, t0, T)
-            out[t0, ra], out[t0, rb] = hsum(a0), hsum(b0)
-            if t0 + 1 < T:
-                out[t0 + 1, ra], out[t0 + 1, rb] = hsum(a1), hsum(b1)
-            if t0 + 2 < T:
-                out[t0 + 2, ra], out[t0 + 2, rb] = hsum(a2), hsum(b2)
-            if t0 + 3 < T:
-                out[t0 + 3, ra], out[t0 + 3, rb] = hsum(a3), hsum(b3)
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
-def gemm(w, x, out, kind):  # w [R, nsb*ts] u8, x [T, nsb*256] f32 -> out [T, R] f32
-    xq, xd, xs, xp = quantize_rows_q8(x)
-    R = w.shape[0]
-    chunk = 32  # rows per parallel task: their weights stay in L2 while the T tiles stream by
-    for c in prange((R + chunk - 1) // chunk):
-        r_lo, r_hi = c * chunk, min(R, c * chunk + chunk)
-        if kind == Q4_K:
-            _gemm_chunk(Q4_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        elif kind == Q5_K:
-            _gemm_chunk(Q5_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
-        else:
-            _gemm_chunk(Q6_K, w, xq, xd, xs, xp, out, r_lo, r_hi)
-    return out

@@ -17,7 +17,7 @@ def dequantize_reference(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     if not t.is_float and raw.shape[1] != row_bytes(qtype, n_cols):
         raise ValueError(f"{t.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
     out = np.empty((raw.shape[0], n_cols), np.float32)
-    return t.kernels.dequant_rows(raw.reshape(raw.shape[0], -1), np.arange(raw.shape[0]), out, int(qtype))
+    return t.kernels.dequant_rows(raw.reshape(raw.shape[0], -1), np.arange(raw.shape[0]), out)
 
 
 def matmul_reference(x: np.ndarray, raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:

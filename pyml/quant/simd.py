@@ -109,20 +109,21 @@ def _literal_int(t):
 
 # --- loads and stores (idx counts the array's elements: bytes for uint8) --------------
 
-@intrinsic
-def load_u8x32(typingctx, ary, idx):
-    """32 bytes from a uint8/int8 array as unsigned lanes."""
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], U8x32.llvm())
-    return U8x32(ary, idx), codegen
+def _vector_load(vec: Vec, align: int, doc: str):
+    """An intrinsic loading one `vec` value from an array at an element index."""
+    @intrinsic
+    def fn(typingctx, ary, idx):
+        def codegen(context, builder, sig, args):
+            return _load(context, builder, sig.args[0], args[0], args[1], vec.llvm(), align=align)
+        return vec(ary, idx), codegen
+    fn.__doc__ = doc
+    return fn
 
 
-@intrinsic
-def load_i8x32(typingctx, ary, idx):
-    """32 bytes from a uint8/int8 array as signed lanes."""
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], I8x32.llvm())
-    return I8x32(ary, idx), codegen
+load_u8x32 = _vector_load(U8x32, 1, "32 bytes from a uint8/int8 array as unsigned lanes.")
+load_i8x32 = _vector_load(I8x32, 1, "32 bytes from a uint8/int8 array as signed lanes.")
+load_i16x16 = _vector_load(I16x16, 2, "16 int16 values from an int16 array.")
+load_f32x8 = _vector_load(F32x8, 4, "8 float32 values from a float32 array.")
 
 
 @intrinsic
@@ -141,26 +142,12 @@ def load_nibbles16(typingctx, ary, idx):
 
 
 @intrinsic
-def load_i16x16(typingctx, ary, idx):
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], I16x16.llvm(), align=2)
-    return I16x16(ary, idx), codegen
-
-
-@intrinsic
 def load_i8x16_i16(typingctx, ary, idx):
     """16 signed bytes -> I16x16 (sign-extended)."""
     def codegen(context, builder, sig, args):
         v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16))
         return builder.sext(v, I16x16.llvm())
     return I16x16(ary, idx), codegen
-
-
-@intrinsic
-def load_f32x8(typingctx, ary, idx):
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], F32x8.llvm(), align=4)
-    return F32x8(ary, idx), codegen
 
 
 @intrinsic
@@ -299,31 +286,39 @@ def f32_to_half(typingctx, v):
 
 # --- byte lanes -----------------------------------------------------------------------
 
-def _u8_const_op(op: str, doc: str):
+def _const_op(op: str, vec: Vec, doc: str):
+    """An intrinsic applying builder.<op> to each lane of a `vec` value and an integer literal."""
     @intrinsic
     def fn(typingctx, v, c):
-        if _literal_int(c) is None or not _is_vec(v, U8x32):
+        if _literal_int(c) is None or not _is_vec(v, vec):
             return None
         value = _literal_int(c)
 
         def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], _splat(value, U8x32.llvm()))
-        return U8x32(v, c), codegen
+            return getattr(builder, op)(args[0], _splat(value, vec.llvm()))
+        return vec(v, c), codegen
     fn.__doc__ = doc
     return fn
 
 
-and_u8 = _u8_const_op("and_", "lanes & c (c an integer literal)")
-shr_u8 = _u8_const_op("lshr", "lanes >> n, logical (n an integer literal)")
-shl_u8 = _u8_const_op("shl", "lanes << n (n an integer literal)")
-@intrinsic
-def or_u8(typingctx, a, b):
-    if not (_is_vec(a, U8x32) and _is_vec(b, U8x32)):
-        return None
+def _lanewise(op: str, vec: Vec, doc: str):
+    """An intrinsic applying builder.<op> lane by lane to two `vec` values."""
+    @intrinsic
+    def fn(typingctx, a, b):
+        if not (_is_vec(a, vec) and _is_vec(b, vec)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        return builder.or_(args[0], args[1])
-    return U8x32(a, b), codegen
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1])
+        return vec(a, b), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+and_u8 = _const_op("and_", U8x32, "lanes & c (c an integer literal)")
+shr_u8 = _const_op("lshr", U8x32, "lanes >> n, logical (n an integer literal)")
+shl_u8 = _const_op("shl", U8x32, "lanes << n (n an integer literal)")
+or_u8 = _lanewise("or_", U8x32, "a | b, lane-wise")
 
 
 @intrinsic
@@ -488,83 +483,67 @@ def madd_ir(builder, a, b, generic: bool):
     return builder.add(even, odd)
 
 
-def _make_maddubs(generic: bool):
-    @intrinsic
-    def maddubs(typingctx, a, b):
-        """U8x32 * I8x32 -> I16x16: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1].
+def _dot_op(a_vec: Vec, b_vec: Vec | None, out_vec: Vec, build, doc: str, generic: bool):
+    """An intrinsic over one or two vectors whose IR `build(builder, args, generic)` makes; generic
+    forces the portable IR (tests compare it with the x86 instructions)."""
+    if b_vec is None:
+        @intrinsic
+        def fn(typingctx, a):
+            if not _is_vec(a, a_vec):
+                return None
 
-        Exact for the kernels' inputs: weights <= 63 and |activation| <= 127 give |sum| <= 16002.
-        """
-        if not (_is_vec(a, U8x32) and _is_vec(b, I8x32)):
-            return None
+            def codegen(context, builder, sig, args):
+                return build(builder, args, generic)
+            return out_vec(a), codegen
+    else:
+        @intrinsic
+        def fn(typingctx, a, b):
+            if not (_is_vec(a, a_vec) and _is_vec(b, b_vec)):
+                return None
 
-        def codegen(context, builder, sig, args):
-            return maddubs_ir(builder, args[0], args[1], generic)
-        return I16x16(a, b), codegen
-    return maddubs
-
-
-def _make_dot_i8(generic: bool):
-    @intrinsic
-    def dot_i8(typingctx, a, b):
-        """I8x32 * I8x32 -> I16x16 pair sums of signed bytes (ggml's abs/sign trick on AVX2).
-
-        Exact when a lanes are > -128 (Q8_0 weights are in [-127, 127]) and |b| <= 127.
-        """
-        if not (_is_vec(a, I8x32) and _is_vec(b, I8x32)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            if HAVE_AVX2 and not generic:
-                negative = builder.icmp_signed("<", args[0], _splat(0, I8x32.llvm()))
-                absa = builder.select(negative, builder.neg(args[0]), args[0])  # vpabsb
-                signed_b = _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm(), [args[1], args[0]])
-                return maddubs_ir(builder, absa, signed_b, generic)
-            vt = ir.VectorType(_I16, 32)
-            p = builder.mul(builder.sext(args[0], vt), builder.sext(args[1], vt))
-            even, odd = _pairs(builder, p, 32)
-            return builder.add(even, odd)
-        return I16x16(a, b), codegen
-    return dot_i8
+            def codegen(context, builder, sig, args):
+                return build(builder, args, generic)
+            return out_vec(a, b), codegen
+    fn.__doc__ = doc
+    return fn
 
 
-def _make_madd(generic: bool):
-    @intrinsic
-    def madd(typingctx, a, b):
-        """I16x16 * I16x16 -> I32x8: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1]."""
-        if not (_is_vec(a, I16x16) and _is_vec(b, I16x16)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return madd_ir(builder, args[0], args[1], generic)
-        return I32x8(a, b), codegen
-    return madd
-
-
-def _make_sum_pairs(generic: bool):
-    @intrinsic
-    def sum_pairs(typingctx, a):
-        """I16x16 -> I32x8: lane i = a[2i] + a[2i+1] (vpmaddwd with ones)."""
-        if not _is_vec(a, I16x16):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return madd_ir(builder, args[0], _splat(1, I16x16.llvm()), generic)
-        return I32x8(a), codegen
-    return sum_pairs
+def _dot_i8_ir(builder, args, generic):
+    if HAVE_AVX2 and not generic:
+        negative = builder.icmp_signed("<", args[0], _splat(0, I8x32.llvm()))
+        absa = builder.select(negative, builder.neg(args[0]), args[0])  # vpabsb
+        signed_b = _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm(), [args[1], args[0]])
+        return maddubs_ir(builder, absa, signed_b, generic)
+    vt = ir.VectorType(_I16, 32)
+    p = builder.mul(builder.sext(args[0], vt), builder.sext(args[1], vt))
+    even, odd = _pairs(builder, p, 32)
+    return builder.add(even, odd)
 
 
-maddubs = _make_maddubs(False)
-dot_i8 = _make_dot_i8(False)
-madd = _make_madd(False)
-sum_pairs = _make_sum_pairs(False)
-# The portable forms, for tests on AVX2 machines.
+def _dot_ops(generic: bool):
+    """(maddubs, dot_i8, madd, sum_pairs): the x86 instructions, or with generic their portable IR."""
+    return (
+        _dot_op(U8x32, I8x32, I16x16, lambda b, args, g: maddubs_ir(b, args[0], args[1], g),
+                """U8x32 * I8x32 -> I16x16: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1].
+
+        Exact for the kernels' inputs: weights <= 63 and |activation| <= 127 give |sum| <= 16002.""",
+                generic),
+        _dot_op(I8x32, I8x32, I16x16, _dot_i8_ir,
+                """I8x32 * I8x32 -> I16x16 pair sums of signed bytes (ggml's abs/sign trick on AVX2).
+
+        Exact when a lanes are > -128 (Q8_0 weights are in [-127, 127]) and |b| <= 127.""", generic),
+        _dot_op(I16x16, I16x16, I32x8, lambda b, args, g: madd_ir(b, args[0], args[1], g),
+                "I16x16 * I16x16 -> I32x8: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1].", generic),
+        _dot_op(I16x16, None, I32x8, lambda b, args, g: madd_ir(b, args[0], _splat(1, I16x16.llvm()), g),
+                "I16x16 -> I32x8: lane i = a[2i] + a[2i+1] (vpmaddwd with ones).", generic),
+    )
 
 
-maddubs_generic = _make_maddubs(True)
-dot_i8_generic = _make_dot_i8(True)
-madd_generic = _make_madd(True)
-sum_pairs_generic = _make_sum_pairs(True)
+maddubs, dot_i8, madd, sum_pairs = _dot_ops(generic=False)
+# the portable forms, for tests on x86 machines
+maddubs_generic, dot_i8_generic, madd_generic, sum_pairs_generic = _dot_ops(generic=True)
+
+
 @intrinsic
 def i16_halves(typingctx, a, b):
     """I16x16 with lanes 0-7 = a and lanes 8-15 = b (two 16-element sub-block scales)."""
@@ -593,26 +572,10 @@ def pair_i16(typingctx, v, m):
     return I16x16(v, m), codegen
 
 
-@intrinsic
-def add_i16(typingctx, a, b):
-    """Lane-wise I16x16 sum (wraps: callers keep the sums in range)."""
-    if not (_is_vec(a, I16x16) and _is_vec(b, I16x16)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], args[1])
-    return I16x16(a, b), codegen
-
-
-@intrinsic
-def add_i32(typingctx, a, b):
-    """Lane-wise I32x8 sum."""
-    if not (_is_vec(a, I32x8) and _is_vec(b, I32x8)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(args[0], args[1])
-    return I32x8(a, b), codegen
+add_i16 = _lanewise("add", I16x16, "a + b, lane-wise (wraps: callers keep the sums in range)")
+add_i32 = _lanewise("add", I32x8, "a + b, lane-wise")
+sub_i16 = _lanewise("sub", I16x16, "a - b, lane-wise")
+shl_i16 = _const_op("shl", I16x16, "lanes << n (n an integer literal)")
 
 
 @intrinsic
@@ -627,24 +590,6 @@ def sub_i32(typingctx, v, s):
         one = builder.insert_element(ir.Constant(vt, None), x, _I32(0))
         return builder.sub(args[0], builder.shuffle_vector(one, one, _mask([0] * 8)))
     return I32x8(v, s), codegen
-
-
-@intrinsic
-def sub_i16(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.sub(args[0], args[1])
-    return I16x16(a, b), codegen
-
-
-@intrinsic
-def shl_i16(typingctx, v, n):
-    if _literal_int(n) is None:
-        return None
-    k = _literal_int(n)
-
-    def codegen(context, builder, sig, args):
-        return builder.shl(args[0], _splat(k, I16x16.llvm()))
-    return I16x16(v, n), codegen
 
 
 # --- float lanes ----------------------------------------------------------------------
@@ -720,25 +665,9 @@ def fnma(typingctx, a, b, c):
     return F32x8(a, b, c), codegen
 
 
-@intrinsic
-def add(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1])
-    return F32x8(a, b), codegen
-
-
-@intrinsic
-def sub(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.fsub(args[0], args[1])
-    return F32x8(a, b), codegen
-
-
-@intrinsic
-def mul(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.fmul(args[0], args[1])
-    return F32x8(a, b), codegen
+add = _lanewise("fadd", F32x8, "a + b, lane-wise")
+sub = _lanewise("fsub", F32x8, "a - b, lane-wise")
+mul = _lanewise("fmul", F32x8, "a * b, lane-wise")
 
 
 @intrinsic

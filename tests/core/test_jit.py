@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from pyml.core import jit, ops
-from pyml.quant import blocks32, kquants
+from pyml.quant import TRAITS, QuantType
 
 PACKAGE = Path(jit.__file__).resolve().parents[1]
 
@@ -17,18 +17,21 @@ PACKAGE = Path(jit.__file__).resolve().parents[1]
 _PROBE = textwrap.dedent("""
     import json
     import numpy as np
-    from pyml.quant import blocks32
+    from pyml.quant import TRAITS, QuantType
+    kernel = TRAITS[QuantType.Q4_0].kernels.dequant_rows
     raw = np.zeros((2, 18), np.uint8)
     out = np.empty((1, 32), np.float32)
-    blocks32.dequant_rows(raw, np.array([1], np.int64), out, 2)
-    stats = blocks32.dequant_rows.stats
+    kernel(raw, np.array([1], np.int64), out)
+    stats = kernel.stats
     print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values()),
-                      "path": blocks32.dequant_rows._cache._impl.locator.get_cache_path()}))
+                      "path": kernel._cache._impl.locator.get_cache_path()}))
 """)
 
 
 def test_kernels_use_the_package_stamped_cache():
-    for kernel in (blocks32.gemv, kquants.gemm, blocks32.dequant_rows, ops._rms_norm_rows):
+    q4_0, q6_k, f16 = (TRAITS[q] for q in (QuantType.Q4_0, QuantType.Q6_K, QuantType.F16))
+    for kernel in (q4_0.kernels.gemv, q4_0.interleaved.gemm, q6_k.kernels.gemm, f16.kernels.gemv,
+                   ops._rms_norm_rows):
         locator = kernel._cache._impl.locator
         assert getattr(type(locator), "_pyml_stamped", False), type(locator).__qualname__
         assert locator.get_source_stamp() == jit.FINGERPRINT
@@ -36,8 +39,8 @@ def test_kernels_use_the_package_stamped_cache():
 
 def test_an_edit_to_an_inlined_helper_recompiles_in_a_user_cache_dir(tmp_path):
     """NUMBA_CACHE_DIR set (as CI sets it): an edit to simd.py, whose helpers are inlined into
-    blocks32.py's kernels, must recompile them - Numba's own stamp (blocks32.py alone) would load
-    the old machine code, as it once did in CI."""
+    the block kernels (kernel_set.py), must recompile them - Numba's own stamp (kernel_set.py
+    alone) would load the old machine code, as it once did in CI."""
     tree = tmp_path / "tree"
     shutil.copytree(PACKAGE, tree / "pyml", ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(tree))
