@@ -267,7 +267,7 @@ def _methodology(doc, run, timing, timing_src):
         doc.items(lines)
     else:
         doc.p("The cost of one span was not measured for this run (reports from a log have no calibration): "
-              "`pyml.nlp.profile.measure_timing_overhead()` measures it on this machine.")
+              "`pyml.report.timing.measure_timing_overhead()` measures it on this machine.")
     checks = aggregate.consistency(run, timing)
     if checks:
         doc.p("Do the parts add up? Gaps between a span and what is timed inside it (decode, mean per step), "
