@@ -211,7 +211,9 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
     if warmup:
         with perf.context(phase="warmup"):
-            runtime.warmup_thread_pool(steps=[*quant.warmup_steps(), lambda: _warm_forward(model)])
+            # the model's own forward pass warms exactly the kernels it uses (a third of
+            # quant.warmup()'s 0.55 s went to types SmolLM2 never touches)
+            runtime.warmup_thread_pool(steps=[lambda: _warm_forward(model)])
     # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
     # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
     # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.

@@ -225,12 +225,12 @@ def warmup() -> None:
         step()
 
 
-def warmup_steps(types=None) -> list:
-    """warmup() as one callable per weight type (so a caller can show progress): every type of
-    `types` (default: all), T == 1 and T > 1, int8 and exact paths, quantizers; weights given
-    read-only and writable (both reach the kernels read-only, see _as_stored), activations
-    float32 and writable as matmul passes them."""
-    return [lambda qtype=qtype: _warm_type(qtype) for qtype in (TRAITS if types is None else types)]
+def warmup_steps() -> list:
+    """warmup() as one callable per weight type (so a caller can show progress): every type,
+    T == 1 and T > 1, int8 and exact paths, quantizers; weights given read-only and writable
+    (both reach the kernels read-only, see _as_stored), activations float32 and writable as
+    matmul passes them."""
+    return [lambda qtype=qtype: _warm_type(qtype) for qtype in TRAITS]
 
 
 def _warm_type(qtype) -> None:
