@@ -183,7 +183,8 @@ def markdown(rows, info, peers) -> str:
     lines.append("")
     git, machine = info.get("git"), info.get("machine") or {}
     where = f"commit {git['commit'][:12]}{' (with local changes)' if git['dirty'] else ''}" if git else "no git checkout"
-    lines.append(f"Measured at {where} on {machine.get('cpu', '?')} ({machine.get('usable_cores', '?')} cores), "
+    lines.append(f"Measured at {where} on {machine.get('cpu', '?')} ({machine.get('usable_cores', '?')} cores, "
+                 f"kernels for {machine.get('isa', '?')} of {', '.join(machine.get('isa_supported', []))}), "
                  f"Python {machine.get('python', '?')}, NumPy {machine.get('numpy', '?')}, "
                  f"Numba {machine.get('numba', '?')}"
                  + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items()) + ".")

@@ -17,13 +17,14 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from pyml.core import ops, perf, progress
+from pyml.core import isa, ops, perf, progress
 from pyml.core.errors import PymlError
 
 _perf = perf.get("pyml.core.runtime")
 
 
 _LAUNCH_LOCK = threading.Lock()
+_warned: list = []  # the PYML_ISA warning is said once per process
 _layer = None  # Numba's threading layer, once a parallel kernel has chosen it
 
 
@@ -60,7 +61,11 @@ class RuntimeConfig:
         self.threads = min(self.threads, numba.config.NUMBA_NUM_THREADS)
 
     def apply(self) -> "RuntimeConfig":
-        """Set the thread count for Numba kernels and for NumPy's BLAS."""
+        """Set the thread count for Numba kernels and for NumPy's BLAS (and say once if PYML_ISA
+        asked for an instruction set this CPU cannot run)."""
+        if isa.ISA_WARNING and not _warned:
+            _warned.append(True)
+            _perf.logger.warning("%s", isa.ISA_WARNING)
         numba.set_num_threads(self.threads)
         self.set_blas_threads(self.threads)
         return self
@@ -78,7 +83,7 @@ class RuntimeConfig:
         own warm-up forward pass). On a first run, when the kernels compile rather than load
         from Numba's disk cache (about a minute), a progress bar says so.
         """
-        with _perf.debug("runtime::warmup", "threads={}", self.threads), \
+        with _perf.debug("runtime::warmup", "threads={} isa={}", self.threads, isa.ISA), \
                 progress.bar(total=1 + len(steps), desc="pyml: warm-up (compiles kernels on a first run)",
                              unit="step", delay=2.0) as bar:
             ops.warmup()

@@ -60,10 +60,10 @@ from numba import prange
 from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
-from pyml.quant.simd import (FASTMATH, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, f32x8, fma, fnma,
-                             load_fp16x8c, load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi,
-                             nibbles_lo, or_u8, prefetch, sign_i8, store_f32x8, sub_i32, sum_pairs, to_f32,
-                             zeros_f32x8)
+from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
+                             fnma, load_fp16x8c, load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul,
+                             nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, store_f32x8, sub_i32, sum_pairs,
+                             to_f32, zeros_f32x8, zeros_i32x8)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -223,6 +223,8 @@ def _q8(v, y, yo):  # sum_pairs of one vector of signed codes (as bytes) against
 def _dot(kind, v, y, yo):
     """I32x8, lane r = sum_j code_rj * y[yo + j] for the code vectors v of a superblock."""
     numba.literally(kind)
+    if HAVE_VNNI:  # one vpdpbusd per code vector, into 32-bit lanes: no 16-bit stage, no vpmaddwd
+        return _dot_vnni(kind, v, y, yo)
     if kind == Q8_0:
         s = add_i32(add_i32(_q8(v[0], y, yo), _q8(v[1], y, yo + 4)), add_i32(_q8(v[2], y, yo + 8), _q8(v[3], y, yo + 12)))
         return add_i32(s, add_i32(add_i32(_q8(v[4], y, yo + 16), _q8(v[5], y, yo + 20)),
@@ -238,6 +240,22 @@ def _dot(kind, v, y, yo):
     if kind == Q4_0 or kind == Q4_1:
         return sum_pairs(add_i16(a, b))
     return add_i32(sum_pairs(a), sum_pairs(b))
+
+
+@numba.njit
+def _dot_vnni(kind, v, y, yo):
+    """_dot with vpdpbusd (the same integers: every sum is exact in 32 bits)."""
+    numba.literally(kind)
+    acc = zeros_i32x8()
+    if kind == Q8_0:  # signed codes: |code| against the activation carrying the code's sign
+        for n in range(8):  # unrolled by LLVM: the trip count is constant
+            q = as_i8(v[n])
+            acc = dpbusd(acc, abs_u8(q), sign_i8(load_i8x4_bcast(y, yo + 4 * n), q))
+        return acc
+    # code vector n holds values 16 * (n % 2) + 4 * (n // 2) + i (module doc)
+    for n in range(8):
+        acc = dpbusd(acc, v[n], load_i8x4_bcast(y, yo + 16 * (n % 2) + 4 * (n // 2)))
+    return acc
 
 
 @numba.njit

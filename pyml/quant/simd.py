@@ -34,15 +34,14 @@ loop-invariant one; after changing a kernel, check its `inspect_asm` for that pa
 from __future__ import annotations
 
 import numba
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from pyml.core.isa import AVX2 as HAVE_AVX2  # the path chosen at run time (core/isa.py)
+from pyml.core.isa import VNNI as HAVE_VNNI
 from pyml.core.jit import FASTMATH  # noqa: F401 - the kernels import it from here with the ops
-
-HAVE_AVX2 = bool(llvm_binding.get_host_cpu_features().get("avx2", False))
 
 
 class Vec(types.Type):
@@ -539,9 +538,36 @@ def _dot_ops(generic: bool):
     )
 
 
+def dpbusd_ir(builder, acc, a, b, generic: bool):
+    """acc + u8 x i8 sums of 4 adjacent products -> i32 (vpdpbusd, AVX-512 VNNI / AVX-VNNI)."""
+    if HAVE_VNNI and not generic:
+        vt = I32x8.llvm()
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", vt,
+                     [acc, builder.bitcast(a, vt), builder.bitcast(b, vt)])
+    vt = ir.VectorType(_I32, 32)
+    p = builder.mul(builder.zext(a, vt), builder.sext(b, vt))
+    quads = [builder.shuffle_vector(p, p, _mask(range(k, 32, 4))) for k in range(4)]
+    return builder.add(acc, builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3])))
+
+
+def _make_dpbusd(generic: bool):
+    @intrinsic
+    def dpbusd(typingctx, acc, a, b):
+        """I32x8 acc + (U8x32 a * I8x32 b): lane i += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3], exact in
+        32 bits (no saturation). One instruction on VNNI CPUs; elsewhere the same sums in plain IR."""
+        if not (_is_vec(acc, I32x8) and _is_vec(a, U8x32) and _is_vec(b, I8x32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return dpbusd_ir(builder, args[0], args[1], args[2], generic)
+        return I32x8(acc, a, b), codegen
+    return dpbusd
+
+
 maddubs, dot_i8, madd, sum_pairs = _dot_ops(generic=False)
 # the portable forms, for tests on x86 machines
 maddubs_generic, dot_i8_generic, madd_generic, sum_pairs_generic = _dot_ops(generic=True)
+dpbusd, dpbusd_generic = _make_dpbusd(False), _make_dpbusd(True)
 
 
 @intrinsic
@@ -633,6 +659,13 @@ def zeros_f32x8(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(F32x8.llvm(), [0.0] * 8)
     return F32x8(), codegen
+
+
+@intrinsic
+def zeros_i32x8(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(I32x8.llvm(), [0] * 8)
+    return I32x8(), codegen
 
 
 @intrinsic

@@ -15,6 +15,7 @@ import numba
 import numpy
 from threadpoolctl import threadpool_info
 
+from pyml.core import isa
 from pyml.core.version import __version__
 
 
@@ -48,7 +49,8 @@ def machine_info() -> dict:
             "memory_bytes": mem.get("MemTotal"), "memory_available_bytes": mem.get("MemAvailable"),
             "platform": platform.platform(), "python": platform.python_version(),
             "numpy": numpy.__version__, "numba": numba.__version__, "pyml": __version__, "blas": blas,
-            "numba_threads": numba.get_num_threads()}
+            "numba_threads": numba.get_num_threads(), "isa": isa.ISA,
+            "isa_supported": list(isa.supported(isa.HOST_FEATURES))}
 
 
 def git_info() -> dict | None:

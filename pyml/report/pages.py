@@ -23,7 +23,8 @@ def _model_line(run) -> str:
     mach = run.info.get("machine") or {}
     if mach:
         bits.append(f"{mach.get('cpu')} ({mach.get('usable_cores')} cores, "
-                    f"{(mach.get('memory_bytes') or 0) / 2**30:.0f} GiB)")
+                    f"{(mach.get('memory_bytes') or 0) / 2**30:.0f} GiB"
+                    + (f", kernels for {mach['isa']}" if mach.get("isa") else "") + ")")
     return " · ".join(bits)
 
 

@@ -85,3 +85,28 @@ def test_kscales_unpack_like_gguf(rng):
     np.testing.assert_array_equal(out[1], mn[0])
     np.testing.assert_array_equal(out[2], np.full(8, sc[0, 5]))
     assert out[3, 0] == sc.sum() and out[3, 1] == 1.5
+
+
+@numba.njit  # not cache=True: a test helper's cache would be stamped by Numba's own locator only
+def _dpbusd(a, b, out):  # out [2, 8]: vpdpbusd (where the ISA path has VNNI) and its portable IR
+    ua, sb = load_u8x32(a, 0), load_i8x32(b, 0)
+    base = simd.zeros_i32x8()
+    store_f32x8(out[0], 0, to_f32(simd.dpbusd(simd.dpbusd(base, ua, sb), ua, sb)))
+    store_f32x8(out[1], 0, to_f32(simd.dpbusd_generic(simd.dpbusd_generic(base, ua, sb), ua, sb)))
+    return out
+
+
+def test_dpbusd_sums_four_products_exactly_on_every_path(rng):
+    """Accumulated twice from zero: 2 * sum of 4 u8 x i8 products per lane, at the largest magnitudes
+    too (4 * 255 * 127 * 2 needs 32 bits: no 16-bit saturation as in vpmaddubsw)."""
+    from pyml.core import isa
+    print(f"ISA path {isa.ISA} (host supports {', '.join(isa.supported(isa.HOST_FEATURES))})")
+    for trial in range(20):
+        a = rng.integers(0, 256, 32).astype(np.uint8)
+        b = rng.integers(-128, 128, 32).astype(np.int8)
+        if trial == 0:
+            a[:], b[:] = 255, -128
+        out = _dpbusd(a, b.view(np.uint8), np.zeros((2, 8), np.float32))
+        expected = 2 * (a.astype(np.int64) * b).reshape(8, 4).sum(axis=1)
+        np.testing.assert_array_equal(out[0], expected)
+        np.testing.assert_array_equal(out[1], expected)
