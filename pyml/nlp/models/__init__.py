@@ -3,16 +3,19 @@
 from pyml.nlp.models.gemma3 import Gemma3, Gemma3Config, Gemma3MultimodalConfig
 from pyml.nlp.models.gpt2 import GPT2, GPT2Config
 from pyml.nlp.models.llama import Llama, LlamaConfig
+from pyml.nlp.models.qwen2 import Qwen2, Qwen2Config
 
 # Hugging Face config.json `model_type` -> (config class, model class)
 HF_ARCHITECTURES = {
     "gpt2": (GPT2Config, GPT2),
     "llama": (LlamaConfig, Llama),
+    "qwen2": (Qwen2Config, Qwen2),
     "gemma3_text": (Gemma3Config, Gemma3), "gemma3": (Gemma3MultimodalConfig, Gemma3),  # the latter refuses
 }
 
 # GGUF `general.architecture` -> (config class, model class)
 GGUF_ARCHITECTURES = {
     "llama": (LlamaConfig, Llama),
+    "qwen2": (Qwen2Config, Qwen2),
     "gemma3": (Gemma3Config, Gemma3),
 }
