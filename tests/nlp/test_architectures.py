@@ -36,6 +36,7 @@ CASES = {
     "llama_linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
     "qwen2": ("qwen2", dict(rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen2_untied": ("qwen2", dict(rope_theta=1_000_000.0)),
+    "qwen3": ("qwen3", dict(head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
 }
 NO_WINDOW_IN_GGUF = {"mistral_window"}  # the converter writes no sliding_window for llama-arch files
 

@@ -4,12 +4,14 @@ from pyml.nlp.models.gemma3 import Gemma3, Gemma3Config, Gemma3MultimodalConfig
 from pyml.nlp.models.gpt2 import GPT2, GPT2Config
 from pyml.nlp.models.llama import Llama, LlamaConfig
 from pyml.nlp.models.qwen2 import Qwen2, Qwen2Config
+from pyml.nlp.models.qwen3 import Qwen3, Qwen3Config
 
 # Hugging Face config.json `model_type` -> (config class, model class)
 HF_ARCHITECTURES = {
     "gpt2": (GPT2Config, GPT2),
     "llama": (LlamaConfig, Llama),
     "qwen2": (Qwen2Config, Qwen2),
+    "qwen3": (Qwen3Config, Qwen3),
     "gemma3_text": (Gemma3Config, Gemma3), "gemma3": (Gemma3MultimodalConfig, Gemma3),  # the latter refuses
 }
 
@@ -17,5 +19,6 @@ HF_ARCHITECTURES = {
 GGUF_ARCHITECTURES = {
     "llama": (LlamaConfig, Llama),
     "qwen2": (Qwen2Config, Qwen2),
+    "qwen3": (Qwen3Config, Qwen3),
     "gemma3": (Gemma3Config, Gemma3),
 }
