@@ -34,6 +34,8 @@ CASES = {
         rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16))),
     "llama_linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "mistral": ("mistral", dict(sliding_window=None, rope_theta=1_000_000.0)),
+    "mistral_window": ("mistral", dict(sliding_window=4)),
     "qwen2": ("qwen2", dict(rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen2_untied": ("qwen2", dict(rope_theta=1_000_000.0)),
     "qwen3": ("qwen3", dict(head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
