@@ -39,6 +39,8 @@ CASES = {
     "qwen2": ("qwen2", dict(rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen2_untied": ("qwen2", dict(rope_theta=1_000_000.0)),
     "qwen3": ("qwen3", dict(head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "phi3": ("phi3", dict(num_key_value_heads=4, sliding_window=5, original_max_position_embeddings=32,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 NO_WINDOW_IN_GGUF = {"mistral_window"}  # the converter writes no sliding_window for llama-arch files
 
