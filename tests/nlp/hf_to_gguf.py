@@ -5,7 +5,7 @@ Conventions followed (read in vendor/llama.cpp/conversion/{base,llama,qwen,phi}.
   renamed by gguf-py's own TensorNameMap for the architecture (`blk.N.attn_q.weight`, ...);
   Phi-3's fused `qkv_proj` / `gate_up_proj` become `attn_qkv` / `ffn_up` unsplit;
 - llama-arch files (Llama, Mistral: `LlamaModel.undo_permute`): the rows of q_proj and k_proj
-  are permuted from HF's rotate-half order into Meta's interleaved one, per head:
+  (weights and biases) are permuted from HF's rotate-half order into Meta's interleaved one, per head:
   reshape(n_head, 2, head_dim/2, in).swapaxes(1, 2); qwen2, qwen3 and phi3 are not permuted;
 - Llama 3 rope scaling: no metadata key, an extra F32 tensor `rope_freqs.weight` of per-pair
   frequency divisors (`LlamaModel.generate_extra_tensors`); here computed from transformers'
@@ -85,9 +85,9 @@ def write_gguf(hf_dir: Path, hf_model, path: Path, extra_tensors: dict | None = 
     tensors = load_file(str(Path(hf_dir) / "model.safetensors"))
     for hf_name, x in tensors.items():
         x = x.astype(np.float32)
-        if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("q_proj.weight"):
+        if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             x = _permute(x, n_head)
-        elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("k_proj.weight"):
+        elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             x = _permute(x, n_kv)
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, hf_name

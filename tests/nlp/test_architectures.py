@@ -34,6 +34,7 @@ CASES = {
         rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16))),
     "llama_linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "mistral": ("mistral", dict(sliding_window=None, rope_theta=1_000_000.0)),
     "mistral_window": ("mistral", dict(sliding_window=4)),
     "qwen2": ("qwen2", dict(rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
@@ -161,6 +162,24 @@ def test_math_changing_hf_key_is_refused(case, tmp_path):
     cfg = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 30.0}))
     with pytest.raises(UnsupportedError, match="final_logit_softcapping is set"):
+        pyml.load_model(safetensors=str(copy), warmup=False)
+
+
+def test_bias_presence_follows_the_config(case, tmp_path):
+    """A bias the config rules out is refused; one it requires must be in the file."""
+    name, directory, hf = case
+    copy = tmp_path / "bias"
+    shutil.copytree(directory, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    biases = [n for n in tensors if n.endswith("_proj.bias")]
+    if biases:  # drop one the config requires
+        del tensors[biases[0]]
+        match = "required tensor .* is missing"
+    else:  # add one the config rules out
+        tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(hf.config.hidden_size, np.float32)
+        match = "'model.layers.0.self_attn.o_proj.bias'"
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFormatError, match=match):
         pyml.load_model(safetensors=str(copy), warmup=False)
 
 

@@ -36,6 +36,8 @@ class LlamaConfig(DecoderConfig):
     tie_embeddings: bool = False
     sliding_window: int | None = None      # a key at distance >= window is masked (Mistral, Phi-3)
     hidden_act: str = "silu"
+    attention_bias: bool | None = None     # biases on q/k/v/o: True required, False refused, None: as stored
+    mlp_bias: bool | None = None           # (GGUF says nothing: the tensors present decide)
 
     @property
     def rope_scaling_factor(self) -> float:
@@ -61,7 +63,8 @@ class LlamaConfig(DecoderConfig):
                    max_positions=require(cfg, "max_position_embeddings", int, source),
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope=rope,
                    tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   sliding_window=None if window is None else require(cfg, "sliding_window", int, source))
+                   sliding_window=None if window is None else require(cfg, "sliding_window", int, source),
+                   attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)))
 
     @classmethod
     def from_gguf(cls, f, arch: str = "llama") -> "LlamaConfig":
@@ -110,6 +113,12 @@ def gguf_name(name: str, table=GGUF_TO_HF) -> str | None:
     return f"{GGUF_GLOBAL[base]}.{kind}" if base in GGUF_GLOBAL else None
 
 
+def gguf_names(extra: dict) -> staticmethod:
+    """The GGUF -> HF name function of a family whose GGUF names are Llama's plus `extra`."""
+    table = {**GGUF_TO_HF, **extra}
+    return staticmethod(lambda name: gguf_name(name, table))
+
+
 class Llama(DecoderModel):
     """The Llama block; the families built on it override the hooks (`_qkv`, `_qk_norms`, `_gate_up`)."""
 
@@ -135,10 +144,11 @@ class Llama(DecoderModel):
             p = f"model.layers.{i}"
             q_norm, k_norm = self._qk_norms(f"{p}.self_attn")
             attn = Attention(c.n_heads, c.n_kv_heads, hd, self._qkv(f"{p}.self_attn"),
-                             self._linear(f"{p}.self_attn.o_proj", d, c.n_heads * hd),
+                             self._linear(f"{p}.self_attn.o_proj", d, c.n_heads * hd, c.attention_bias),
                              scale=1.0 / math.sqrt(hd), rope=rope, q_norm=q_norm, k_norm=k_norm,
                              window=c.sliding_window, name=f"{p}.self_attn")
-            mlp = GatedMLP(*self._gate_up(f"{p}.mlp"), self._linear(f"{p}.mlp.down_proj", d, c.intermediate_size),
+            mlp = GatedMLP(*self._gate_up(f"{p}.mlp"),
+                           self._linear(f"{p}.mlp.down_proj", d, c.intermediate_size, c.mlp_bias),
                            act="silu", name=f"{p}.mlp")
             self.blocks.append(TransformerBlock(i, self._norm(f"{p}.input_layernorm"), attn,
                                                 self._norm(f"{p}.post_attention_layernorm"), mlp, name=p))
@@ -161,14 +171,13 @@ class Llama(DecoderModel):
         return RMSNorm(self.store.vector(f"{name}.weight", (dim or c.hidden_size,)), c.rms_norm_eps, name=name)
 
     def _qkv(self, p):
+        return self._fused_qkv(p, self.config.attention_bias)
+
+    def _fused_qkv(self, p, bias):
         """q, k, v projections, fused into one Linear when their storage agrees."""
         c, hd = self.config, self.config.head_dim
-        q, k, v = (self._linear(f"{p}.{n}_proj", heads * hd, c.hidden_size)
+        q, k, v = (self._linear(f"{p}.{n}_proj", heads * hd, c.hidden_size, bias)
                    for n, heads in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads)))
-        return self._fuse(p, q, k, v)
-
-    @staticmethod
-    def _fuse(p, q, k, v):
         return Linear.fuse([q, k, v], name=f"{p}.qkv_proj") or (q, k, v)
 
     def _qk_norms(self, p):
@@ -177,5 +186,5 @@ class Llama(DecoderModel):
 
     def _gate_up(self, p):
         c = self.config
-        return (self._linear(f"{p}.gate_proj", c.intermediate_size, c.hidden_size),
-                self._linear(f"{p}.up_proj", c.intermediate_size, c.hidden_size))
+        return (self._linear(f"{p}.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
+                self._linear(f"{p}.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias))

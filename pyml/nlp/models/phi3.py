@@ -12,11 +12,10 @@ rope_scaling; GGUF rope_factors_long/short tensors) and partial rotary are refus
 from __future__ import annotations
 
 from pyml.core.errors import UnsupportedError
-from pyml.nlp.models.llama import GGUF_TO_HF, Llama, LlamaConfig, gguf_name as llama_gguf_name
+from pyml.nlp.models.llama import Llama, LlamaConfig, gguf_names
 from pyml.nn import Linear
 from pyml.nn.linear import Weight
 
-GGUF_TO_HF_PHI3 = {**GGUF_TO_HF, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -29,14 +28,10 @@ class Phi3Config(LlamaConfig):
         return super().from_hf(cfg, source)
 
 
-def gguf_name(name: str) -> str | None:
-    return llama_gguf_name(name, GGUF_TO_HF_PHI3)
-
-
 class Phi3(Llama):
     arch = "phi3"
     gguf_rope_style = "half"
-    gguf_name = staticmethod(gguf_name)
+    gguf_name = gguf_names({"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"})
 
     def __init__(self, config, store, rope_style: str = "half"):
         for name in _LONGROPE:

@@ -28,7 +28,4 @@ class Qwen2(Llama):
     gguf_rope_style = "half"
 
     def _qkv(self, p):
-        c, hd = self.config, self.config.head_dim
-        q, k, v = (self._linear(f"{p}.{n}_proj", heads * hd, c.hidden_size, bias=True)
-                   for n, heads in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads)))
-        return self._fuse(p, q, k, v)
+        return self._fused_qkv(p, bias=True)

@@ -9,25 +9,19 @@ LLM_ARCH_QWEN3 -> LLAMA_ROPE_TYPE_NEOX).
 
 from __future__ import annotations
 
-from pyml.nlp.models.llama import GGUF_TO_HF, Llama, gguf_name as llama_gguf_name
+from pyml.nlp.models.llama import Llama, gguf_names
 from pyml.nlp.models.qwen2 import Qwen2Config
 
 
 class Qwen3Config(Qwen2Config):
-    pass
-
-
-GGUF_TO_HF_QWEN3 = {**GGUF_TO_HF, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-
-
-def gguf_name(name: str) -> str | None:
-    return llama_gguf_name(name, GGUF_TO_HF_QWEN3)
+    """The same config.json keys as Qwen2 (use_sliding_window refused; q/k/v biases only with
+    attention_bias, which the model honours by the tensors present)."""
 
 
 class Qwen3(Llama):
     arch = "qwen3"
     gguf_rope_style = "half"
-    gguf_name = staticmethod(gguf_name)
+    gguf_name = gguf_names({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})
 
     def _qk_norms(self, p):
         hd = self.config.head_dim
