@@ -10,7 +10,9 @@ Conventions followed (read in vendor/llama.cpp/conversion/{base,llama,qwen,phi}.
 - Llama 3 rope scaling: no metadata key, an extra F32 tensor `rope_freqs.weight` of per-pair
   frequency divisors (`LlamaModel.generate_extra_tensors`); here computed from transformers'
   own llama3 inverse frequencies (default / llama3), an oracle independent of pyml;
-- linear scaling: `rope.scaling.type = linear` and `rope.scaling.factor` (TextModel);
+- linear scaling: `rope.scaling.type = linear` and `rope.scaling.factor`; yarn: type `yarn`,
+  the factor, `rope.scaling.original_context_length`, and yarn_beta_fast / yarn_beta_slow when
+  the config sets them (TextModel.set_gguf_parameters);
 - metadata: context_length, embedding_length, feed_forward_length, block_count,
   attention.head_count(_kv), attention.layer_norm_rms_epsilon, rope.freq_base; `key_length` /
   `value_length` when config.json has head_dim; llama writes `vocab_size` and
@@ -67,6 +69,14 @@ def write_gguf(hf_dir: Path, hf_model, path: Path, extra_tensors: dict | None = 
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if "head_dim" in c.to_diff_dict() or model_type == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

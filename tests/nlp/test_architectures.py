@@ -39,6 +39,10 @@ CASES = {
     "mistral_window": ("mistral", dict(sliding_window=4)),
     "qwen2": ("qwen2", dict(rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen2_untied": ("qwen2", dict(rope_theta=1_000_000.0)),
+    "qwen2_yarn": ("qwen2", dict(rope_theta=1_000_000.0, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16))),
+    "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=8, beta_fast=16.0, beta_slow=2.0))),
     "qwen3": ("qwen3", dict(head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "phi3": ("phi3", dict(num_key_value_heads=4, sliding_window=5, original_max_position_embeddings=32,
                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -125,9 +129,9 @@ def test_unexpected_tensor_is_refused_in_both_formats(case, tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("rope", [dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
-                                  dict(rope_type="dynamic", factor=2.0), dict(type="longrope", factor=2.0)],
-                         ids=["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope", [dict(rope_type="dynamic", factor=2.0), dict(type="longrope", factor=2.0),
+                                  dict(rope_type="ntk_by_parts", factor=2.0)],
+                         ids=["dynamic", "longrope", "unknown"])
 def test_unsupported_rope_type_is_refused(case, tmp_path, rope):
     name, directory, hf = case
     copy = tmp_path / "rope"
@@ -143,10 +147,10 @@ def test_unsupported_rope_type_is_refused(case, tmp_path, rope):
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("rope.scaling.type", "yarn", "rope scaling type 'yarn' is not supported"),
+    ("rope.scaling.type", "longrope", "rope scaling type 'longrope' is not supported"),
     ("attn_logit_softcapping", 30.0, "attn_logit_softcapping is set"),
     ("attention.scale", 0.125, "attention.scale is set"),
-], ids=["yarn", "softcap", "attention_scale"])
+], ids=["longrope", "softcap", "attention_scale"])
 def test_math_changing_gguf_key_is_refused(case, tmp_path, key, value, match):
     name, directory, hf = case
     arch = "llama" if hf.config.model_type == "mistral" else hf.config.model_type

@@ -108,7 +108,7 @@ class Gemma3Config(DecoderConfig):
             raise UnsupportedError(f"{f.path}: attention.value_length differs from key_length")
         if f.get(f"{arch}.attn_logit_softcapping"):
             raise UnsupportedError(f"{f.path}: attn_logit_softcapping is set; Gemma 3 has none")
-        rope = RopeScaling.from_gguf(f, arch)  # linear or none; anything else refused
+        rope = RopeScaling.from_gguf(f, arch, allow_yarn=False)  # linear or none; anything else refused
         softcap = f.get(f"{arch}.final_logit_softcapping")
         return cls(vocab_size=len(f.require("tokenizer.ggml.tokens")),  # the converter trims token_embd to it
                    hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,

@@ -145,7 +145,7 @@ class Llama(DecoderModel):
             q_norm, k_norm = self._qk_norms(f"{p}.self_attn")
             attn = Attention(c.n_heads, c.n_kv_heads, hd, self._qkv(f"{p}.self_attn"),
                              self._linear(f"{p}.self_attn.o_proj", d, c.n_heads * hd, c.attention_bias),
-                             scale=1.0 / math.sqrt(hd), rope=rope, q_norm=q_norm, k_norm=k_norm,
+                             scale=c.rope.attention_factor ** 2 / math.sqrt(hd), rope=rope, q_norm=q_norm, k_norm=k_norm,
                              window=c.sliding_window, name=f"{p}.self_attn")
             mlp = GatedMLP(*self._gate_up(f"{p}.mlp"),
                            self._linear(f"{p}.mlp.down_proj", d, c.intermediate_size, c.mlp_bias),
