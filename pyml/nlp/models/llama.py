@@ -139,13 +139,14 @@ class Llama(DecoderModel):
         divisors = (store.vector("rope_freqs.weight", (hd // 2,)) if "rope_freqs.weight" in store
                     else c.rope.divisors(c.rope_theta, hd))
         rope = RoPE(hd, c.rope_theta, style=rope_style, freq_divisors=divisors)
+        scale = c.rope.attention_factor ** 2 / math.sqrt(hd)  # yarn scales cos/sin, so q.k by its square
         self.blocks = []
         for i in range(c.n_layers):
             p = f"model.layers.{i}"
             q_norm, k_norm = self._qk_norms(f"{p}.self_attn")
             attn = Attention(c.n_heads, c.n_kv_heads, hd, self._qkv(f"{p}.self_attn"),
                              self._linear(f"{p}.self_attn.o_proj", d, c.n_heads * hd, c.attention_bias),
-                             scale=c.rope.attention_factor ** 2 / math.sqrt(hd), rope=rope, q_norm=q_norm, k_norm=k_norm,
+                             scale=scale, rope=rope, q_norm=q_norm, k_norm=k_norm,
                              window=c.sliding_window, name=f"{p}.self_attn")
             mlp = GatedMLP(*self._gate_up(f"{p}.mlp"),
                            self._linear(f"{p}.mlp.down_proj", d, c.intermediate_size, c.mlp_bias),
