@@ -35,7 +35,6 @@ class LlamaConfig(DecoderConfig):
     rope: RopeScaling = RopeScaling()
     tie_embeddings: bool = False
     sliding_window: int | None = None      # a key at distance >= window is masked (Mistral, Phi-3)
-    hidden_act: str = "silu"
     attention_bias: bool | None = None     # biases on q/k/v/o: True required, False refused, None: as stored
     mlp_bias: bool | None = None           # (GGUF says nothing: the tensors present decide)
 
