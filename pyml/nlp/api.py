@@ -116,7 +116,9 @@ def build_safetensors(directory: Path) -> Built:
         config = config_cls.from_hf(cfg, source=where)
     except (ValueError, TypeError, ZeroDivisionError, KeyError) as e:
         raise ModelFormatError(f"{where}: {type(e).__name__}: {e}") from None
-    model = model_cls(config, load_tensors(directory))
+    store = load_tensors(directory)
+    model = model_cls(config, store)
+    store.check_all_used(model_cls.known_unused)  # nothing in the file is silently ignored
     tokenizer = Tokenizer.from_file(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
     return Built(model, tokenizer, str(directory), getattr(tokenizer, "chat_template", None))
 
@@ -128,11 +130,13 @@ def build_gguf(path: Path, with_tokenizer: bool = True) -> Built:
     config_cls, model_cls = _architecture(GGUF_ARCHITECTURES, arch, str(path), "architecture")
     check_hyperparameters(f, arch)
     try:
-        config = config_cls.from_gguf(f)
+        config = config_cls.from_gguf(f, arch)
         head_dim = getattr(config, "head_dim", 2)
         if head_dim % 2:  # RoPE rotates pairs of values: an odd head would be read one past its end
             raise ModelFormatError(f"{path}: head dimension {head_dim} is odd (RoPE needs pairs)")
-        model = model_cls(config, f.store(model_cls.gguf_name), rope_style=model_cls.gguf_rope_style)
+        store = f.store(model_cls.gguf_name)
+        model = model_cls(config, store, rope_style=model_cls.gguf_rope_style)
+        store.check_all_used(model_cls.known_unused)  # nothing in the file is silently ignored
     except (ValueError, TypeError, ZeroDivisionError, OverflowError, KeyError, IndexError) as e:
         # metadata that passed the checks above but still cannot describe a model
         raise ModelFormatError(f"{path}: the metadata does not describe a valid {arch} model "

@@ -18,7 +18,7 @@ _perf = perf.get("pyml.nn.rope")
 
 class RoPE:
     def __init__(self, head_dim: int, base: float, style: str = "half",
-                 scaling_factor: float = 1.0, rotary_dim: int | None = None):
+                 scaling_factor: float = 1.0, rotary_dim: int | None = None, freq_divisors=None):
         if style not in ("half", "interleaved"):
             raise ValueError(f"rope style {style!r}")
         self.head_dim, self.base, self.style = head_dim, base, style
@@ -28,6 +28,13 @@ class RoPE:
                                    f"in a head of {head_dim} cannot be")
         inv_freq = 1.0 / (base ** (np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim))
         self.inv_freq = inv_freq / scaling_factor  # linear scaling stretches positions
+        if freq_divisors is not None:  # per-pair scaling (Llama 3: long wavelengths stretched, short kept)
+            freq_divisors = np.asarray(freq_divisors, dtype=np.float64).reshape(-1)
+            if freq_divisors.shape != inv_freq.shape or not np.all(np.isfinite(freq_divisors)) \
+                    or np.any(freq_divisors <= 0):
+                raise ModelFormatError(f"RoPE frequency divisors must be {inv_freq.size} positive numbers, "
+                                       f"got {freq_divisors.size}")
+            self.inv_freq = self.inv_freq / freq_divisors
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""

@@ -8,6 +8,8 @@ the tensor, never a broadcast or a crash later in a kernel.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from pyml import quant
@@ -38,13 +40,26 @@ class TensorStore:
         return self._entry(name)[1]
 
     def rename(self, mapping):
-        """Apply `mapping(name) -> new name or None` (None drops the tensor)."""
-        renamed = {}
+        """Apply `mapping(name) -> new name or None`. None keeps the file's name: nothing is dropped
+        here, so a tensor no model asks for is still there for `check_all_used` to name."""
+        renamed, origin = {}, {}
         for name, entry in self.tensors.items():
-            new = mapping(name)
-            if new is not None:
-                renamed[new] = entry
+            new = mapping(name) or name
+            if new in renamed:
+                raise ModelFormatError(f"{self.source}: tensors {origin[new]!r} and {name!r} are both {new!r}")
+            renamed[new], origin[new] = entry, name
         self.tensors = renamed
+
+    def check_all_used(self, known_unused: dict):
+        """Every tensor was taken by the model or matches a `known_unused` pattern (regex -> the reason
+        it is safe to ignore); anything else is one error naming it: a tensor the model does not
+        understand may change the math (the Llama 3 `rope_freqs` did, while it was dropped)."""
+        unknown = [name for name in self.tensors
+                   if name not in self.used and not any(re.search(p, name) for p in known_unused)]
+        if unknown:
+            raise ModelFormatError(f"{self.source}: {len(unknown)} tensor(s) the config does not account for, "
+                                   f"first {unknown[0]!r} (not used by this architecture, and not on its list "
+                                   f"of tensors known to be safe to ignore)")
 
     def _entry(self, name: str):
         try:

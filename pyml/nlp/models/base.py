@@ -10,12 +10,31 @@ from __future__ import annotations
 import numpy as np
 
 from collections import Counter
+from dataclasses import dataclass
 
 from pyml.core import perf, runtime
+from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
 from pyml.quant import Packed
 
 _perf = perf.get("pyml.nlp.model")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The sizes every decoder-only config has; architectures add their own fields after these."""
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ModelFormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
 
 class DecoderModel:
@@ -24,6 +43,8 @@ class DecoderModel:
 
     arch = "decoder"
     logit_softcap: float | None = None
+    # tensors a file may hold that the model does not read: name regex -> why that is safe
+    known_unused: dict = {}
 
     def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:  # [T] -> [T, d]
         return self.embed_tokens(tokens)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from pyml.core.errors import ModelFormatError, UnsupportedError
 from pyml.nlp.models.config_keys import require
-from pyml.nlp.models.base import DecoderModel
+from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.models.llama import gguf_name as llama_gguf_name
+from pyml.nlp.models.rope_scaling import RopeScaling
 from pyml.nn import Attention, Embedding, GatedMLP, Linear, RMSNorm, RoPE, TransformerBlock
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF `layer_types` values
@@ -30,15 +31,7 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
-    vocab_size: int
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_positions: int
+class Gemma3Config(DecoderConfig):
     layer_types: tuple                       # per layer: SLIDING or FULL
     sliding_window: int                      # a key at distance >= window is masked (local layers)
     query_pre_attn_scalar: float = 256.0     # attention scale = query_pre_attn_scalar**-0.5
@@ -51,8 +44,7 @@ class Gemma3Config:
     norm_unit_offset: bool = True            # norms compute x*(1+w): HF storage; GGUF stores 1+w
 
     def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ModelFormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        super().__post_init__()
         if self.head_dim % 2:
             raise ModelFormatError(f"head_dim={self.head_dim} is odd (RoPE rotates pairs of values)")
 
@@ -116,10 +108,7 @@ class Gemma3Config:
             raise UnsupportedError(f"{f.path}: attention.value_length differs from key_length")
         if f.get(f"{arch}.attn_logit_softcapping"):
             raise UnsupportedError(f"{f.path}: attn_logit_softcapping is set; Gemma 3 has none")
-        kind = f.get(f"{arch}.rope.scaling.type", "linear")
-        if kind not in ("linear", "none"):
-            raise UnsupportedError(f"{f.path}: rope scaling type {kind!r} is not supported")
-        factor = f.get(f"{arch}.rope.scaling.factor") or f.get(f"{arch}.rope.scale_linear") or 1.0
+        rope = RopeScaling.from_gguf(f, arch, allow_yarn=False)  # linear or none; anything else refused
         softcap = f.get(f"{arch}.final_logit_softcapping")
         return cls(vocab_size=len(f.require("tokenizer.ggml.tokens")),  # the converter trims token_embd to it
                    hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
@@ -131,7 +120,7 @@ class Gemma3Config:
                    query_pre_attn_scalar=float(hidden // n_heads if n_layers == 62 else head_dim),
                    rms_norm_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
                    rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
-                   rope_scaling_factor=float(factor) if kind == "linear" else 1.0,
+                   rope_scaling_factor=rope.factor,
                    final_logit_softcapping=float(softcap) if softcap else None,
                    norm_unit_offset=False)
 
@@ -251,7 +240,3 @@ class Gemma3(DecoderModel):
         self.final_norm = norm("model.norm")
         head = "lm_head.weight" if "lm_head.weight" in store else "model.embed_tokens.weight"
         self.lm_head = Linear(store.weight(head, (c.vocab_size, d)), name="lm_head")
-        unused = [n for n in store.names() if n not in store.used]
-        if unused:  # e.g. more layers in the file than the config declares
-            raise ModelFormatError(f"{store.source}: {len(unused)} tensor(s) the config does not account for, "
-                                   f"first {unused[0]!r}")

@@ -46,15 +46,15 @@ class GPT2Config:
                    layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)), activation=act)
 
 
-def hf_name(name: str) -> str | None:
-    """Checkpoint names with or without the `transformer.` prefix; causal-mask buffers dropped."""
-    if name.endswith((".attn.bias", ".attn.masked_bias")):
-        return None
+def hf_name(name: str) -> str:
+    """Checkpoint names with or without the `transformer.` prefix."""
     return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
 
 
 class GPT2(DecoderModel):
     arch = "gpt2"
+    known_unused = {r"\.attn\.(bias|masked_bias)$": "causal-mask buffers older transformers saved; the mask is "
+                                                      "built from positions"}
 
     def __init__(self, config: GPT2Config, store):
         c = self.config = config
