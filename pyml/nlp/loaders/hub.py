@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from pyml.core import progress
 from pyml.core.errors import ModelFormatError, ResolveError
+from pyml.nlp.loaders.gguf import SHARD_NAME
 
 _CHUNK = 1 << 20
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
@@ -175,7 +176,6 @@ def resolve_gguf(name_or_path, quiet: bool = False) -> Path:
 
 
 # --- GGUF from the Hugging Face hub ---
-SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # ggml's type names as they appear in file names, longest first (Q4_K_M before Q4_K)
 _QUANT_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q\d_(?:K_XL|K_[SML]|K|\d|XXS|XS|S|M|NL)|TQ\d_\d|MXFP4|BF16|FP16|F16|F32)"
                         r"(?![A-Za-z0-9])", re.IGNORECASE)
@@ -212,7 +212,7 @@ def hub_models(entries) -> list:
         leaf = path.rsplit("/", 1)[-1]
         if not leaf.lower().endswith(".gguf") or "mmproj" in leaf.lower():
             continue  # a vision projector is no language model
-        match = SHARD.match(path)
+        match = SHARD_NAME.match(path)
         if match:
             shards.setdefault((match["prefix"], match["count"]), []).append((int(match["no"]), path, size or 0))
         else:
