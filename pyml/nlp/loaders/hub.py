@@ -101,7 +101,7 @@ class HubGGUF:
 
 
 # Written from the repos' published names (the hub is unreachable from where this was written):
-# the official Qwen repos, and bartowski's / lmstudio-community's conversions for the others.
+# the official Qwen repos, unsloth's for the larger Qwen3, bartowski's for Llama, Mistral and Phi.
 HUB_GGUF_MODELS = (
     HubGGUF("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "Q4_K_M", ("qwen2.5-0.5b-instruct",),
             "Qwen2.5-0.5B-Instruct, Q4_K_M GGUF (Hugging Face hub)"),
@@ -129,8 +129,6 @@ HUB_GGUF_MODELS = (
             "Mistral-7B-Instruct-v0.3, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
     HubGGUF("phi3.5-mini", "bartowski/Phi-3.5-mini-instruct-GGUF", "Q4_K_M", ("phi-3.5-mini",),
             "Phi-3.5-mini-instruct, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
-    HubGGUF("phi3-mini", "lmstudio-community/Phi-3-mini-4k-instruct-GGUF", "Q4_K_M", ("phi-3-mini",),
-            "Phi-3-mini-4k-instruct, Q4_K_M GGUF (lmstudio-community; Hugging Face hub)"),
 )
 
 
