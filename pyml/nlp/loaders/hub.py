@@ -230,7 +230,8 @@ def _quant_of(name: str) -> str | None:
 
 
 def pick_hub_model(models: list, wanted: str | None, where: str) -> HubFile:
-    """The model `wanted` names (a quant or a file name), else Q4_K_M, else the smallest 4-bit one."""
+    """The model `wanted` names (a quant or a file name), else Q4_K_M, else the smallest 4-bit one
+    (a Q4 before an IQ4)."""
     if not models:
         raise ResolveError(f"{where}: the repo has no .gguf file")
     available = ", ".join(sorted({m.quant or m.label for m in models}))
@@ -249,7 +250,8 @@ def pick_hub_model(models: list, wanted: str | None, where: str) -> HubFile:
         if not found:
             raise ResolveError(f"{where}: no {DEFAULT_QUANT} nor other 4-bit file; pick one of "
                                f"{available} as hf:REPO:QUANT")
-    return min(found, key=lambda m: (m.size, m.files))
+    # IQ4 files only when no Q4 one is there: pyml has no i-quant kernels (a quant's name is its type)
+    return min(found, key=lambda m: (bool(m.quant and m.quant.startswith("IQ")), m.size, m.files))
 
 
 def resolve_hub_gguf(spec: str, quiet: bool = False) -> Path:
