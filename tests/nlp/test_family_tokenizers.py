@@ -118,11 +118,15 @@ def family_texts(specials):
     return [*CORPUS, "".join(CORPUS), chat, f"{specials[0]}text after BOS", f"no space{specials[1]}after"]
 
 
+def assert_same_ids(family, tokenizer, oracle, texts):
+    for text in texts:
+        assert tokenizer.encode(text, add_special_tokens=False) == \
+            oracle.encode(text, add_special_tokens=False), (family, text)
+
+
 def test_byte_level_families_encode_as_transformers(byte_level_family):
     pre, tokenizer, oracle, specials = byte_level_family
-    for text in family_texts(specials):
-        assert tokenizer.encode(text, add_special_tokens=False) == \
-            oracle.encode(text, add_special_tokens=False), (pre, text)
+    assert_same_ids(pre, tokenizer, oracle, family_texts(specials))
 
 
 def test_byte_level_families_add_bos_as_their_post_processor(byte_level_family):
@@ -230,9 +234,7 @@ def spm_texts(specials):
 
 def test_sentencepiece_families_encode_as_transformers(spm_family):
     family, tokenizer, oracle, specials = spm_family
-    for text in spm_texts(specials):
-        assert tokenizer.encode(text, add_special_tokens=False) == \
-            oracle.encode(text, add_special_tokens=False), (family, text)
+    assert_same_ids(family, tokenizer, oracle, spm_texts(specials))
 
 
 def test_sentencepiece_families_decode_as_transformers(spm_family):

@@ -91,44 +91,35 @@ class HubGGUF:
     """A popular GGUF on the Hugging Face hub, by short name: `hf:{repo}:{quant}`."""
     name: str
     repo: str
-    quant: str
+    quant: str = DEFAULT_QUANT
     aliases: tuple = ()
-    description: str = ""
 
     @property
     def spec(self) -> str:
         return f"{HF_PREFIX}{self.repo}:{self.quant}"
 
+    @property
+    def description(self) -> str:
+        owner, name = self.repo.split("/")
+        return f"{name.removesuffix('-GGUF')}, {self.quant} GGUF ({owner}, Hugging Face hub)"
+
 
 # Written from the repos' published names (the hub is unreachable from where this was written):
 # the official Qwen repos, unsloth's for the larger Qwen3, bartowski's for Llama, Mistral and Phi.
 HUB_GGUF_MODELS = (
-    HubGGUF("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "Q4_K_M", ("qwen2.5-0.5b-instruct",),
-            "Qwen2.5-0.5B-Instruct, Q4_K_M GGUF (Hugging Face hub)"),
-    HubGGUF("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B-Instruct-GGUF", "Q4_K_M", ("qwen2.5-1.5b-instruct",),
-            "Qwen2.5-1.5B-Instruct, Q4_K_M GGUF (Hugging Face hub)"),
-    HubGGUF("qwen2.5-3b", "Qwen/Qwen2.5-3B-Instruct-GGUF", "Q4_K_M", ("qwen2.5-3b-instruct",),
-            "Qwen2.5-3B-Instruct, Q4_K_M GGUF (Hugging Face hub)"),
-    HubGGUF("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct-GGUF", "Q4_K_M", ("qwen2.5-7b-instruct",),
-            "Qwen2.5-7B-Instruct, Q4_K_M GGUF, split in shards (Hugging Face hub)"),
-    HubGGUF("qwen3-0.6b", "Qwen/Qwen3-0.6B-GGUF", "Q8_0", ("qwen3-0.6b-instruct",),
-            "Qwen3-0.6B, Q8_0 GGUF (the official repo's only quant; Hugging Face hub)"),
-    HubGGUF("qwen3-1.7b", "unsloth/Qwen3-1.7B-GGUF", "Q4_K_M", (),
-            "Qwen3-1.7B, Q4_K_M GGUF (unsloth; Hugging Face hub)"),
-    HubGGUF("qwen3-4b", "unsloth/Qwen3-4B-GGUF", "Q4_K_M", (),
-            "Qwen3-4B, Q4_K_M GGUF (unsloth; Hugging Face hub)"),
-    HubGGUF("qwen3-8b", "unsloth/Qwen3-8B-GGUF", "Q4_K_M", (),
-            "Qwen3-8B, Q4_K_M GGUF (unsloth; Hugging Face hub)"),
-    HubGGUF("llama3.2-1b", "bartowski/Llama-3.2-1B-Instruct-GGUF", "Q4_K_M", ("llama-3.2-1b",),
-            "Llama-3.2-1B-Instruct, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
-    HubGGUF("llama3.2-3b", "bartowski/Llama-3.2-3B-Instruct-GGUF", "Q4_K_M", ("llama-3.2-3b",),
-            "Llama-3.2-3B-Instruct, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
-    HubGGUF("llama3.1-8b", "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF", "Q4_K_M", ("llama-3.1-8b",),
-            "Meta-Llama-3.1-8B-Instruct, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
-    HubGGUF("mistral-7b", "bartowski/Mistral-7B-Instruct-v0.3-GGUF", "Q4_K_M", ("mistral-7b-instruct",),
-            "Mistral-7B-Instruct-v0.3, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
-    HubGGUF("phi3.5-mini", "bartowski/Phi-3.5-mini-instruct-GGUF", "Q4_K_M", ("phi-3.5-mini",),
-            "Phi-3.5-mini-instruct, Q4_K_M GGUF (bartowski; Hugging Face hub)"),
+    HubGGUF("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", aliases=("qwen2.5-0.5b-instruct",)),
+    HubGGUF("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B-Instruct-GGUF", aliases=("qwen2.5-1.5b-instruct",)),
+    HubGGUF("qwen2.5-3b", "Qwen/Qwen2.5-3B-Instruct-GGUF", aliases=("qwen2.5-3b-instruct",)),
+    HubGGUF("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct-GGUF", aliases=("qwen2.5-7b-instruct",)),  # 2 shards
+    HubGGUF("qwen3-0.6b", "Qwen/Qwen3-0.6B-GGUF", "Q8_0"),  # the official repo's one quant
+    HubGGUF("qwen3-1.7b", "unsloth/Qwen3-1.7B-GGUF"),
+    HubGGUF("qwen3-4b", "unsloth/Qwen3-4B-GGUF"),
+    HubGGUF("qwen3-8b", "unsloth/Qwen3-8B-GGUF"),
+    HubGGUF("llama3.2-1b", "bartowski/Llama-3.2-1B-Instruct-GGUF", aliases=("llama-3.2-1b",)),
+    HubGGUF("llama3.2-3b", "bartowski/Llama-3.2-3B-Instruct-GGUF", aliases=("llama-3.2-3b",)),
+    HubGGUF("llama3.1-8b", "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF", aliases=("llama-3.1-8b",)),
+    HubGGUF("mistral-7b", "bartowski/Mistral-7B-Instruct-v0.3-GGUF", aliases=("mistral-7b-instruct",)),
+    HubGGUF("phi3.5-mini", "bartowski/Phi-3.5-mini-instruct-GGUF", aliases=("phi-3.5-mini",)),
 )
 
 
