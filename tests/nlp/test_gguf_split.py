@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pyml
+from pyml.cli import pyml_infer
 from pyml.core.errors import ModelFormatError
 from pyml.nlp.loaders.gguf import GGUFFile
 from tests.fuzz import gguf_build
@@ -155,3 +156,17 @@ def test_split_model_from_a_faked_hub(split_model, tmp_path, monkeypatch):
     ids = [1, 2, 3]
     want = pyml.load_model(gguf=str(single), warmup=False).forward(ids)
     np.testing.assert_array_equal(lm.forward(ids), want)
+    # and through the command line, as a user types it
+    assert pyml_infer.main(["--gguf", "hf:someone/Tiny-GGUF:q4_0", "--prompt", "hi", "--max-tokens", "2",
+                            "--no-warmup"]) == 0
+
+
+def test_cli_offline_hub_spec_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert pyml_infer.main(["--gguf", "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("pyml-infer: error: hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF: HF_HUB_OFFLINE is set and the file is "
+                   "not in the Hugging Face cache; download the .gguf elsewhere and pass its path "
+                   "(--gguf /path/to/model.gguf)")
