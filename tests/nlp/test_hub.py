@@ -378,3 +378,19 @@ def test_hf_spec_offline_uses_the_hugging_face_cache(empty_hf_cache, monkeypatch
     assert hub.resolve_gguf("hf:Qwen/Qwen3-0.6B-GGUF:Q8_0") == snapshot / "Qwen3-0.6B-Q8_0.gguf"
     with pytest.raises(ResolveError, match="not in the Hugging Face cache"):
         hub.resolve_gguf("hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M")
+
+
+def test_hf_download_failure_is_one_line(fake_hf, monkeypatch):
+    import huggingface_hub
+    repos, _ = fake_hf
+    repos["Qwen/Qwen2.5-7B-Instruct-GGUF"] = QWEN_FILES
+
+    def broken(repo_id, filename, **kwargs):
+        raise OSError("[Errno 28] No space left on device\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", broken)
+    with pytest.raises(ResolveError) as raised:
+        hub.resolve_gguf("hf:Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_0")
+    assert str(raised.value) == ("hf:Qwen/Qwen2.5-7B-Instruct-GGUF: download from huggingface.co failed ([Errno 28] "
+                                 "No space left on device); download the .gguf elsewhere and pass its path "
+                                 "(--gguf /path/to/model.gguf)")

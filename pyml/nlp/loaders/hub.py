@@ -84,6 +84,7 @@ GGUF_MODELS = (
 HF_ALIASES = {"gpt2": "openai-community/gpt2"}
 HF_PREFIX = "hf:"
 DEFAULT_QUANT = "Q4_K_M"
+_GGUF_HINT = "download the .gguf elsewhere and pass its path (--gguf /path/to/model.gguf)"
 
 
 @dataclass(frozen=True)
@@ -259,8 +260,7 @@ def resolve_hub_gguf(spec: str, quiet: bool = False) -> Path:
         if cached is not None:
             return cached
         why = "HF_HUB_OFFLINE is set" if offline else f"the hub ({host}) cannot be reached"
-        raise ResolveError(f"{where}: {why} and the file is not in the Hugging Face cache; download the "
-                           f".gguf elsewhere and pass its path (--gguf /path/to/model.gguf)")
+        raise ResolveError(f"{where}: {why} and the file is not in the Hugging Face cache; {_GGUF_HINT}")
     token = os.environ.get("HF_TOKEN") or None  # None lets huggingface_hub use a stored login
     try:
         entries = [(e.path, getattr(e, "size", None))
@@ -273,9 +273,7 @@ def resolve_hub_gguf(spec: str, quiet: bool = False) -> Path:
     except RepositoryNotFoundError:
         raise ResolveError(f"{where}: no such repository on {host} (or it is gated: set HF_TOKEN)") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResolveError(f"{where}: download from {host} failed ({reason}); download the .gguf "
-                           f"elsewhere and pass its path (--gguf /path/to/model.gguf)") from None
+        raise ResolveError(f"{where}: download from {host} failed ({_first_line(e)}); {_GGUF_HINT}") from None
     return paths[0]
 
 
@@ -444,8 +442,12 @@ def _hub_snapshot(repo_id: str) -> Path:
     except RepositoryNotFoundError:
         raise ResolveError(f"{repo_id}: no such repository on {host} (or it is gated)") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResolveError(f"{repo_id}: download from {host} failed ({reason}); {hint}") from None
+        raise ResolveError(f"{repo_id}: download from {host} failed ({_first_line(e)}); {hint}") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _hub_offline() -> bool:
