@@ -61,7 +61,7 @@ def apply_chat_template(template: str, messages: list, bos_token: str = "", eos_
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ChatTemplateError("messages must be a list of dicts, each with a 'role' and a 'content'")
     compiled = _compile(template)
-    context = dict(tools=None, documents=None, **variables)
+    context = {"tools": None, "documents": None, **variables}  # a caller's tools= replaces the default
     try:
         return compiled.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
                                add_generation_prompt=add_generation_prompt, **context)

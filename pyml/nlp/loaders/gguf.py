@@ -10,12 +10,19 @@ reads, every length is checked before the bytes it claims are read; and before a
 view of a tensor exists, its type, dims, alignment and byte range are checked against
 the file and against the other tensors (no overlaps), so no kernel ever reads past
 the mapping. Errors name the file and the key or tensor (docs/reliability.md).
+
+A split model (llama.cpp's gguf-split, or gguf-py's writer with split_max_*) is shards named
+`<prefix>-00001-of-0000N.gguf`, each a whole GGUF file: the first holds all the metadata, every
+shard `split.no` (0-based, u16), `split.count` (u16) and `split.tensors.count` (i32, the total),
+and its own tensors. Given the first shard, GGUFFile reads the others beside it, each checked
+and memory-mapped as a file of its own, into one set of tensors.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -43,6 +50,8 @@ SIZE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_
 FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
               "rope.scale_linear", "rope.scaling.factor", "final_logit_softcapping")
 MAX_SIZE = 2**31 - 1  # sizes are int32 in llama.cpp too
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama_split_path
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
 
 class _Bad(ValueError):
@@ -266,27 +275,68 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFormatError(f"{self.path}: no such file")
-        size = os.path.getsize(self.path)
-        _precheck(self.path, size)
+        self.tensors = {}
+        self.metadata = self._read(self.path)
+        self.paths = [self.path]
+        self.file_size = os.path.getsize(self.path)
+        count = self._split_key(self.metadata, self.path, SPLIT_COUNT, 0xFFFF)
+        if count is not None and count > 1:
+            self._read_shards(count)
+
+    def _read(self, path: Path) -> dict:
+        """One file's metadata; its tensors, checked, join self.tensors."""
+        if not path.is_file():
+            raise ModelFormatError(f"{path}: no such file")
+        size = os.path.getsize(path)
+        _precheck(path, size)
         try:
-            reader = _Reader(self.path, "r")
-            self.metadata = {name: _value(name, f) for name, f in reader.fields.items()}
+            reader = _Reader(path, "r")
+            metadata = {name: _value(name, f) for name, f in reader.fields.items()}
         except _Unsupported as e:
-            raise UnsupportedError(f"{self.path}: {e}") from None
+            raise UnsupportedError(f"{path}: {e}") from None
         except _Bad as e:
-            raise ModelFormatError(f"{self.path}: {e}") from None
+            raise ModelFormatError(f"{path}: {e}") from None
         except (ValueError, IndexError, KeyError, struct.error, OverflowError, TypeError,
                 UnicodeDecodeError, MemoryError) as e:
-            raise ModelFormatError(f"{self.path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
-        self.tensors = {}
+            raise ModelFormatError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
         for t in reader.tensors:
-            self.tensors[t.name] = self._tensor(t, size)
-        self.file_size = size
+            self.tensors[t.name] = self._tensor(t, size, path)
+        return metadata
 
-    def _tensor(self, t, file_size: int):
-        where = f"{self.path}: tensor {t.name!r}"
+    def _read_shards(self, count: int):
+        """Shards 2..count beside the first: each split.no in its place, the tensors counted."""
+        name = SHARD_NAME.match(self.path.name)
+        if not name or int(name["count"]) != count:
+            raise ModelFormatError(f"{self.path}: {SPLIT_COUNT} says {count} shards, but the file is not named "
+                                   f"<name>-00001-of-{count:05d}.gguf (a split model loads from its first shard)")
+        if self._split_key(self.metadata, self.path, SPLIT_NO, 0xFFFF) != 0 or int(name["no"]) != 1:
+            raise ModelFormatError(f"{self.path}: shard {name['no']} of {count}; a split model loads from its "
+                                   f"first shard, {name['prefix']}-00001-of-{count:05d}.gguf")
+        for no in range(1, count):
+            shard = self.path.with_name(f"{name['prefix']}-{no + 1:05d}-of-{count:05d}.gguf")
+            if not shard.is_file():
+                raise ModelFormatError(f"{shard}: missing (shard {no + 1} of the {count} of {self.path.name})")
+            found = self._split_key(self._read(shard), shard, SPLIT_NO, 0xFFFF)
+            if found != no:
+                raise ModelFormatError(f"{shard}: metadata {SPLIT_NO} is {found}, expected {no}")
+            self.paths.append(shard)
+            self.file_size += os.path.getsize(shard)
+        expected = self._split_key(self.metadata, self.path, SPLIT_TENSORS, MAX_SIZE)
+        if expected != len(self.tensors):
+            raise ModelFormatError(f"{self.path}: metadata {SPLIT_TENSORS} is {expected}, but the {count} "
+                                   f"shards hold {len(self.tensors)} tensors")
+
+    @staticmethod
+    def _split_key(metadata: dict, path: Path, key: str, largest: int):
+        value = metadata.get(key)
+        if value is not None and (isinstance(value, (bool, np.bool_, str, list, np.ndarray, float))
+                                  or not 0 <= int(value) <= largest):
+            raise ModelFormatError(f"{path}: metadata {key} must be an integer from 0 to {largest}, "
+                                   f"got {_short(value)}")
+        return None if value is None else int(value)
+
+    def _tensor(self, t, file_size: int, path: Path):
+        where = f"{path}: tensor {t.name!r}"
         if t.name in self.tensors:
             raise ModelFormatError(f"{where}: appears twice")
         qtype = QuantType(int(t.tensor_type))
