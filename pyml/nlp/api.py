@@ -225,18 +225,30 @@ def quantize_head(model: DecoderModel, kind: str) -> None:
                        w.type_name, qtype.name, f"{before:,}", f"{after:,}", (before - after) / 1e6)
 
 
+def guess_format(source: str) -> str:
+    """"safetensors" or "gguf" for a model named by a path, a known name or a hub id: a directory,
+    a Hugging Face alias (gpt2) or an owner/name id that is no file means safetensors; a file, a
+    known GGUF name or anything else, GGUF (whose error then lists the known names)."""
+    path = Path(source).expanduser()
+    if path.is_dir() or str(source).lower() in hub.HF_ALIASES:
+        return "safetensors"
+    repo_like = "/" in str(source) and not str(source).startswith((".", "/", "~"))
+    if repo_like and not path.exists() and not str(source).lower().endswith(".gguf"):
+        return "safetensors"
+    return "gguf"
+
+
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
                threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None
                ) -> LanguageModel:
     """Load a model: `safetensors=` a directory or hub id, `gguf=` a file or short name.
 
-    `source` alone is guessed: a directory means safetensors, anything else GGUF.
-    With neither, the default model (SmolLM2-135M-Instruct) is used.
+    `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     """
     if source is not None:
         if gguf or safetensors:
             raise PymlError("pass the model once: source, gguf= or safetensors=")
-        if Path(source).is_dir():
+        if guess_format(source) == "safetensors":
             safetensors = source
         else:
             gguf = source
