@@ -26,16 +26,13 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pyml.cli.request_profile import profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError, parse
-from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.nlp.api import LanguageModel, StreamEvent
 from pyml.nlp.generator import GenerationResult
-from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
-from pyml.report.records import normalize
 
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length", "cancelled": "stop"}
-SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -114,10 +111,7 @@ class Worker:
             self.cache.reset()
         result = GenerationResult(job.ids)
         records = []
-        sink = records.append
-        if req.profile:
-            perf.add_collector(sink, level=perf.TRACE)
-        try:
+        with recording(records, req.profile):
             stream = self.lm.stream(job.ids, req.max_tokens or self.cache.max_len - len(job.ids),
                                     stop=req.stop, cache=self.cache, result=result, **req.sampling)
             job.put("started")
@@ -128,9 +122,6 @@ class Worker:
                     break
                 if event.text:
                     job.put("text", event.text)
-        finally:
-            if req.profile:
-                perf.remove_collector(sink)
         if req.profile:
             job.profile = profile_summary(records)
         m = self.metrics
@@ -140,26 +131,6 @@ class Worker:
         if result.decode_s:
             m.decode_tok_s.set(result.decode_tok_s)
         job.put("done", result)
-
-
-def profile_summary(raw_records: list, top: int = 10) -> dict:
-    """The bottleneck summary of one request's decode steps, from its own perf records."""
-    records, _ = normalize(raw_records)
-    categories = category_table(records, phases=("decode",))
-    total = sum(categories.values())
-    steps = sum(1 for r in records if r.name == "generator::decode_step")
-
-    def share(ms):
-        return {"ms": round(ms, 3), "pct": round(100 * ms / total, 1) if total else 0.0}
-
-    split = {name: share(sum(categories.get(c, 0.0) for c in cats)) for name, cats in SPLIT.items()}
-    split["other"] = share(total - sum(v["ms"] for v in split.values()))
-    labels = sorted(label_table(records, phases=("decode",)).items(), key=lambda kv: -kv[1]["ms"])[:top]
-    return {"decode_steps": steps, "decode_ms": round(total, 3),
-            "ms_per_step": round(total / steps, 3) if steps else 0.0, "split": split,
-            "categories": {c: share(ms) for c, ms in sorted(categories.items(), key=lambda kv: -kv[1])},
-            "top_ops": [{"op": label, "category": row["category"], "calls": row["calls"], **share(row["ms"])}
-                        for label, row in labels]}
 
 
 def usage(result: GenerationResult) -> dict:
