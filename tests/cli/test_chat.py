@@ -58,7 +58,7 @@ class Terminal:
 
     def expect(self, pattern: bytes, timeout=60) -> bytes:
         deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.seen):
+        while not (match := re.search(pattern, self.seen)):
             left = deadline - time.monotonic()
             assert left > 0, f"no {pattern!r} in {self.seen[-2000:]!r}"
             if select.select([self.fd], [], [], min(left, 1.0))[0]:
@@ -68,8 +68,7 @@ class Terminal:
                     chunk = b""
                 assert chunk, f"the process ended before {pattern!r}: {self.seen[-2000:]!r}"
                 self.seen += chunk
-        found = self.seen
-        self.seen = b""
+        found, self.seen = self.seen[:match.end()], self.seen[match.end():]  # what follows is for the next expect
         return found
 
     def send(self, text: bytes):
@@ -104,7 +103,8 @@ def test_two_turns_reset_and_ctrl_c_in_a_terminal(tmp_path):
         assert int(first.group(2)) < 1500
         term.expect(rb"> ")  # the session goes on
         term.send(b"tell me more\r")
-        second = term.expect(rb"\[prompt \d+ tokens \(\d+ cached\) in \d+ ms \| generated \d+ tokens")
+        # a whole 1500-token reply: seconds alone, minutes on a machine busy with other work
+        second = term.expect(rb"\[prompt \d+ tokens \(\d+ cached\) in \d+ ms \| generated \d+ tokens", timeout=300)
         assert b"interrupted" not in second  # a whole reply, on the first turn's cache
         term.expect(rb"> ")
         term.send(b"/reset\r")
