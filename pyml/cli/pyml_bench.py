@@ -301,9 +301,9 @@ def memory(model_names, threads: int, n_prompt: int, n_gen: int) -> str:
 
 def build_parser() -> Parser:
     p = Parser(prog="pyml-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+    p.add_argument("-m", "--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
-    p.add_argument("--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
+    p.add_argument("-t", "--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
     p.add_argument("--n-prompt", type=int, default=128)

@@ -310,7 +310,7 @@ def build_parser():
     p.add_argument("--plain-passes", type=int, default=1, help="untraced passes per configuration (default 1)")
     p.add_argument("--vocab", type=int, default=50257, help="vocabulary size (default GPT-2's 50257)")
     p.add_argument("--all-logits", action="store_true", help="project every position to logits, not just the last")
-    p.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--out", metavar="DIR", default="pyml-sweep", help="where sweep.md and sweep.json go "
                    "(default ./pyml-sweep)")
     return p

@@ -364,21 +364,38 @@ class _LineFormatter(logging.Formatter):
 def configure(spec: str | None = None, stream=None):
     """Set levels from a spec like `debug`, `trace` or `pyml.nn=trace,pyml=debug`.
 
-    With no spec, the LOG environment variable is read. Lines go to stderr.
+    With no spec, the environment is read: PYML_LOG first, then LOG. LOG is a common name that
+    other programs set for themselves, so a LOG value that is not a pyml spec is ignored with one
+    warning line; a bad --log or PYML_LOG is an error. Lines go to stderr.
     """
-    if spec is None:
-        spec = os.environ.get("LOG", "")
     root = logging.getLogger("pyml")
     if not any(getattr(h, "_pyml", False) for h in root.handlers):
         root.addHandler(_PerfHandler(stream or sys.stderr))
         root.propagate = False
     root.setLevel(logging.WARNING)
+    if spec is None and not os.environ.get("PYML_LOG") and os.environ.get("LOG"):
+        try:
+            levels = _parse_spec(os.environ["LOG"])
+        except PymlError as e:
+            levels = {}
+            root.warning("LOG=%s is not a pyml log level, ignored (%s; PYML_LOG takes precedence)",
+                         os.environ["LOG"], e)
+    else:
+        levels = _parse_spec(spec if spec is not None else os.environ.get("PYML_LOG", ""))
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    refresh()
+
+
+def _parse_spec(spec: str) -> dict:
+    """{logger name: level} of a spec like `pyml.nn=trace,pyml=debug`."""
+    levels = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, level = item.rpartition("=")
         if name and not (name == "pyml" or name.startswith("pyml.")):
             raise PymlError(f"log filter {item!r}: logger names start with 'pyml'")
-        logging.getLogger(name or "pyml").setLevel(parse_level(level))
-    refresh()
+        levels[name or "pyml"] = parse_level(level)
+    return levels
 
 
 atexit.register(flush)

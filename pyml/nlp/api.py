@@ -5,6 +5,7 @@ that builds a model from a file (loaders read files; the architectures compose l
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -15,11 +16,11 @@ from pyml import quant
 from pyml.core import perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig
-from pyml.nlp.generator import GenerationResult, Generator
+from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
 from pyml.nlp.loaders import hub
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
-from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, Gemma3Config, GPT2Config, LlamaConfig
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.tokenizer import Tokenizer
@@ -28,7 +29,16 @@ from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nlp.load")
 DEFAULT_MODEL = "smollm2-135m"
+ModelConfig = GPT2Config | LlamaConfig | Gemma3Config  # what `LanguageModel.config` may be
 HEAD_TYPES = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}  # --lm-head-quant
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of `LanguageModel.stream`: a piece of text that can be shown now; the last
+    event has `result` set (the whole GenerationResult, with its timings and stop reason)."""
+    text: str
+    result: GenerationResult | None = None
 
 
 @dataclass
@@ -41,11 +51,16 @@ class LanguageModel:
     chat_template: str | None = None
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         return self.model.config
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.model.new_cache(max_len)
+
+    def new_prompt_cache(self, max_len: int | None = None) -> PromptCache:
+        """A KV cache that remembers its tokens: pass it as `cache=` to every turn of a
+        conversation and each turn prefills only what the last one had not seen."""
+        return PromptCache(self.new_cache(max_len))
 
     def forward(self, token_ids, cache=None, all_logits: bool = False) -> np.ndarray:
         """Logits (NumPy) for token_ids appended to `cache` (a fresh one if None)."""
@@ -53,42 +68,74 @@ class LanguageModel:
             cache = self.new_cache(len(token_ids))
         return self.model.forward(token_ids, cache, all_logits=all_logits)
 
-    def encode(self, text: str) -> list:
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer().encode(text)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer().decode([int(i) for i in ids], skip_special_tokens)
+
+    def chat_prompt(self, messages: list) -> str:
+        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template."""
+        return self._tokenizer().apply_chat_template(messages, template=self.chat_template)
+
+    def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
+               result: GenerationResult | None = None, **sampling) -> Iterator[StreamEvent]:
+        """Generate from a prompt (text, or token ids), yielding text as it becomes final.
+
+        `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
+        whose tokens the prompt may start with; `sampling`: SamplingConfig's fields (temperature,
+        top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
+        The prompt and the options are checked here, before the first event is asked for.
+        """
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        result = result if result is not None else GenerationResult(ids)
+        eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
+        tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
+                                              cache=cache, result=result)
+        return self._text_events(tokens, result, eos, StopStrings(stop))
+
+    def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+        shown = []
+        try:
+            for token in tokens:
+                if decoder is None or token in eos:  # the end token ends the text, it is not part of it
+                    continue
+                text = stops.push(decoder.push(token))
+                if text:
+                    shown.append(text)
+                    yield StreamEvent(text)
+                if stops.hit:
+                    result.stop_reason = "stop"
+                    break
+            else:
+                text = stops.push(decoder.flush()) + stops.flush() if decoder is not None else ""
+                if text:
+                    shown.append(text)
+                    yield StreamEvent(text)
+        finally:
+            tokens.close()  # a consumer that stops early (a closed connection) frees the model here
+            result.text = "".join(shown)
+        yield StreamEvent("", result)
+
+    def generate(self, prompt: str | list, max_tokens: int = 64, *, on_text=None, stop=(),
+                 cache: PromptCache | None = None, result: GenerationResult | None = None,
+                 **sampling) -> GenerationResult:
+        """`stream`, collected: the GenerationResult; `on_text(str)` sees each piece of text."""
+        for event in self.stream(prompt, max_tokens, stop=stop, cache=cache, result=result, **sampling):
+            if event.text and on_text is not None:
+                on_text(event.text)
+        return event.result
+
+    def chat(self, messages: list, max_tokens: int = 256, *, stream: bool = False, **options):
+        """Answer a conversation: `generate` (or, with stream=True, `stream`) on its chat-template prompt."""
+        run = self.stream if stream else self.generate
+        return run(self.chat_prompt(messages), max_tokens, **options)
+
+    def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise PymlError(f"{self.source}: no tokenizer found beside the model")
-        return self.tokenizer.encode(text)
-
-    def generate(self, prompt: str | list, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 on_text=None, result: GenerationResult | None = None) -> GenerationResult:
-        """Generate from a prompt (text, or token ids); `on_text(str)` streams decoded text."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)
-        stream = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-        pieces = []
-        stop = self.tokenizer.eos_ids if self.tokenizer is not None else ()
-
-        def on_token(tok):
-            if stream is not None and tok not in stop:  # the stop token ends the text, it is not part of it
-                text = stream.push(tok)
-                if text:
-                    pieces.append(text)
-                    if on_text is not None:
-                        on_text(text)
-
-        result = result if result is not None else GenerationResult(ids)
-        try:
-            Generator(self.model, self.tokenizer).generate(ids, max_tokens, sampling, stop_ids=stop,
-                                                           on_token=on_token, result=result)
-        finally:
-            if stream is not None:
-                tail = stream.flush()
-                if tail:
-                    pieces.append(tail)
-                    if on_text is not None:
-                        on_text(tail)
-            result.text = "".join(pieces)
-        return result
+        return self.tokenizer
 
 
 class Built(NamedTuple):
@@ -182,18 +229,30 @@ def quantize_head(model: DecoderModel, kind: str) -> None:
                        w.type_name, qtype.name, f"{before:,}", f"{after:,}", (before - after) / 1e6)
 
 
+def guess_format(source: str) -> str:
+    """"safetensors" or "gguf" for a model named by a path, a known name or a hub id: a directory,
+    a Hugging Face alias (gpt2) or an owner/name id that is no file means safetensors; a file, a
+    known GGUF name or anything else, GGUF (whose error then lists the known names)."""
+    path = Path(source).expanduser()
+    if path.is_dir() or str(source).lower() in hub.HF_ALIASES:
+        return "safetensors"
+    repo_like = "/" in str(source) and not str(source).startswith((".", "/", "~"))
+    if repo_like and not path.exists() and not str(source).lower().endswith(".gguf"):
+        return "safetensors"
+    return "gguf"
+
+
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
                threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None
                ) -> LanguageModel:
     """Load a model: `safetensors=` a directory or hub id, `gguf=` a file or short name.
 
-    `source` alone is guessed: a directory means safetensors, anything else GGUF.
-    With neither, the default model (SmolLM2-135M-Instruct) is used.
+    `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     """
     if source is not None:
         if gguf or safetensors:
             raise PymlError("pass the model once: source, gguf= or safetensors=")
-        if Path(source).is_dir():
+        if guess_format(source) == "safetensors":
             safetensors = source
         else:
             gguf = source

@@ -1,14 +1,22 @@
-"""Generation: prefill the prompt in one forward pass, then one cached decode step per token."""
+"""Generation: prefill the prompt in one forward pass, then one cached decode step per token.
+
+`Generator.stream` yields the token ids as they are chosen; `generate` is its one consumer that
+collects them. A `PromptCache` keeps a KV cache with the ids it holds, so the next prompt that
+starts with them (a conversation's history) prefills only its new tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pyml.core import perf
 from pyml.core.errors import PymlError, was_interrupted
+from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
+from pyml.nn import KVCache
 
 _perf = perf.get("pyml.nlp.generator")
 
@@ -20,11 +28,17 @@ class GenerationResult:
     text: str = ""
     prefill_s: float = 0.0
     decode_s: list = field(default_factory=list)    # seconds per decode step
-    stop_reason: str = ""                           # eos | max_tokens | context | interrupted
+    stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted
+    cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens that went through the prefill pass (the cached ones did not)."""
+        return len(self.prompt_tokens) - self.cached_tokens
 
     @property
     def prefill_tok_s(self) -> float:
-        return len(self.prompt_tokens) / self.prefill_s if self.prefill_s else 0.0
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -34,23 +48,104 @@ class GenerationResult:
     def decode_tok_s(self) -> float:
         return len(self.decode_s) / sum(self.decode_s) if self.decode_s else 0.0
 
+    def timings(self) -> dict:
+        """The figures llama-server reports with each response (its `timings` object)."""
+        prompt_ms, predicted_ms = self.prefill_s * 1e3, sum(self.decode_s) * 1e3
+        prompt_n, predicted_n = self.prefilled_tokens, len(self.decode_s)
+        return {
+            "cache_n": self.cached_tokens,
+            "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": self.prefill_tok_s,
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": self.decode_ms_per_token,
+            "predicted_per_second": self.decode_tok_s,
+        }
+
     def summary(self) -> str:
-        return (f"prompt {len(self.prompt_tokens)} tokens, generated {len(self.tokens)} tokens | "
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"prompt {len(self.prompt_tokens)} tokens{cached}, generated {len(self.tokens)} tokens | "
                 f"prefill {self.prefill_s * 1e3:.1f} ms ({self.prefill_tok_s:.1f} tok/s) | "
                 f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)")
 
 
+class PromptCache:
+    """A KV cache and the token ids whose keys and values it holds, in order."""
+
+    def __init__(self, kv: KVCache):
+        self.kv, self.tokens = kv, []
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    def reusable(self, prompt_ids: list) -> int:
+        """How many leading prompt tokens are already cached. At least the last prompt token is
+        always run again: its logits choose the first new token."""
+        n = 0
+        for held, new in zip(self.tokens, prompt_ids[:-1]):
+            if held != new:
+                break
+            n += 1
+        return n
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.kv.length = 0
+
+
+class StopStrings:
+    """Ends the text at the first stop string. Text that could be the start of one is held back
+    until the next pieces show it is not, so a stop string is never shown, even in part."""
+
+    def __init__(self, stops: Iterable[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.pending, self.hit = "", False
+
+    def push(self, text: str) -> str:
+        """The part of `text` (after what was held) that can be shown now."""
+        if not self.stops:
+            return text
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            shown, self.pending, self.hit = self.pending[:min(found)], "", True
+            return shown
+        held = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        split = len(self.pending) - held
+        shown, self.pending = self.pending[:split], self.pending[split:]
+        return shown
+
+    def flush(self) -> str:
+        """What was held back, once the text has ended without a stop string."""
+        shown, self.pending = self.pending, ""
+        return shown
+
+
 class Generator:
-    def __init__(self, model, tokenizer=None):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: DecoderModel):
+        self.model = model
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-                 stop_ids=(), on_token=None, cache=None, result: GenerationResult | None = None):
-        """Generate up to `max_new_tokens` after `prompt_ids`.
+                 stop_ids=(), on_token=None, cache: KVCache | PromptCache | None = None,
+                 result: GenerationResult | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` sees each token chosen.
 
-        `on_token(id)` is called as each token is chosen (streaming). Stops at a
-        stop id, at max_new_tokens, or when the context window is full. `result`
-        may be passed in so a caller still holds the partial result after Ctrl-C.
+        `result` may be passed in so a caller still holds the partial result after Ctrl-C.
+        """
+        result = result if result is not None else GenerationResult(list(prompt_ids))
+        for token in self.stream(prompt_ids, max_new_tokens, sampling, stop_ids, cache, result):
+            if on_token is not None:
+                on_token(token)
+        return result
+
+    def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               stop_ids=(), cache: KVCache | PromptCache | None = None,
+               result: GenerationResult | None = None) -> Iterator[int]:
+        """The generated ids, one at a time, filling `result` as they come.
+
+        Stops at a stop id, at max_new_tokens, or when the cache is full. The prompt is checked
+        here, before the first token is asked for. Closing the iterator ends the generation.
         """
         prompt_ids = [int(t) for t in prompt_ids]
         if max_new_tokens < 0:
@@ -61,59 +156,64 @@ class Generator:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise PymlError(f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens")
-        window = self.model.max_positions
+        window = cache.max_len if cache is not None else self.model.max_positions
         if len(prompt_ids) > window:
-            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than the model's "
-                            f"context window of {window}")
+            what = "the model's context window" if cache is None else "the context size"
+            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {window}")
         if cache is None:
             cache = self.model.new_cache(len(prompt_ids) + max_new_tokens)
-        sampler, stop_ids = Sampler(sampling), set(stop_ids)
+        prompt_cache = cache if isinstance(cache, PromptCache) else None
         res = result if result is not None else GenerationResult(prompt_ids)
         res.prompt_tokens = prompt_ids
-        history = list(prompt_ids)
+        res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res)
+
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res):
+        prompt_cache = cache if isinstance(cache, PromptCache) else None
+        kv = prompt_cache.kv if prompt_cache is not None else cache
         if max_new_tokens == 0:
             res.stop_reason = "max_tokens"
-            return res
-
+            return
+        history = list(prompt_ids)
+        start = done = res.cached_tokens  # done: the positions whose keys and values are written
         try:
-            return self._run(prompt_ids, max_new_tokens, sampler, stop_ids, on_token, cache, res, history)
+            t0 = perf.clock()
+            with perf.context(phase="prefill", step=0), \
+                    _perf.debug("generator::prefill", "tokens={}", len(prompt_ids) - start, op="generator") as span:
+                logits = self.model.forward(prompt_ids[start:], kv, pos=start)
+                done = len(prompt_ids)
+                with span.part("sample"):
+                    token = sampler(logits, history)
+            res.prefill_s = perf.clock() - t0
+            step = 0
+            while True:
+                res.tokens.append(token)
+                history.append(token)
+                yield token
+                if token in stop_ids:
+                    res.stop_reason = "eos"
+                    break
+                if len(res.tokens) >= max_new_tokens:
+                    res.stop_reason = "max_tokens"
+                    break
+                pos = len(history) - 1
+                if pos >= kv.max_len:
+                    res.stop_reason = "context"
+                    break
+                step += 1
+                t0 = perf.clock()
+                with perf.context(phase="decode", step=step), \
+                        _perf.debug("generator::decode_step", "token={}", pos, op="generator") as span:
+                    with span.part("model"):
+                        logits = self.model.forward([token], kv, pos=pos)
+                        done = pos + 1
+                    with span.part("sample"):
+                        token = sampler(logits, history)
+                res.decode_s.append(perf.clock() - t0)
         except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
             if was_interrupted(e):
                 raise KeyboardInterrupt from None
             raise
-
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, on_token, cache, res, history):
-        t0 = perf.clock()
-        with perf.context(phase="prefill", step=0), \
-                _perf.debug("generator::prefill", "tokens={}", len(prompt_ids), op="generator") as span:
-            logits = self.model.forward(prompt_ids, cache, pos=0)
-            with span.part("sample"):
-                token = sampler(logits, history)
-        res.prefill_s = perf.clock() - t0
-        step = 0
-        while True:
-            res.tokens.append(token)
-            history.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop_ids:
-                res.stop_reason = "eos"
-                break
-            if len(res.tokens) >= max_new_tokens:
-                res.stop_reason = "max_tokens"
-                break
-            pos = len(history) - 1
-            if pos >= cache.max_len:
-                res.stop_reason = "context"
-                break
-            step += 1
-            t0 = perf.clock()
-            with perf.context(phase="decode", step=step), \
-                    _perf.debug("generator::decode_step", "token={}", pos, op="generator") as span:
-                with span.part("model"):
-                    logits = self.model.forward([token], cache, pos=pos)
-                with span.part("sample"):
-                    token = sampler(logits, history)
-            res.decode_s.append(perf.clock() - t0)
-        return res
-
+        finally:
+            if prompt_cache is not None:
+                prompt_cache.tokens = history[:done]

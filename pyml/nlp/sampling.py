@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, and the
+repetition, frequency and presence penalties.
 
 Nothing here sorts the whole vocabulary: greedy is an argmax, top-k an
 argpartition, and top-p widens a partial sort until the kept mass reaches p —
@@ -21,6 +22,9 @@ class SamplingConfig:
     top_p: float = 1.0            # 1 = off
     repetition_penalty: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0            # 0 = off; else drop tokens less likely than min_p x the likeliest
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency x count, over the tokens seen so far
+    presence_penalty: float = 0.0   # logit -= presence once a token has been seen
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -31,6 +35,11 @@ class SamplingConfig:
             raise PymlError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
             raise PymlError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise PymlError(f"--min-p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # OpenAI's range
+                raise PymlError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
 
 class Sampler:
@@ -45,6 +54,10 @@ class Sampler:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = logits[seen]
             logits[seen] = np.where(vals > 0, vals / c.repetition_penalty, vals * c.repetition_penalty)
+        if (c.frequency_penalty or c.presence_penalty) and len(history):
+            logits = logits.astype(np.float32, copy=True)
+            seen, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+            logits[seen] -= c.frequency_penalty * counts + c.presence_penalty
         if c.temperature == 0.0:
             return int(np.argmax(logits))
         ids = np.arange(logits.shape[0])
@@ -53,6 +66,9 @@ class Sampler:
         scaled = logits[ids].astype(np.float64) / c.temperature
         probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
+        if c.min_p > 0.0:
+            keep = probs >= c.min_p * probs.max()
+            ids, probs = ids[keep], probs[keep] / probs[keep].sum()
         if c.top_p < 1.0:
             ids, probs = _top_p(ids, probs, c.top_p)
         return int(ids[self.rng.choice(len(ids), p=probs)])

@@ -1,0 +1,81 @@
+"""The options every model command shares, spelled as llama.cpp and ollama users expect them.
+
+    -m/--model FILE|NAME|HUB_ID|DIR  (--gguf / --safetensors to name the format)   -t/--threads
+    -p/--prompt, -f/--file, or the prompt on stdin; -n/--max-tokens; --temp; --system; --stop; ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pyml.core.errors import PymlError
+from pyml.nlp.api import DEFAULT_MODEL
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-m", "--model", metavar="MODEL",
+                     help=f"a GGUF file, a known name ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face hub id "
+                          f"(gpt2) or a model directory; the format is guessed (default {DEFAULT_MODEL})")
+    src.add_argument("--safetensors", metavar="NAME_OR_DIR",
+                     help="Hugging Face model directory, or hub id (gpt2 = openai-community/gpt2)")
+    src.add_argument("--gguf", metavar="PATH_OR_NAME",
+                     help="GGUF file, or a known name (smollm2-135m, gemma3-270m)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """load_model's keyword arguments for the model the options name."""
+    return dict(source=args.model, gguf=args.gguf, safetensors=args.safetensors, threads=args.threads)
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the likeliest (0 = off)")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the reply at TEXT (not printed); may be given several times")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message (uses the chat template)")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """LanguageModel.stream's keyword arguments for the sampling options."""
+    if args.max_tokens < 0:
+        raise PymlError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+
+
+def add_prompt_options(p: argparse.ArgumentParser) -> None:
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("-p", "--prompt", default=None,
+                       help=f"prompt text (default: stdin when it is not a terminal, else {DEFAULT_PROMPT!r})")
+    given.add_argument("-f", "--file", metavar="FILE", default=None, help="read the prompt from FILE (- = stdin)")
+
+
+def read_prompt(args: argparse.Namespace, stdin=None) -> str:
+    """The prompt: -p, else -f, else what stdin holds when it is not a terminal, else the default."""
+    stdin = stdin if stdin is not None else sys.stdin
+    if args.prompt is not None:
+        return args.prompt
+    if args.file == "-":
+        return stdin.read()
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PymlError(f"--file {args.file}: {e.strerror if isinstance(e, OSError) else e}") from None
+    if stdin is not None and not stdin.closed and not stdin.isatty():
+        text = stdin.read()
+        if text.strip():
+            return text
+    return DEFAULT_PROMPT

@@ -1,0 +1,52 @@
+"""The bottleneck summary of one generation (a server request, a chat reply), from the perf
+records of its own decode steps, aggregated by pyml.report: the attention / FFN / head /
+sampling split of the decode time and the top ops."""
+
+from __future__ import annotations
+
+import contextlib
+
+from pyml.core import perf
+from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
+from pyml.report.records import normalize
+
+SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
+
+
+@contextlib.contextmanager
+def recording(records: list, enabled: bool = True):
+    """Append every perf record (trace level) made inside the block to `records`."""
+    if not enabled:
+        yield records
+        return
+    perf.add_collector(records.append, level=perf.TRACE)
+    try:
+        yield records
+    finally:
+        perf.remove_collector(records.append)
+
+
+def profile_summary(raw_records: list, top: int = 10) -> dict:
+    """The bottleneck summary of one request's decode steps, from its own perf records."""
+    records, _ = normalize(raw_records)
+    categories = category_table(records, phases=("decode",))
+    total = sum(categories.values())
+    steps = sum(1 for r in records if r.name == "generator::decode_step")
+
+    def share(ms):
+        return {"ms": round(ms, 3), "pct": round(100 * ms / total, 1) if total else 0.0}
+
+    split = {name: share(sum(categories.get(c, 0.0) for c in cats)) for name, cats in SPLIT.items()}
+    split["other"] = share(total - sum(v["ms"] for v in split.values()))
+    labels = sorted(label_table(records, phases=("decode",)).items(), key=lambda kv: -kv[1]["ms"])[:top]
+    return {"decode_steps": steps, "decode_ms": round(total, 3),
+            "ms_per_step": round(total / steps, 3) if steps else 0.0, "split": split,
+            "categories": {c: share(ms) for c, ms in sorted(categories.items(), key=lambda kv: -kv[1])},
+            "top_ops": [{"op": label, "category": row["category"], "calls": row["calls"], **share(row["ms"])}
+                        for label, row in labels]}
+
+
+def split_line(summary: dict) -> str:
+    """One line: where a reply's decode time went."""
+    parts = " ".join(f"{name} {v['pct']:.0f}%" for name, v in summary["split"].items())
+    return f"decode {summary['ms_per_step']:.2f} ms/step: {parts}"

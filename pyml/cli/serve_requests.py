@@ -1,0 +1,131 @@
+"""pyml-serve's request bodies: OpenAI's chat and completion fields, checked, turned into what
+LanguageModel.stream takes. Every bad field is a RequestError naming it (a 4xx, never a 500)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyml.core.errors import PymlError
+from pyml.nlp.sampling import SamplingConfig
+
+ROLES = {"system", "developer", "user", "assistant"}  # OpenAI's "developer" is a system message
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error type, the parameter at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One checked request: the prompt (text), the options, and what the client asked of the server."""
+    prompt: str
+    max_tokens: int | None
+    sampling: dict
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    profile: bool = False
+    cache_prompt: bool = True
+    include_usage: bool = False
+
+
+def _get(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise RequestError(f"'{name}' must be {what or kinds.__name__}, got a boolean", name)
+    if not isinstance(value, kinds):
+        raise RequestError(f"'{name}' must be {what or getattr(kinds, '__name__', kinds)}, "
+                           f"got {type(value).__name__}", name)
+    if check is not None and not check(value):
+        raise RequestError(f"'{name}' is out of range: {value!r} ({what})", name)
+    return value
+
+
+def _number(body, name, default, check, what):
+    return _get(body, name, (int, float), default, check, what)
+
+
+def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
+    """A Request from a decoded JSON body; `chat_prompt(messages)` renders a conversation."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = _get(body, "model", str, None, what="a string")
+    if model not in (None, "", model_id):
+        raise RequestError(f"the model '{model}' does not exist: this server serves '{model_id}'",
+                           "model", status=404, code="model_not_found")
+    if chat:
+        prompt = chat_prompt(_messages(body))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("'prompt' must be a non-empty string", "prompt")
+    max_tokens = _get(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                      int, None, lambda n: n >= 1, "an integer >= 1")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
+    sampling = dict(
+        temperature=float(_number(body, "temperature", 1.0, lambda t: 0 <= t <= 2, "a number in [0, 2]")),
+        top_p=float(_number(body, "top_p", 1.0, lambda p: 0 < p <= 1, "a number in (0, 1]")),
+        top_k=_get(body, "top_k", int, 0, lambda k: k >= 0, "an integer >= 0"),
+        min_p=float(_number(body, "min_p", 0.0, lambda p: 0 <= p <= 1, "a number in [0, 1]")),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, lambda r: 0 < r <= 10,
+                                         "a number in (0, 10]")),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, lambda f: -2 <= f <= 2,
+                                        "a number in [-2, 2]")),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, lambda f: -2 <= f <= 2,
+                                       "a number in [-2, 2]")),
+        seed=_get(body, "seed", int, None, what="an integer"))
+    if "repeat_penalty" in body:  # llama-server's name
+        sampling["repetition_penalty"] = float(_number(body, "repeat_penalty", 1.0, lambda r: 0 < r <= 10,
+                                                       "a number in (0, 10]"))
+    n = _get(body, "n", int, 1, what="an integer")
+    if n != 1:
+        raise RequestError("'n' must be 1: one completion per request", "n")
+    try:
+        SamplingConfig(**sampling)
+    except PymlError as e:
+        raise RequestError(str(e)) from None
+    options = _get(body, "pyml", dict, {}, what="an object")
+    stream_options = _get(body, "stream_options", dict, {}, what="an object")
+    return Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                   stream=_get(body, "stream", bool, False, what="a boolean"),
+                   profile=_get(options, "profile", bool, False, what="a boolean"),
+                   cache_prompt=_get(body, "cache_prompt", bool, True, what="a boolean"),
+                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"))
+
+
+def _messages(body: dict) -> list:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise RequestError(f"messages[{i}].role {role!r} is not one of {', '.join(sorted(ROLES))}",
+                               "messages")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out

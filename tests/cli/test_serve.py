@@ -1,0 +1,287 @@
+"""pyml-serve as clients use it: the real openai client, raw HTTP, 16 concurrent streams,
+malformed requests, a disconnect mid-stream, and memory over many requests.
+
+The server is a real process on 127.0.0.1, started and stopped by the fixture; the model is a
+tiny random-weight GPT-2 so every request takes milliseconds. Every loop is bounded."""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from pyml.cli.standins import write_gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, proc, port, model_id):
+        self.proc, self.port, self.model_id = proc, port, model_id
+        self.base = f"http://{HOST}:{port}"
+
+    def request(self, method, path, body=None, raw: bytes | None = None, timeout=30):
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+def start_server(model: Path):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
+    env.pop("LOG", None)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(model), "--port", str(port),
+                             "-t", "1", "--alias", "tiny"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    served = Served(proc, port, "tiny")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if served.request("GET", "/health", timeout=2)[0] == 200:
+                return served
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail("pyml-serve did not answer /health within 120 s")
+
+
+def stop_server(served: Served):
+    served.proc.terminate()
+    try:
+        served.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        served.proc.kill()
+        served.proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    served = start_server(write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256))
+    yield served
+    stop_server(served)
+
+
+@pytest.fixture
+def wide_server(tmp_path):
+    """A model wide enough that a decode step takes milliseconds: a 240-token reply outlasts a disconnect."""
+    served = start_server(write_gpt2(tmp_path, "gpt2-tiny", n_positions=256, n_embd=256, n_layer=4))
+    yield served
+    stop_server(served)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+
+# --- the openai client ------------------------------------------------------------------------
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    timings = r.model_extra["timings"]
+    assert timings["predicted_n"] == r.usage.completion_tokens - 1  # the first token comes from the prefill
+    assert timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
+
+
+def test_chat_stream_equals_the_whole_reply(client):
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].model_extra["timings"]["predicted_n"] == whole.model_extra["timings"]["predicted_n"]
+
+
+def test_completions_whole_and_streamed(client):
+    whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True))
+    assert streamed == whole.choices[0].text and whole.usage.completion_tokens == 10
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    full = client.completions.create(model="tiny", prompt="The cat", max_tokens=20, temperature=0).choices[0].text
+    stop = full[6:9]
+    cut = client.completions.create(model="tiny", prompt="The cat", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model="tiny", prompt="The cat", max_tokens=10, temperature=1.0, seed=7,
+                                      extra_body={"min_p": 0.05, "top_k": 40}).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_a_conversation_reuses_its_cached_prefix(client):
+    first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    follow = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+    again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0)
+    assert again.model_extra["timings"]["cache_n"] >= first.usage.prompt_tokens - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == again.model_extra["timings"]["cache_n"]
+    cold = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0,
+                                          extra_body={"cache_prompt": False})
+    assert cold.model_extra["timings"]["cache_n"] == 0
+    assert cold.choices[0].message.content == again.choices[0].message.content
+
+
+def test_a_request_can_ask_for_its_profile(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                       extra_body={"pyml": {"profile": True}})
+    prof = r.model_extra["pyml"]["profile"]
+    assert prof["decode_steps"] == r.model_extra["timings"]["predicted_n"] == 5
+    assert set(prof["split"]) == {"attention", "ffn", "head", "sampling", "other"}
+    assert abs(sum(v["pct"] for v in prof["split"].values()) - 100) < 1
+    assert prof["split"]["attention"]["ms"] > 0 and prof["split"]["ffn"]["ms"] > 0
+    assert prof["top_ops"] and prof["top_ops"][0]["ms"] >= prof["top_ops"][-1]["ms"]
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    assert "pyml" not in (plain.model_extra or {})
+
+
+# --- concurrency ------------------------------------------------------------------------------
+def test_sixteen_concurrent_streams_equal_the_same_requests_one_at_a_time(client):
+    prompts = [f"Story {'#' * i} {i}:" for i in range(16)]
+
+    def run(prompt):
+        # greedy; the penalty over the prompt's tokens makes each prompt lead somewhere else
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           frequency_penalty=2.0)
+        return "".join(c.choices[0].text for c in stream)
+
+    one_at_a_time = [run(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, prompts, timeout=90))
+    assert together == one_at_a_time
+    assert len(set(one_at_a_time)) > 1  # the prompts really lead to different texts
+
+
+def generated_tokens(server) -> float:
+    for line in server.request("GET", "/metrics")[1].decode().splitlines():
+        if line.startswith("pyml_generated_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no pyml_generated_tokens_total")
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_model(wide_server):
+    server = wide_server
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+    before = generated_tokens(server)
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "tiny", "prompt": "Long story", "max_tokens": 240, "temperature": 0, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # the size of the first chunk
+    assert resp.fp.readline().startswith(b"data: ")  # it has started
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    abandoned = generated_tokens(server) - before - 3
+    assert 1 <= abandoned < 200, abandoned  # it stopped soon after the client left, not at 240
+
+
+# --- bad requests -----------------------------------------------------------------------------
+def malformed():
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("raw", b"{not json"), ("raw", b""), ("raw", b"\xff\xfe"), ("raw", b"[1, 2]"), ("raw", b"null")]
+    bad_fields = {"max_tokens": [-1, 0, 10**9, "2", 2.5, True], "messages": [[], "hi", [{}], [{"role": "x", "content": "a"}],
+                  [{"role": "user"}], [{"role": "user", "content": 5}], [{"role": "tool", "content": "a"}], None],
+                  "temperature": [-1, 3, "hot"], "top_p": [0, 1.5], "top_k": [-3, 1.5], "min_p": [2, -0.1],
+                  "stop": [5, [1], ["a"] * 5], "model": ["no-such-model", 12], "seed": ["x", 1.5], "n": [2],
+                  "frequency_penalty": [5], "presence_penalty": [-3], "stream": ["yes"], "pyml": ["x"],
+                  "repetition_penalty": [0, -1]}
+    for name, values in bad_fields.items():
+        for v in values:
+            cases.append(("chat", {**good, name: v}))
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for v in (None, 5, "", ["a", "b"], {"x": 1}):
+        cases.append(("completion", {**completion, "prompt": v}))
+    cases.append(("completion", {**completion, "prompt": "word " * 400}))  # longer than the context
+    while len(cases) < 100:  # the same kinds again, with other values
+        i = len(cases)
+        cases.append(("chat", {**good, "max_tokens": -i}))
+        cases.append(("completion", {**completion, "temperature": 10 + i}))
+    return cases[:100]
+
+
+def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(server, client):
+    cases = malformed()
+    assert len(cases) == 100
+    for kind, body in cases:
+        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        status, data = (server.request("POST", path, raw=body) if kind == "raw" else
+                        server.request("POST", path, body))
+        assert 400 <= status < 500, (body, status, data)
+        err = json.loads(data)["error"]
+        assert err["message"] and err["type"], (body, data)
+    status, data = server.request("POST", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 2})
+    assert status == 400 and "context size of 256" in json.loads(data)["error"]["message"]
+    assert server.request("GET", "/no/such/path")[0] == 404
+    assert server.request("GET", "/v1/chat/completions")[0] == 405
+    assert client.completions.create(model="tiny", prompt="still here", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_openai_client_sees_bad_requests_as_its_own_errors(client):
+    with pytest.raises(openai.BadRequestError, match="context size of 256"):
+        client.completions.create(model="tiny", prompt="word " * 400, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+
+
+# --- health, metrics, memory ------------------------------------------------------------------
+def test_health_and_metrics(server, client):
+    status, data = server.request("GET", "/health")
+    assert status == 200 and json.loads(data)["status"] == "ok"
+    client.completions.create(model="tiny", prompt="count me", max_tokens=4)
+    text = server.request("GET", "/metrics")[1].decode()
+    for name in ("pyml_requests_total", "pyml_generated_tokens_total", "pyml_queue_length",
+                 "pyml_request_seconds_bucket", "pyml_time_to_first_token_seconds_bucket",
+                 "pyml_decode_tokens_per_second"):
+        assert name in text, name
+
+
+def test_memory_stays_flat_over_500_requests(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    deadline = time.monotonic() + 90
+    for i in range(500):
+        if i == 50:
+            after_50 = server.rss_kb()
+        assert server.request("POST", "/v1/chat/completions", {**body, "seed": i})[0] == 200
+        assert time.monotonic() < deadline, f"500 requests took over 90 s (at {i})"
+    after_500 = server.rss_kb()
+    assert after_500 <= after_50 * 1.05, (after_50, after_500)
