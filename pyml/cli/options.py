@@ -18,12 +18,13 @@ DEFAULT_PROMPT = "The capital of France is"
 def add_model_options(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("-m", "--model", metavar="MODEL",
-                     help=f"a GGUF file, a known name ({DEFAULT_MODEL}, gemma3-270m), a Hugging Face hub id "
-                          f"(gpt2) or a model directory; the format is guessed (default {DEFAULT_MODEL})")
+                     help=f"a GGUF file, a known name ({DEFAULT_MODEL}, gemma3-270m, qwen2.5-0.5b, ...), "
+                          f"hf:ORG/REPO[:QUANT], a Hugging Face hub id (gpt2) or a model directory; the format "
+                          f"is guessed (default {DEFAULT_MODEL})")
     src.add_argument("--safetensors", metavar="NAME_OR_DIR",
                      help="Hugging Face model directory, or hub id (gpt2 = openai-community/gpt2)")
     src.add_argument("--gguf", metavar="PATH_OR_NAME",
-                     help="GGUF file, or a known name (smollm2-135m, gemma3-270m)")
+                     help="GGUF file (split: its first shard), hf:ORG/REPO[:QUANT], or a known name")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
 
 

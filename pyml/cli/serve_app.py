@@ -29,7 +29,7 @@ from starlette.routing import Route
 from pyml.cli.request_profile import profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError, parse
 from pyml.core.errors import PymlError
-from pyml.nlp.api import LanguageModel, StreamEvent
+from pyml.nlp.api import LanguageModel
 from pyml.nlp.generator import GenerationResult
 
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length", "cancelled": "stop"}

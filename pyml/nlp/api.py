@@ -20,8 +20,8 @@ from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStr
 from pyml.nlp.loaders import hub
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
-from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, Gemma3Config, GPT2Config, LlamaConfig
-from pyml.nlp.models.base import DecoderModel
+from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
+from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
@@ -29,7 +29,7 @@ from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nlp.load")
 DEFAULT_MODEL = "smollm2-135m"
-ModelConfig = GPT2Config | LlamaConfig | Gemma3Config  # what `LanguageModel.config` may be
+ModelConfig = GPT2Config | DecoderConfig  # what `LanguageModel.config` may be (the families derive from it)
 HEAD_TYPES = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}  # --lm-head-quant
 
 
@@ -234,6 +234,8 @@ def guess_format(source: str) -> str:
     a Hugging Face alias (gpt2) or an owner/name id that is no file means safetensors; a file, a
     known GGUF name or anything else, GGUF (whose error then lists the known names)."""
     path = Path(source).expanduser()
+    if str(source).startswith("hf:"):  # a GGUF in a hub repo (hub.resolve_gguf)
+        return "gguf"
     if path.is_dir() or str(source).lower() in hub.HF_ALIASES:
         return "safetensors"
     repo_like = "/" in str(source) and not str(source).startswith((".", "/", "~"))
@@ -245,7 +247,8 @@ def guess_format(source: str) -> str:
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
                threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None
                ) -> LanguageModel:
-    """Load a model: `safetensors=` a directory or hub id, `gguf=` a file or short name.
+    """Load a model: `safetensors=` a directory or hub id, `gguf=` a file (a split model: its first
+    shard), a short name or `hf:ORG/REPO[:QUANT]` (docs/hub.md).
 
     `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     """

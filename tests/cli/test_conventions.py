@@ -98,6 +98,7 @@ def test_model_format_is_guessed(tiny, tmp_path):
     assert guess_format("HuggingFaceTB/SmolLM2-135M") == "safetensors"
     assert guess_format("smollm2-135m") == "gguf"
     assert guess_format(str(tmp_path / "m.gguf")) == "gguf"
+    assert guess_format("hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M") == "gguf"  # a hub GGUF, not a hub id
 
 
 def test_a_foreign_log_value_is_ignored_with_one_warning(tiny):
