@@ -9,9 +9,18 @@ that tells you where the time goes.
         ...
 """
 
+import importlib
+
 from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
-from pyml.report.profile import Profile, profile
 
 __all__ = ["load_model", "LanguageModel", "profile", "Profile", "PymlError", "__version__"]
+
+
+def __getattr__(name):
+    # pyml.profile / pyml.Profile on first use: the report package costs ~30 ms of a ~0.65 s
+    # `import pyml`, and generating text never needs it.
+    if name in ("profile", "Profile"):
+        return getattr(importlib.import_module("pyml.report.capture"), name)
+    raise AttributeError(f"module 'pyml' has no attribute {name!r}")

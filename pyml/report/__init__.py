@@ -1,11 +1,11 @@
 """Reports from perf records: where the time of a run went.
 
     import pyml
-    with pyml.profile("prof/") as prof: ...       # capture (profile.py): events.jsonl, run.json
+    with pyml.profile("prof/") as prof: ...       # capture.py: events.jsonl, run.json
     from pyml.report import write_reports
     write_reports("prof/")            # a pyml.profile directory, an events.jsonl, or a LOG=trace log
 
-profile   - the capture: a collector writing every perf record of a run, and run.json
+capture   - pyml.profile: a collector writing every perf record of a run, and run.json
 timing    - what the timing itself costs (stated in every report); machine - what a run ran on
 records   - loading events.jsonl / parsing saved logs into one list of records (old_logs: the
             lines of logs written before the context tail existed)
@@ -18,7 +18,7 @@ writer    - write_reports: all of the above for one run
 The package imports only pyml.core, and reaches a model only through its public API.
 """
 
-from pyml.report.profile import Profile, profile
+from pyml.report.capture import Profile, profile
 from pyml.report.records import ReportInputError, Run, load_run
 from pyml.report.writer import FORMATS, write_reports
 

@@ -9,7 +9,7 @@ import pytest
 
 import pyml
 from pyml.core import perf
-from pyml.report.profile import profile
+from pyml.report.capture import profile
 from pyml.report.timing import measure_timing_overhead
 from pyml.report import aggregate
 from pyml.report import load_run, write_reports
