@@ -33,7 +33,7 @@ def model_options(args: argparse.Namespace) -> dict:
     return dict(source=args.model, gguf=args.gguf, safetensors=args.safetensors, threads=args.threads)
 
 
-def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, ctx_size: int | None = None) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
                    help=f"tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
@@ -45,6 +45,14 @@ def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the reply at TEXT (not printed); may be given several times")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message (uses the chat template)")
+    p.add_argument("-c", "--ctx-size", type=int, default=ctx_size, metavar="N",
+                   help="positions of the KV cache (default: " + (str(ctx_size) if ctx_size else
+                        "the prompt + --max-tokens") + ", within the model's window)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the cache is full, drop the oldest half of the history (after --keep tokens) "
+                        "and go on, instead of stopping")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="tokens at the start of the cache a context shift never drops (default 0)")
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -52,7 +60,8 @@ def sampling_options(args: argparse.Namespace) -> dict:
     if args.max_tokens < 0:
         raise PymlError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:

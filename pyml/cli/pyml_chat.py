@@ -24,8 +24,7 @@ HELP = "commands: /reset forgets the conversation, /stats shows the last reply's
 def build_parser() -> Parser:
     p = Parser(prog="pyml-chat", description="Chat with a model in the terminal. " + HELP)
     add_model_options(p)
-    add_sampling_options(p, max_tokens=512)
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="conversation length in tokens (default 4096)")
+    add_sampling_options(p, max_tokens=512, ctx_size=4096)
     p.add_argument("--verbose", action="store_true", help="add the attention/FFN/head split to each timing line")
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level (or env PYML_LOG / LOG)")
     p.add_argument("--version", action="version", version=f"pyml {__version__}")

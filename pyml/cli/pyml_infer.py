@@ -71,7 +71,9 @@ def _generate(args, prompt: str, options: dict, prof) -> int:
     out.write("\n")
     out.flush()
     if result.stop_reason == "context":
-        say(f"pyml-infer: stopped at the context window ({lm.model.max_positions} tokens)")
+        size = args.ctx_size or lm.model.max_positions
+        say(f"pyml-infer: stopped at the context size ({min(size, lm.model.max_positions)} tokens; "
+            f"--context-shift goes on past it)")
     say(f"[{result.summary()} | load {lm.load_s * 1e3:.0f} ms | threads {lm.runtime.threads}"
         f"{' | interrupted' if interrupted else ''}]")
     return 130 if interrupted else 0
@@ -81,8 +83,8 @@ def result_object(result: GenerationResult, lm: LanguageModel) -> dict:
     """--json: what was generated and how long it took, in one object."""
     return {"model": lm.source, "text": result.text, "tokens": result.tokens,
             "prompt_tokens": len(result.prompt_tokens), "generated_tokens": len(result.tokens),
-            "stop_reason": result.stop_reason, "timings": result.timings(), "load_ms": lm.load_s * 1e3,
-            "threads": lm.runtime.threads}
+            "stop_reason": result.stop_reason, "context_shifts": result.context_shifts,
+            "timings": result.timings(), "load_ms": lm.load_s * 1e3, "threads": lm.runtime.threads}
 
 
 def _profile(directory):

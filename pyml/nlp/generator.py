@@ -30,6 +30,7 @@ class GenerationResult:
     decode_s: list = field(default_factory=list)    # seconds per decode step
     stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
+    context_shifts: int = 0                         # times the full cache dropped half its history
 
     @property
     def prefilled_tokens(self) -> int:
@@ -141,11 +142,16 @@ class Generator:
 
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
-               result: GenerationResult | None = None) -> Iterator[int]:
+               result: GenerationResult | None = None, ctx_size: int | None = None,
+               context_shift: bool = False, n_keep: int = 0) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
-        Stops at a stop id, at max_new_tokens, or when the cache is full. The prompt is checked
-        here, before the first token is asked for. Closing the iterator ends the generation.
+        Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
+        With `context_shift`, a full cache instead keeps its first `n_keep` tokens and drops the
+        oldest half of the rest, as llama.cpp's context shift does. `ctx_size`: the positions of
+        the cache made when none is given (default: prompt + max_new_tokens, within the model's
+        window). The prompt is checked here, before the first token is asked for. Closing the
+        iterator ends the generation.
         """
         prompt_ids = [int(t) for t in prompt_ids]
         if max_new_tokens < 0:
@@ -156,32 +162,42 @@ class Generator:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise PymlError(f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens")
-        window = cache.max_len if cache is not None else self.model.max_positions
+        if ctx_size is not None and ctx_size < 1:
+            raise PymlError(f"--ctx-size must be >= 1, got {ctx_size}")
+        if n_keep < 0:
+            raise PymlError(f"--keep must be >= 0, got {n_keep}")
+        if cache is not None:
+            window, what = cache.max_len, "the context size"
+        elif ctx_size is not None:
+            window, what = min(ctx_size, self.model.max_positions), "the context size"
+        else:
+            window, what = self.model.max_positions, "the model's context window"
         if len(prompt_ids) > window:
-            what = "the model's context window" if cache is None else "the context size"
             raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {window}")
         if cache is None:
-            cache = self.model.new_cache(len(prompt_ids) + max_new_tokens)
+            cache = self.model.new_cache(ctx_size if ctx_size is not None else len(prompt_ids) + max_new_tokens)
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         res = result if result is not None else GenerationResult(prompt_ids)
         res.prompt_tokens = prompt_ids
         res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res)
+        shift = n_keep if context_shift else None
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
         if max_new_tokens == 0:
             res.stop_reason = "max_tokens"
             return
-        history = list(prompt_ids)
-        start = done = res.cached_tokens  # done: the positions whose keys and values are written
+        history = list(prompt_ids)  # every token so far: what the sampler's penalties see
+        start = res.cached_tokens
+        cached = list(prompt_ids[:start])  # the tokens whose keys and values the cache holds, in order
         try:
             t0 = perf.clock()
             with perf.context(phase="prefill", step=0), \
                     _perf.debug("generator::prefill", "tokens={}", len(prompt_ids) - start, op="generator") as span:
                 logits = self.model.forward(prompt_ids[start:], kv, pos=start)
-                done = len(prompt_ids)
+                cached = list(prompt_ids)
                 with span.part("sample"):
                     token = sampler(logits, history)
             res.prefill_s = perf.clock() - t0
@@ -196,17 +212,20 @@ class Generator:
                 if len(res.tokens) >= max_new_tokens:
                     res.stop_reason = "max_tokens"
                     break
-                pos = len(history) - 1
-                if pos >= kv.max_len:
-                    res.stop_reason = "context"
-                    break
                 step += 1
                 t0 = perf.clock()
+                if len(cached) >= kv.max_len:
+                    if n_keep is None or len(cached) - min(n_keep, len(cached)) < 2:
+                        res.stop_reason = "context"
+                        break
+                    cached = self._shift_context(kv, cached, n_keep, step)
+                    res.context_shifts += 1
+                pos = len(cached)
                 with perf.context(phase="decode", step=step), \
                         _perf.debug("generator::decode_step", "token={}", pos, op="generator") as span:
                     with span.part("model"):
                         logits = self.model.forward([token], kv, pos=pos)
-                        done = pos + 1
+                        cached.append(token)
                     with span.part("sample"):
                         token = sampler(logits, history)
                 res.decode_s.append(perf.clock() - t0)
@@ -216,4 +235,21 @@ class Generator:
             raise
         finally:
             if prompt_cache is not None:
-                prompt_cache.tokens = history[:done]
+                prompt_cache.tokens = cached
+
+    def _shift_context(self, kv, cached: list, n_keep: int, step: int) -> list:
+        """Keep the first n_keep tokens and the newer half of the rest; return the tokens now cached.
+
+        llama.cpp rotates the kept keys to their new positions in place; here the kept tokens are
+        run again (one prefill of about half the cache), which is exact for every architecture and
+        cache type (GPT-2's learned positions, ring buffers, quantized caches) at the price of that
+        prefill, paid once per max_len/2 generated tokens.
+        """
+        n_keep = min(n_keep, len(cached))
+        n_discard = (len(cached) - n_keep) // 2
+        kept = cached[:n_keep] + cached[n_keep + n_discard:]
+        with perf.context(phase="decode", step=step), \
+                _perf.debug("generator::context_shift", "kept={} dropped={}", len(kept), n_discard, op="generator"):
+            kv.length = 0
+            self.model.forward(kept, kv, pos=0)
+        return kept

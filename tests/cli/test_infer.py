@@ -83,7 +83,17 @@ def test_generation_stops_at_the_context_window(tiny):
     assert proc.returncode == 0, proc.stderr
     # positions 0..31 are fed; the token predicted at position 31 is the last one
     assert "generated 3 tokens" in proc.stderr
-    assert "stopped at the context window (32 tokens)" in proc.stderr
+    assert "stopped at the context size (32 tokens" in proc.stderr
+
+
+def test_context_shift_goes_on_past_a_full_cache(tiny):
+    proc = run_cli("--safetensors", str(tiny), "-p", "x" * 6, "-n", "20", "-c", "12", "--context-shift",
+                   "--keep", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    # 6 prompt tokens; a full 12-position cache keeps 2 + 5 of its 12 each time: 3 shifts in 19 fed tokens
+    assert out["generated_tokens"] == 20 and out["stop_reason"] == "max_tokens" and out["context_shifts"] == 3
+    one_line_error(run_cli("--safetensors", str(tiny), "-c", "0"), "--ctx-size must be >= 1")
 
 
 @pytest.mark.parametrize("flag,value,needle", [("--max-tokens", "-1", "--max-tokens must be >= 0"),
