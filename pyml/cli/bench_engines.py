@@ -1,8 +1,11 @@
 """The engines pyml-bench runs side by side: pyml, and its peers on the same file and threads.
 
-Each engine loads a model once, then `pp(tokens)` times one forward pass over a prompt and
-`tg(first, n)` n single-token decode steps (as llama-bench: a token per step, no sampling),
-both in seconds. The peers' packages are bench extras, imported only when asked for.
+Each engine loads a model once. `set_context(tokens, room)` fills a cache with a context of
+`depth` tokens (untimed; in 512-token batches, as llama.cpp's default micro-batch) and leaves
+`room` positions after it; then `pp(tokens)` times one forward pass over a prompt and
+`tg(first, n)` n single-token decode steps (as llama-bench: a token per step, no sampling), both
+in seconds, each starting again right after the context (the cache is rewound, not refilled).
+The peers' packages are bench extras, imported only when asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pyml.cli.bench_models import BenchModel
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 
+UBATCH = 512  # tokens per forward pass while filling a context (llama.cpp's default micro-batch)
+
 
 class PymlEngine:
     name = "pyml"
@@ -23,19 +28,26 @@ class PymlEngine:
     def __init__(self, model: BenchModel, path: Path, threads: int):
         self.lm = load_model(threads=threads, warmup=True, **{model.kind: str(path)})
         self.vocab = self.lm.model.lm_head.out_features
+        self.set_context([], 2048)
+
+    def set_context(self, tokens, room: int):
+        self.cache, self.depth = self.lm.new_cache(len(tokens) + room), len(tokens)
+        for i in range(0, len(tokens), UBATCH):
+            self.lm.model.forward(tokens[i:i + UBATCH], self.cache)
 
     def pp(self, tokens) -> float:
-        cache = self.lm.new_cache(len(tokens))
+        self.cache.length = self.depth
         t0 = time.perf_counter()
-        self.lm.model.forward(tokens, cache)
+        self.lm.model.forward(tokens, self.cache)
         return time.perf_counter() - t0
 
     def tg(self, first: int, n: int) -> float:
-        cache, forward = self.lm.new_cache(n + 1), self.lm.model.forward
-        token = int(np.argmax(forward([first], cache)))
+        self.cache.length = self.depth
+        forward = self.lm.model.forward
+        token = int(np.argmax(forward([first], self.cache)))
         t0 = time.perf_counter()
         for _ in range(n):
-            token = int(np.argmax(forward([token], cache)))
+            token = int(np.argmax(forward([token], self.cache)))
         return time.perf_counter() - t0
 
     def close(self):
@@ -43,24 +55,39 @@ class PymlEngine:
 
 
 class LlamaCppEngine:
+    """llama.cpp through llama-cpp-python, its defaults (f16 KV cache, batch 512); `flash_attn` as
+    llama-bench's -fa 1 (the faster setting at depth on CPU, so it is measured too)."""
     name = "llama.cpp"
+    flash_attn = False
 
     def __init__(self, model: BenchModel, path: Path, threads: int):
         if model.kind != "gguf":
             raise PymlError("llama.cpp runs GGUF files only")
-        from llama_cpp import Llama  # a bench extra, imported only when it is a peer
-        self.llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
-                         verbose=False)
+        self.path, self.threads = path, threads
+        self.llm, self.n_ctx = None, 0
+        self.set_context([], 2048)
         self.vocab = self.llm.n_vocab()
 
-    def pp(self, tokens) -> float:
+    def set_context(self, tokens, room: int):
+        n_ctx = len(tokens) + room
+        if n_ctx > self.n_ctx:  # the context size is fixed when llama.cpp makes its context
+            from llama_cpp import Llama  # a bench extra, imported only when it is a peer
+            self.close()
+            self.llm = Llama(str(self.path), n_threads=self.threads, n_threads_batch=self.threads, n_ctx=n_ctx,
+                             n_batch=2048, n_ubatch=UBATCH, flash_attn=self.flash_attn, verbose=False)
+            self.n_ctx = n_ctx
         self.llm.reset()
+        self.llm.eval(list(tokens))
+        self.depth = len(tokens)
+
+    def pp(self, tokens) -> float:
+        self.llm.n_tokens = self.depth  # eval drops the cache after n_tokens first
         t0 = time.perf_counter()
         self.llm.eval(list(tokens))
         return time.perf_counter() - t0
 
     def tg(self, first: int, n: int) -> float:
-        self.llm.reset()
+        self.llm.n_tokens = self.depth
         self.llm.eval([first])
         t0 = time.perf_counter()
         for _ in range(n):
@@ -68,8 +95,14 @@ class LlamaCppEngine:
         return time.perf_counter() - t0
 
     def close(self):
-        self.llm.close() if hasattr(self.llm, "close") else None
+        if self.llm is not None and hasattr(self.llm, "close"):
+            self.llm.close()
         self.llm = None
+
+
+class LlamaCppFlashEngine(LlamaCppEngine):
+    name = "llama.cpp-fa"
+    flash_attn = True
 
 
 class TransformersEngine:
@@ -87,18 +120,30 @@ class TransformersEngine:
             self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         self.model.eval()
         self.vocab = self.model.config.get_text_config().vocab_size
+        self.context = []
+
+    def set_context(self, tokens, room: int):
+        self.context = list(tokens)
+
+    def _past(self):  # transformers' caches grow in place: a fresh one for every timed run
+        if not self.context:
+            return None
+        with self.torch.inference_mode():
+            return self.model(self.torch.tensor([self.context]), use_cache=True).past_key_values
 
     def pp(self, tokens) -> float:
+        past = self._past()
         with self.torch.inference_mode():
             ids = self.torch.tensor([list(tokens)])
             t0 = time.perf_counter()
-            self.model(ids)
+            self.model(ids, past_key_values=past, use_cache=past is not None)
             return time.perf_counter() - t0
 
     def tg(self, first: int, n: int) -> float:
         torch = self.torch
+        past = self._past()
         with torch.inference_mode():
-            out = self.model(torch.tensor([[first]]), use_cache=True)
+            out = self.model(torch.tensor([[first]]), past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(n):
@@ -110,4 +155,5 @@ class TransformersEngine:
         self.model = None
 
 
-ENGINES = {"pyml": PymlEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
+ENGINES = {"pyml": PymlEngine, "llama.cpp": LlamaCppEngine, "llama.cpp-fa": LlamaCppFlashEngine,
+           "transformers": TransformersEngine}

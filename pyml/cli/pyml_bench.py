@@ -2,10 +2,12 @@
 
 In the style of llama-bench: for each model x thread count it measures `pp128` (a
 128-token prompt in one forward pass) and `tg128` (128 single-token decode steps) as
-tokens/s over n repetitions after a warm-up, with the same model file and thread count
-for every engine, in one process run. It also measures the machine's read bandwidth
-and reports each engine's decode as a share of the limit it sets:
-    limit tok/s = bandwidth / bytes of weights read per token.
+tokens/s (median of n repetitions after a warm-up), with the same model file, thread count
+and token ids for every engine, in one process run. `-p`, `-n` and `-d` take lists: `-d 4096`
+runs each test on top of a 4096-token context already in the cache (`tg128@d4096`). It also
+measures the machine's read bandwidth and reports each engine's decode as a share of the limit
+it sets:
+    limit tok/s = bandwidth / (bytes of weights + bytes of cached keys and values read per token).
 """
 
 from __future__ import annotations
@@ -79,6 +81,28 @@ def weight_bytes_per_token(lm) -> int:
     return total
 
 
+def kv_bytes_per_position(lm) -> list:
+    """Bytes of keys and values one cached position holds, per layer, and the positions each layer
+    keeps (its sliding window, or None): a decode step at depth d reads min(d, window) of them."""
+    cache = lm.new_cache(1)
+    per_value = cache.nbytes / (2 * len(lm.model.blocks) * cache.n_kv_heads * cache.head_dim * cache.max_len)
+    return [(2 * cache.n_kv_heads * cache.head_dim * per_value, block.attn.window) for block in lm.model.blocks]
+
+
+def bytes_read_per_token(weights: int, kv_layers: list, depth: int) -> float:
+    return weights + sum(b * (depth if window is None else min(depth, window)) for b, window in kv_layers)
+
+
+def add_limit(row, test, info, model_bytes):
+    """tg rows: tok/s as a share of the bandwidth limit, the weights and the cached context read once
+    per token (at the test's depth plus half its steps)."""
+    if test.kind != "tg" or model_bytes is None:
+        return
+    weights, kv_layers = model_bytes
+    limit = info["bandwidth_gbs"] * 1e9 / bytes_read_per_token(weights, kv_layers, test.depth + test.n // 2)
+    row.pct_limit = 100 * row.tok_s / limit
+
+
 @dataclass
 class Row:
     model: str
@@ -95,14 +119,35 @@ class Row:
     pct_limit: float | None = None                # tg: share of the bandwidth limit
 
 
-def bench_engine(engine, test: str, reps: int, n_prompt: int, n_gen: int, rng) -> list:
+@dataclass(frozen=True)
+class Test:
+    """One llama-bench test: `pp` (a prompt of n tokens in one pass) or `tg` (n decode steps), on top
+    of a context of `depth` tokens already in the cache."""
+    kind: str
+    n: int
+    depth: int = 0
+
+    def label(self, with_depth: bool) -> str:
+        return f"{self.kind}{self.n}" + (f"@d{self.depth}" if with_depth else "")
+
+
+def plan(kinds, n_prompts, n_gens, depths) -> list:
+    """The tests in table order: by depth, prompts before generation, as llama-bench lists them."""
+    return [Test(kind, n, d) for d in depths for kind in ("pp", "tg") if kind in kinds
+            for n in (n_prompts if kind == "pp" else n_gens)]
+
+
+def random_tokens(rng, vocab: int, n: int) -> list:
+    return rng.integers(0, min(vocab, 32000), n).tolist()
+
+
+def bench_engine(engine, test: Test, reps: int, rng) -> list:
     rates = []
     for _ in range(reps):
-        if test.startswith("pp"):
-            tokens = rng.integers(0, min(engine.vocab, 32000), n_prompt).tolist()
-            rates.append(n_prompt / engine.pp(tokens))
+        if test.kind == "pp":
+            rates.append(test.n / engine.pp(random_tokens(rng, engine.vocab, test.n)))
         else:
-            rates.append(n_gen / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), n_gen))
+            rates.append(test.n / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), test.n))
     return rates
 
 
@@ -112,7 +157,7 @@ def model_size(path: Path) -> int:
     return path.stat().st_size
 
 
-def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True) -> tuple[list, dict]:
+def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[list, dict]:
     rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
     with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
         numba.set_num_threads(max(threads_list))
@@ -131,21 +176,23 @@ def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True
             print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         if engine_name == "pyml":
-            bytes_per_token[name] = weight_bytes_per_token(engine.lm)
+            bytes_per_token[name] = (weight_bytes_per_token(engine.lm), kv_bytes_per_position(engine.lm))
             params = sum(lin.in_features * lin.out_features for lin in engine.lm.model.linears()[:-1])
             info.setdefault("params_m", {})[name] = params / 1e6
         rng = np.random.default_rng(0)
-        bench_engine(engine, "tg", 1, n_prompt, 8, rng)  # warm: first calls, caches, threads
-        for test in tests:
-            rates = bench_engine(engine, test, reps, n_prompt, n_gen, rng)
-            label = f"pp{n_prompt}" if test == "pp" else f"tg{n_gen}"
-            row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
-                      engine_name, threads, label, statistics.mean(rates),
-                      statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
-            if test == "tg" and name in bytes_per_token:
-                limit = info["bandwidth_gbs"] * 1e9 / bytes_per_token[name]
-                row.pct_limit = 100 * row.tok_s / limit
-            rows.append(row)
+        room = max(t.n + (t.kind == "tg") for t in tests)
+        with_depth = any(t.depth for t in tests)
+        bench_engine(engine, Test("tg", 8), 1, rng)  # warm: first calls, caches, threads
+        for depth in sorted({t.depth for t in tests}):
+            # the same context for every engine: the rng is seeded per depth, not per engine
+            engine.set_context(random_tokens(np.random.default_rng(depth), engine.vocab, depth), room)
+            for test in (t for t in tests if t.depth == depth):
+                rates = bench_engine(engine, test, reps, rng)
+                row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
+                          engine_name, threads, test.label(with_depth), statistics.median(rates),
+                          statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
+                add_limit(row, test, info, bytes_per_token.get(name))
+                rows.append(row)
         engine.close()
         del engine
         gc.collect()
@@ -155,7 +202,8 @@ def run(models, threads_list, reps, peers, tests, n_prompt, n_gen, progress=True
                 if peer.backend != "pyml" and (peer.model, peer.threads, peer.test) == (row.model, row.threads,
                                                                                           row.test):
                     row.ratio[peer.backend] = row.tok_s / peer.tok_s
-    info["bytes_per_token"] = bytes_per_token
+    info["bytes_per_token"] = {name: weights for name, (weights, _) in bytes_per_token.items()}
+    info["kv_bytes_per_position"] = {name: sum(b for b, _ in kv) for name, (_, kv) in bytes_per_token.items()}
     return rows, info
 
 
@@ -192,7 +240,9 @@ def markdown(rows, info, peers) -> str:
     lines.append(f"Read bandwidth (all threads): {info['bandwidth_gbs']:.1f} GB/s. Bandwidth limit of decode, "
                  "tok/s = bandwidth / bytes of weights per token:")
     for name, b in info["bytes_per_token"].items():
-        lines.append(f"- {name}: {b / 2**20:.0f} MiB per token -> {info['bandwidth_gbs'] * 1e9 / b:.1f} tok/s")
+        kv = info.get("kv_bytes_per_position", {}).get(name)
+        lines.append(f"- {name}: {b / 2**20:.0f} MiB of weights per token -> {info['bandwidth_gbs'] * 1e9 / b:.1f} "
+                     f"tok/s at depth 0" + (f"; + {kv / 1024:.0f} KiB per cached position" if kv else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -257,9 +307,10 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def memory_probe(name: str, threads: int, n_prompt: int, n_gen: int) -> dict:
+def memory_probe(name: str, threads: int, n_prompt: int, n_gen: int, depth: int = 0) -> dict:
     """In this (fresh) process: RSS with pyml imported and its kernels loaded, then the peak RSS of
-    loading the model and running pp + tg on it. The difference is what the model costs."""
+    loading the model, a prompt of `depth` tokens in one pass (what a long prompt costs), pp and tg
+    on top of it. The difference is what the model costs."""
     RuntimeConfig(threads).apply()
     ops.warmup()
     quant.warmup()
@@ -273,29 +324,32 @@ def memory_probe(name: str, threads: int, n_prompt: int, n_gen: int) -> dict:
     model = MODELS[name]
     path = model.locate()
     lm = load_model(threads=threads, **{model.kind: str(path)})
-    cache = lm.new_cache(n_prompt + n_gen)
-    token = int(np.argmax(lm.model.forward(list(range(1, n_prompt + 1)), cache)))
+    cache = lm.new_cache(depth + n_prompt + n_gen)
+    tokens = np.random.default_rng(0).integers(1, min(lm.config.vocab_size, 32000), depth + n_prompt).tolist()
+    if depth:
+        lm.model.forward(tokens[:depth], cache)
+    token = int(np.argmax(lm.model.forward(tokens[depth:], cache)))
     for _ in range(n_gen):
         token = int(np.argmax(lm.model.forward([token], cache)))
-    return {"model": name, "file": model_size(path), "kv_cache": cache.nbytes,
+    return {"model": name, "depth": depth, "file": model_size(path), "kv_cache": cache.nbytes,
             "base": base * 1024, "peak": _status_kib("VmHWM") * 1024}
 
 
-def memory(model_names, threads: int, n_prompt: int, n_gen: int) -> str:
-    """Peak resident memory of each model, each in its own process, against file + KV cache."""
-    lines = ["| model | file (MiB) | KV cache (MiB) | peak RSS over pyml's own (MiB) | / (file + KV cache) |",
-             "|---|---|---|---|---|"]
-    for name in model_names:
+def memory(model_names, threads: int, n_prompt: int, n_gen: int, depths=(0,)) -> str:
+    """Peak resident memory of each model at each depth, each in its own process, against file + KV cache."""
+    lines = ["| model | depth | file (MiB) | KV cache (MiB) | peak RSS over pyml's own (MiB) | / (file + KV cache) "
+             "| over file + KV cache (MiB) |", "|---|---|---|---|---|---|---|"]
+    for name, depth in ((name, depth) for name in model_names for depth in depths):
         MODELS[name].locate()  # build a stand-in here, not inside the measured process
         cmd = [sys.executable, "-m", "pyml.cli.pyml_bench", "--memory-probe", name, "--threads", str(threads),
-               "--n-prompt", str(n_prompt), "--n-gen", str(n_gen)]
+               "--n-prompt", str(n_prompt), "--n-gen", str(n_gen), "--depth", str(depth)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise PymlError(f"memory probe of {name} failed: {done.stderr.strip().splitlines()[-1:]}")
         m = json.loads(done.stdout.strip().splitlines()[-1])
-        model_part = m["peak"] - m["base"]
-        lines.append(f"| {name} | {m['file'] / 2**20:.0f} | {m['kv_cache'] / 2**20:.1f} | "
-                     f"{model_part / 2**20:.0f} | {model_part / (m['file'] + m['kv_cache']):.2f}x |")
+        model_part, held = m["peak"] - m["base"], m["file"] + m["kv_cache"]
+        lines.append(f"| {name} | {depth} | {m['file'] / 2**20:.0f} | {m['kv_cache'] / 2**20:.1f} | "
+                     f"{model_part / 2**20:.0f} | {model_part / held:.2f}x | {(model_part - held) / 2**20:+.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -306,9 +360,11 @@ def build_parser() -> Parser:
     p.add_argument("-t", "--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
-    p.add_argument("--n-prompt", type=int, default=128)
-    p.add_argument("--n-gen", type=int, default=128)
-    p.add_argument("--peers", default="", help="comma-separated: llama.cpp,transformers")
+    p.add_argument("-p", "--n-prompt", default="128", help="prompt lengths, comma-separated (pp tests)")
+    p.add_argument("-n", "--n-gen", default="128", help="generated tokens, comma-separated (tg tests)")
+    p.add_argument("-d", "--depth", default="0",
+                   help="context already in the cache before each test, comma-separated (pp512@d4096)")
+    p.add_argument("--peers", default="", help="comma-separated: " + ", ".join(e for e in ENGINES if e != "pyml"))
     p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
     p.add_argument("--log-cost", action="store_true",
                    help="instead of pp/tg: decode ms/step with LOG off, debug and trace, interleaved")
@@ -323,8 +379,8 @@ def build_parser() -> Parser:
 
 def run_bench(args) -> int:
     if args.memory_probe:
-        print(json.dumps(memory_probe(args.memory_probe, int(args.threads.split(",")[0]), args.n_prompt,
-                                      args.n_gen)))
+        print(json.dumps(memory_probe(args.memory_probe, int(args.threads.split(",")[0]), int(args.n_prompt),
+                                      int(args.n_gen), int(args.depth))))
         return 0
     perf.configure(args.log)
     models = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
@@ -334,29 +390,39 @@ def run_bench(args) -> int:
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
     bad = [x for x in peers if x not in ENGINES or x == "pyml"]
     if bad:
-        raise PymlError(f"unknown peer(s) {', '.join(bad)}: choose from llama.cpp, transformers")
-    try:
-        threads = [int(t) for t in args.threads.split(",")]
-    except ValueError:
-        raise PymlError(f"--threads takes comma-separated integers, got {args.threads!r}") from None
-    tests = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
-    if args.reps < 1 or not tests or min(threads) < 1:
-        raise PymlError("--reps and --threads must be >= 1 and --tests one of pp, tg")
+        raise PymlError(f"unknown peer(s) {', '.join(bad)}: choose from "
+                        + ", ".join(e for e in ENGINES if e != "pyml"))
+    threads = _int_list(args.threads, "--threads", 1)
+    n_prompts, n_gens = _int_list(args.n_prompt, "--n-prompt", 1), _int_list(args.n_gen, "--n-gen", 1)
+    depths = _int_list(args.depth, "--depth", 0)
+    kinds = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
+    if args.reps < 1 or not kinds:
+        raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.log_cost or args.memory:
         if args.log_cost:
             table, name = "".join(log_cost(models, t) for t in threads), "log-cost.md"
         else:
-            table, name = "".join(memory(models, t, args.n_prompt, args.n_gen) for t in threads), "memory.md"
+            table, name = "".join(memory(models, t, n_prompts[0], n_gens[0], depths) for t in threads), "memory.md"
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(table)
         sys.stdout.write(table)
         return 0
-    rows, info = run(models, threads, args.reps, peers, tests, args.n_prompt, args.n_gen,
+    rows, info = run(models, threads, args.reps, peers, plan(kinds, n_prompts, n_gens, depths),
                      progress=sys.stderr.isatty())
     write_outputs(rows, info, peers, Path(args.out))
     sys.stdout.write(markdown(rows, info, peers))
     return 0
+
+
+def _int_list(text: str, flag: str, low: int) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PymlError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < low:
+        raise PymlError(f"{flag} takes integers >= {low}, got {text!r}")
+    return values
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,10 @@ def test_bench_writes_markdown_csv_json(tmp_path, smollm2_gguf):
     rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
     assert [row["test"] for row in rows] == ["pp16", "tg8"]
     data = json.loads((tmp_path / "bench.json").read_text())
-    limit = data["info"]["bandwidth_gbs"] * 1e9 / data["info"]["bytes_per_token"]["smollm2-135m-q4_1"]
+    # a decode step reads the weights once and the cached keys/values: 4 positions on average over tg8
+    read = (data["info"]["bytes_per_token"]["smollm2-135m-q4_1"]
+            + 4 * data["info"]["kv_bytes_per_position"]["smollm2-135m-q4_1"])
+    limit = data["info"]["bandwidth_gbs"] * 1e9 / read
     tg = next(row for row in data["rows"] if row["test"] == "tg8")
     assert 10 < data["info"]["bandwidth_gbs"] < 1000        # a vectorised read, not an add-latency loop
     assert abs(tg["pct_limit"] - tg["tok_s"] / limit * 100) < 1e-6
@@ -52,7 +55,23 @@ def test_memory_table(tmp_path, smollm2_gguf):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "memory.md").read_text() == r.stdout
     cells = [c.strip() for c in r.stdout.splitlines()[2].split("|")[1:-1]]
-    name, file_mib, kv_mib, model_mib, ratio = cells
-    assert name == "smollm2-135m-q4_1" and int(file_mib) == round(smollm2_gguf.stat().st_size / 2**20)
+    name, depth, file_mib, kv_mib, model_mib, ratio, over = cells
+    assert name == "smollm2-135m-q4_1" and depth == "0"
+    assert int(file_mib) == round(smollm2_gguf.stat().st_size / 2**20)
     assert float(kv_mib) > 0 and int(model_mib) >= 0.9 * int(file_mib)
     assert abs(float(ratio[:-1]) - int(model_mib) / (int(file_mib) + float(kv_mib))) < 0.02
+    assert abs(int(over) - (int(model_mib) - int(file_mib) - float(kv_mib))) <= 2
+
+
+def test_lists_of_prompt_lengths_and_depths(tmp_path, smollm2_gguf):
+    """-p/-n/-d lists as llama-bench takes them: every test at every depth, in one table; decode at
+    depth is held to a limit that counts the cached keys and values it reads."""
+    r = run_bench("-m", "smollm2-135m-q4_1", "--reps", "1", "-p", "8,16", "-n", "4", "-d", "0,24",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["test"] for row in data["rows"]] == ["pp8@d0", "pp16@d0", "tg4@d0", "pp8@d24", "pp16@d24",
+                                                      "tg4@d24"]
+    assert data["info"]["kv_bytes_per_position"]["smollm2-135m-q4_1"] > 0
+    one_line_error(run_bench("-d", "-1", "--out", str(tmp_path)), "--depth takes integers >= 0")
+    one_line_error(run_bench("-p", "x", "--out", str(tmp_path)), "--n-prompt takes comma-separated integers")
