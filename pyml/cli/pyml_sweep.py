@@ -14,6 +14,11 @@ line saying so) when it would not fit in the available RAM.
     pyml-sweep                                   # small, medium at 128, 256 tokens
     pyml-sweep --sizes small,large --contexts 512,1024 --passes 5 --out sweep/
     pyml-sweep --all                             # every size and context that fits
+    pyml-sweep --sizes small --contexts 256,1024,4096   # when does attention, not the FFN, dominate?
+
+Each pass's time is also split into attention (its core: scores, softmax, weighted values, the
+KV cache; and its projections) and the feed-forward block, and `attention_share.png` plots the
+shares against context length.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.loaders.store import TensorStore
 from pyml.nlp.models.gpt2 import GPT2, GPT2Config
-from pyml.report import aggregate
+from pyml.report import aggregate, plots
 from pyml.report.doc import Doc, render_md
 from pyml.report.machine import machine_info
 from pyml.report.records import normalize
@@ -43,7 +48,7 @@ from pyml.report.records import normalize
 # name -> (d_model, d_ff, n_layers, n_heads): the sizes of the GPT-2 family (as in the Nsight sweep)
 SIZES = {"small": (768, 3072, 12, 12), "medium": (1024, 4096, 24, 16), "large": (1280, 5120, 36, 20),
          "xl": (1600, 6400, 48, 25), "2.7B": (2560, 10240, 32, 32)}
-CONTEXTS = (128, 256, 512, 1024)
+CONTEXTS = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_SIZES, DEFAULT_CONTEXTS = ("small", "medium"), (128, 256)
 SOFTMAX_FLOPS_PER_SCORE = 5     # max, subtract, exp, sum, divide: one each per attention score
 
@@ -172,6 +177,7 @@ def measure(model, shape: Shape, ctx: int, passes: int, plain_passes: int, all_l
     softmax = labels.get("softmax", {}).get("ms", 0.0) / passes
     mm_flops, sm_flops = shape.attention_flops(ctx)
     top = sorted(labels.items(), key=lambda kv: -kv[1]["ms"])
+    shares = block_shares(records)
     return {
         "config": f"{shape.name}_ctx{ctx}", "size": shape.name, "ctx": ctx, "passes": passes,
         "python_ms": statistics.fmean(walls), "python_min_ms": min(walls),
@@ -186,7 +192,20 @@ def measure(model, shape: Shape, ctx: int, passes: int, plain_passes: int, all_l
         "flop_ratio_pct": 100 * sm_flops / mm_flops, "attn_matmul_gflop_s": mm_flops / (attn_mm / 1e3) / 1e9
         if attn_mm else None, "softmax_gflop_s": sm_flops / (softmax / 1e3) / 1e9 if softmax else None,
         "gflop_s": 2 * (shape.params - shape.vocab * shape.d_model) * ctx / (statistics.fmean(walls) / 1e3) / 1e9,
+        **shares,
     }
+
+
+def block_shares(records) -> dict:
+    """Shares (%) of the forward passes' time: attention's core (everything in attention but its
+    projections), attention's projections, and the feed-forward blocks."""
+    forward = sum(r.dur_ms for r in records if r.op == "model") or 1.0
+    attention = [r for r in records if r.op == "attention"]
+    projections = sum(c.dur_ms for r in attention for c in r.children if c.name.startswith("linear"))
+    core = sum(r.dur_ms for r in attention) - projections
+    ffn = sum(r.dur_ms for r in records if r.op == "feed_forward")
+    return {"attention_core_pct": 100 * core / forward, "attention_proj_pct": 100 * projections / forward,
+            "ffn_pct": 100 * ffn / forward}
 
 
 # --- the report -------------------------------------------------------------------------------------
@@ -267,6 +286,7 @@ def render(results: list, shapes: dict, skipped: list, meta: dict) -> str:
             f"{SOFTMAX_FLOPS_PER_SCORE} · n_heads · T² (max, subtract, exp, sum, divide per score), so the FLOP "
             f"ratio is {SOFTMAX_FLOPS_PER_SCORE}/(4 · d_head) whatever T is. The output projection is a linear "
             "layer and is counted with the projections, not here.", ""]
+    out += attention_share_section(results)
     per_flop = [r["runtime_ratio_pct"] / r["flop_ratio_pct"] for r in results if r["runtime_ratio_pct"]]
     if per_flop:
         flops = _span([r["flop_ratio_pct"] for r in results], "{:.1f}")
@@ -285,6 +305,25 @@ def render(results: list, shapes: dict, skipped: list, meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def attention_share_section(results: list) -> list:
+    out = ["## (f) Attention against the feed-forward block, by context length", "",
+           _table(["config", "attention core %", "attention projections %", "feed-forward %"],
+                  [[r["config"], f"{r['attention_core_pct']:.1f}", f"{r['attention_proj_pct']:.1f}",
+                    f"{r['ffn_pct']:.1f}"] for r in results]), "",
+           "Shares of the forward pass. *attention core*: Q·Kᵀ, softmax, P·V and the KV cache (it grows as T² "
+           "in a prefill); *projections*: q/k/v/o (grow as T, like the feed-forward block).", ""]
+    answers = []
+    for size in dict.fromkeys(r["size"] for r in results):
+        rows = [r for r in results if r["size"] == size]
+        over = [r["ctx"] for r in rows if r["attention_core_pct"] > r["ffn_pct"]]
+        answers.append(f"{size}: from {over[0]} tokens" if over else
+                       f"{size}: not up to {rows[-1]['ctx']} tokens (core {rows[-1]['attention_core_pct']:.0f}% vs "
+                       f"FFN {rows[-1]['ffn_pct']:.0f}% there)")
+    out += ["**Answer:** attention's core takes more time than the feed-forward block — " + "; ".join(answers)
+            + ".", ""]
+    return out
+
+
 # --- the command ------------------------------------------------------------------------------------
 
 def _names(text, allowed, kind):
@@ -296,15 +335,25 @@ def _names(text, allowed, kind):
     return out
 
 
+def _contexts(text):
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"--contexts takes comma-separated token counts >= 1, got {text!r}")
+    return out
+
+
 def build_parser():
     p = Parser(prog="pyml-sweep", description="Forward passes over GPT-style model sizes and context lengths "
                 "(random weights, no sampling): time per pass, top ops, matmul share, softmax vs matmul.")
     p.add_argument("--sizes", type=lambda s: _names(s, list(SIZES), "size"), default=list(DEFAULT_SIZES),
                    help=f"comma-separated, of {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)})")
-    p.add_argument("--contexts", type=lambda s: [int(x) for x in _names(s, [str(c) for c in CONTEXTS], "context")],
+    p.add_argument("--contexts", type=_contexts,
                    default=list(DEFAULT_CONTEXTS),
-                   help=f"comma-separated, of {', '.join(map(str, CONTEXTS))} (default "
-                        f"{','.join(map(str, DEFAULT_CONTEXTS))})")
+                   help=f"comma-separated token counts (default {','.join(map(str, DEFAULT_CONTEXTS))}; "
+                        f"--all: {', '.join(map(str, CONTEXTS))})")
     p.add_argument("--all", action="store_true", help="every size and context (those that fit in memory)")
     p.add_argument("--passes", type=int, default=3, help="traced passes per configuration (default 3)")
     p.add_argument("--plain-passes", type=int, default=1, help="untraced passes per configuration (default 1)")
@@ -362,6 +411,10 @@ def run(args) -> int:
                                                indent=1, default=str) + "\n")
     print(out / "sweep.md")
     print(out / "sweep.json")
+    if results and plots.matplotlib_available():
+        print(out / plots.attention_share_plot(results, out)[0])
+    elif results:
+        print(f"pyml-sweep: {plots.MATPLOTLIB_MISSING}", file=sys.stderr)
     return 0
 
 

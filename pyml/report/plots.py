@@ -72,6 +72,31 @@ def write_plots(run, out_dir: Path) -> list:
     return written
 
 
+def attention_share_plot(results: list, out_dir: Path) -> tuple:
+    """pyml-sweep's question as a picture: attention's core and the feed-forward block as shares of a
+    forward pass, against context length (log scale), one colour per model size."""
+    import matplotlib  # deferred: see write_plots
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, size in enumerate(dict.fromkeys(r["size"] for r in results)):
+        rows = sorted((r for r in results if r["size"] == size), key=lambda r: r["ctx"])
+        ctx = [r["ctx"] for r in rows]
+        color = f"C{i}"
+        ax.plot(ctx, [r["attention_core_pct"] for r in rows], marker="o", color=color, label=f"{size}: attention core")
+        ax.plot(ctx, [r["ffn_pct"] for r in rows], marker="s", linestyle="--", color=color,
+                label=f"{size}: feed-forward")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens, one prefill)")
+    ax.set_ylabel("% of the forward pass")
+    ax.set_ylim(0, 100)
+    ax.set_title("When does attention, not the FFN, dominate?")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, Path(out_dir) / "attention_share.png", "attention and FFN shares by context length")
+
+
 def _save(fig, plt, path, what):
     fig.tight_layout()
     fig.savefig(path, dpi=110)

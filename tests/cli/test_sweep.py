@@ -37,6 +37,18 @@ def test_measure_one_configuration():
     assert top["batched_matmul"]["count"] == 4      # Q·Kᵀ and P·V per layer
     assert r["flop_ratio_pct"] == pytest.approx(100 * 5 / (4 * 16))
     assert r["softmax_ms"] > 0 and r["attn_matmul_ms"] > 0
+    # the block shares are parts of the forward pass: none negative, together at most all of it
+    parts = (r["attention_core_pct"], r["attention_proj_pct"], r["ffn_pct"])
+    assert min(parts) > 0 and sum(parts) <= 100.0
+
+
+def test_attention_share_answer_names_the_crossover():
+    rows = [{"config": f"t_ctx{c}", "size": "t", "ctx": c, "attention_core_pct": a, "attention_proj_pct": 10.0,
+             "ffn_pct": f} for c, a, f in [(128, 20.0, 60.0), (1024, 45.0, 40.0), (4096, 70.0, 20.0)]]
+    text = "\n".join(pyml_sweep.attention_share_section(rows))
+    assert "t: from 1024 tokens" in text
+    text = "\n".join(pyml_sweep.attention_share_section(rows[:1]))
+    assert "t: not up to 128 tokens (core 20% vs FFN 60% there)" in text
 
 
 def test_sweep_command_skips_what_does_not_fit(tiny_sizes, monkeypatch, tmp_path, capsys):
@@ -54,8 +66,9 @@ def test_sweep_command_skips_what_does_not_fit(tiny_sizes, monkeypatch, tmp_path
     assert [r["config"] for r in data["results"]] == ["t1_ctx8", "t1_ctx1024", "t2_ctx8"]
     md = (tmp_path / "sweep.md").read_text()
     for heading in ("## (a) Forward pass time", "## (b) Top op", "## (c) Top 5 ops", "## (d) Matrix multiplication",
-                    "## (e) Softmax vs matrix multiplication"):
+                    "## (e) Softmax vs matrix multiplication", "## (f) Attention against the feed-forward block"):
         assert heading in md
+    assert (tmp_path / "attention_share.png").stat().st_size > 1000
     assert "t2 ctx=1024" in md
 
 
