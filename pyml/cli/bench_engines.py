@@ -10,12 +10,14 @@ The peers' packages are bench extras, imported only when asked for.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from pyml.cli.bench_models import BenchModel
+from pyml.cli.bench_openvino import exported
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 
@@ -155,5 +157,41 @@ class TransformersEngine:
         self.model = None
 
 
+class OpenVINOEngine:
+    """OpenVINO GenAI's LLMPipeline on the CPU plugin, on the same weights exported at the matching
+    precision (cli/bench_openvino.py), token ids in. A prompt's time is its time to first token with
+    one new token; decode its time per output token. The pipeline keeps no cache between calls,
+    so only depth 0 is measured."""
+    name = "openvino"
+    supports_depth = False
+
+    def __init__(self, model: BenchModel, path: Path, threads: int):
+        import openvino  # a bench extra, imported only when it is a peer
+        import openvino_genai
+        ir = exported(path, model.quant)
+        self.ov, self.genai = openvino, openvino_genai
+        self.pipe = openvino_genai.LLMPipeline(str(ir), "CPU", INFERENCE_NUM_THREADS=threads)
+        self.vocab = int(json.loads((ir / "config.json").read_text())["vocab_size"])
+
+    def set_context(self, tokens, room: int):
+        if tokens:
+            raise PymlError("openvino: a context already in the cache is not measured (depth 0 only)")
+
+    def _generate(self, tokens, n_new: int):
+        ids = np.asarray([tokens], np.int64)
+        inputs = self.genai.TokenizedInputs(self.ov.Tensor(ids), self.ov.Tensor(np.ones_like(ids)))
+        config = self.genai.GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, ignore_eos=True)
+        return self.pipe.generate(inputs, config).perf_metrics
+
+    def pp(self, tokens) -> float:
+        return self._generate(list(tokens), 1).get_ttft().mean / 1e3
+
+    def tg(self, first: int, n: int) -> float:
+        return self._generate([first], n + 1).get_tpot().mean * n / 1e3
+
+    def close(self):
+        self.pipe = None
+
+
 ENGINES = {"pyml": PymlEngine, "llama.cpp": LlamaCppEngine, "llama.cpp-fa": LlamaCppFlashEngine,
-           "transformers": TransformersEngine}
+           "transformers": TransformersEngine, "openvino": OpenVINOEngine}

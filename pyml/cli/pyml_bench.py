@@ -184,6 +184,10 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
         with_depth = any(t.depth for t in tests)
         bench_engine(engine, Test("tg", 8), 1, rng)  # warm: first calls, caches, threads
         for depth in sorted({t.depth for t in tests}):
+            if depth and not getattr(engine, "supports_depth", True):
+                print(f"pyml-bench: {engine_name} skipped at depth {depth} on {name}: it keeps no cache between "
+                      "calls", file=sys.stderr)
+                continue
             # the same context for every engine: the rng is seeded per depth, not per engine
             engine.set_context(random_tokens(np.random.default_rng(depth), engine.vocab, depth), room)
             for test in (t for t in tests if t.depth == depth):
@@ -211,7 +215,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
 
 def _peer_versions() -> dict:
     out = {}
-    for name in ("llama-cpp-python", "torch", "transformers"):
+    for name in ("llama-cpp-python", "torch", "transformers", "openvino-genai"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
