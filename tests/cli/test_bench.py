@@ -75,3 +75,17 @@ def test_lists_of_prompt_lengths_and_depths(tmp_path, smollm2_gguf):
     assert data["info"]["kv_bytes_per_position"]["smollm2-135m-q4_1"] > 0
     one_line_error(run_bench("-d", "-1", "--out", str(tmp_path)), "--depth takes integers >= 0")
     one_line_error(run_bench("-p", "x", "--out", str(tmp_path)), "--n-prompt takes comma-separated integers")
+
+
+def test_openvino_peer_has_a_matching_precision_for_every_bench_model(tmp_path):
+    from pyml.cli.bench_models import MODELS
+    from pyml.cli.bench_openvino import WEIGHT_FORMATS, exported
+    from pyml.core.errors import PymlError
+    assert {m.quant for m in MODELS.values()} <= set(WEIGHT_FORMATS)
+    assert WEIGHT_FORMATS["Q4_0"][WEIGHT_FORMATS["Q4_0"].index("--group-size") + 1] == "32"  # ggml's block
+    try:
+        exported(tmp_path / "m.gguf", "IQ2_XS")
+    except PymlError as e:
+        assert "no matching precision for IQ2_XS" in str(e)
+    else:
+        raise AssertionError("an unknown precision was accepted")
