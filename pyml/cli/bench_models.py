@@ -1,4 +1,6 @@
-"""The models pyml-bench measures: real files (fetched from PyPI, or requantized from them) and
+"""The models pyml-bench measures: real files (fetched from PyPI, or requantized from them: the
+SmolLM2 Q4_1 file as Q8_0, Q4_0, F16 and F32 gives the issue tables' six real files with Gemma 3
+270M Q4_K_M) and
 random-weight stand-ins in real configurations (written once into the cache).
 
 Each BenchModel's `locate()` returns its file or directory, building it on first use.
@@ -60,6 +62,8 @@ MODELS = {m.name: m for m in [
     BenchModel("smollm2-135m-q4_1", "gguf", "Q4_1", _real("smollm2-135m")),
     BenchModel("smollm2-135m-q8_0", "gguf", "Q8_0", _requantized("q8_0")),
     BenchModel("smollm2-135m-q4_0", "gguf", "Q4_0", _requantized("q4_0")),
+    BenchModel("smollm2-135m-f16", "gguf", "F16", _requantized("f16")),
+    BenchModel("smollm2-135m-f32", "gguf", "F32", _requantized("f32")),
     BenchModel("gemma3-270m-q4_k_m", "gguf", "Q4_K_M", _real("gemma3-270m")),
     BenchModel("gpt2-124m-f32", "safetensors", "F32", _standin(standins.write_gpt2, "gpt2-124m", "gpt2")),
     BenchModel("tinyllama-1.1b-q4_0", "gguf", "Q4_0",
