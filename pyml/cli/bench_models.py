@@ -1,7 +1,7 @@
 """The models pyml-bench measures: real files (fetched from PyPI, or requantized from them: the
-SmolLM2 Q4_1 file as Q8_0, Q4_0, F16 and F32 gives the issue tables' six real files with Gemma 3
-270M Q4_K_M) and
-random-weight stand-ins in real configurations (written once into the cache).
+SmolLM2 Q4_1 file as Q8_0, Q4_0, F16 and F32, which with Gemma 3 270M Q4_K_M make the six real
+files of the performance tables) and random-weight stand-ins in real configurations (written
+once into the cache).
 
 Each BenchModel's `locate()` returns its file or directory, building it on first use.
 """
