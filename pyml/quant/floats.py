@@ -2,7 +2,7 @@
 
 Storage: float32; float16 (passed to the kernels as its uint16 bits: Numba has no float16);
 uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a GEMV that streams the
-weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 2 weight rows
+weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 4 weight rows
 x 4 activation rows, each weight vector widened to float32 once per tile (vcvtph2ps for F16, a
 shift for BF16). Both are exact up to float32 summation order.
 """
@@ -74,45 +74,53 @@ def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
 # --- T > 1 -----------------------------------------------------------------------------------
 
 @numba.njit
-def _tile(kind, wa, wb, x, t0, T):
-    """8 dot products: weight rows wa, wb x activation rows t0..t0+3 (clamped to T-1), 8 columns
-    per step; each weight vector is loaded (and widened to float32) once for the 4 rows."""
+def _tile(kind, w, r, x, t):
+    """16 dot products: weight rows r[0..3] x activation rows t[0..3], 8 columns per step; each
+    weight vector is loaded (and widened to float32) once for the 4 activation rows, each
+    activation vector once for the 4 weight rows: 8 loads per 16 FMAs, 16 independent
+    accumulators (AVX-512VL gives LLVM 32 vector registers). Measured, 1 thread, T = 128 on
+    SmolLM2's shapes: 91-109 GFLOP/s against 53-90 for the 2 x 4 tile it replaced."""
     numba.literally(kind)
-    t1, t2, t3 = min(t0 + 1, T - 1), min(t0 + 2, T - 1), min(t0 + 3, T - 1)
-    x0, x1, x2, x3 = x[t0], x[t1], x[t2], x[t3]
+    w0, w1, w2, w3 = w[r[0]], w[r[1]], w[r[2]], w[r[3]]
+    xa, xb, xc, xd = x[t[0]], x[t[1]], x[t[2]], x[t[3]]
     a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
     b0, b1, b2, b3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-    n = x.shape[1]
-    for i in range(n // 8):
+    c0, c1, c2, c3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    d0, d1, d2, d3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    for i in range(x.shape[1] // 8):
         k = 8 * i
-        va, vb = _load8(kind, wa, k), _load8(kind, wb, k)
-        y = load_f32x8(x0, k)
-        a0, b0 = fma(va, y, a0), fma(vb, y, b0)
-        y = load_f32x8(x1, k)
-        a1, b1 = fma(va, y, a1), fma(vb, y, b1)
-        y = load_f32x8(x2, k)
-        a2, b2 = fma(va, y, a2), fma(vb, y, b2)
-        y = load_f32x8(x3, k)
-        a3, b3 = fma(va, y, a3), fma(vb, y, b3)
-    return a0, a1, a2, a3, b0, b1, b2, b3
+        v0, v1, v2, v3 = _load8(kind, w0, k), _load8(kind, w1, k), _load8(kind, w2, k), _load8(kind, w3, k)
+        y = load_f32x8(xa, k)
+        a0, a1, a2, a3 = fma(v0, y, a0), fma(v1, y, a1), fma(v2, y, a2), fma(v3, y, a3)
+        y = load_f32x8(xb, k)
+        b0, b1, b2, b3 = fma(v0, y, b0), fma(v1, y, b1), fma(v2, y, b2), fma(v3, y, b3)
+        y = load_f32x8(xc, k)
+        c0, c1, c2, c3 = fma(v0, y, c0), fma(v1, y, c1), fma(v2, y, c2), fma(v3, y, c3)
+        y = load_f32x8(xd, k)
+        d0, d1, d2, d3 = fma(v0, y, d0), fma(v1, y, d1), fma(v2, y, d2), fma(v3, y, d3)
+    return ((a0, a1, a2, a3), (b0, b1, b2, b3), (c0, c1, c2, c3), (d0, d1, d2, d3))
 
 
 @numba.njit
 def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
+    """Rows r_lo..r_hi of out [T, R] in 4 x 4 register tiles, activation tiles outside, so the
+    chunk's weights stay in L1/L2. Tiles at the edges repeat their last row (computed twice,
+    stored once)."""
     numba.literally(kind)
     T, n = x.shape
     for t0 in range(0, T, 4):
-        for ra in range(r_lo, r_hi, 2):
-            rb = min(ra + 1, r_hi - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _tile(kind, w[ra], w[rb], x, t0, T)
-            for k, (a, b) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
-                t = t0 + k
-                if t < T:
-                    sa, sb = hsum(a), hsum(b)
-                    for j in range(n - n % 8, n):  # the tail: rows need not be multiples of 8
-                        sa += _scalar(kind, w[ra, j]) * x[t, j]
-                        sb += _scalar(kind, w[rb, j]) * x[t, j]
-                    out[t, ra], out[t, rb] = sa, sb
+        t = (t0, min(t0 + 1, T - 1), min(t0 + 2, T - 1), min(t0 + 3, T - 1))
+        for r0 in range(r_lo, r_hi, 4):
+            r = (r0, min(r0 + 1, r_hi - 1), min(r0 + 2, r_hi - 1), min(r0 + 3, r_hi - 1))
+            acc = _tile(kind, w, r, x, t)
+            for i in range(4):
+                if t0 + i < T:
+                    for j in range(4):
+                        if r0 + j < r_hi:
+                            s = hsum(acc[i][j])
+                            for c in range(n - n % 8, n):  # the tail: rows need not be multiples of 8
+                                s += _scalar(kind, w[r[j], c]) * x[t[i], c]
+                            out[t[i], r[j]] = s
 
 
 # --- the kernels of one type ------------------------------------------------------------------
