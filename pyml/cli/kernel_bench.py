@@ -5,12 +5,15 @@
 T == 1 cycles through enough copies of each matrix (>= 256 MB) that weights come from
 memory, not cache, as in a real model; GB/s = stored weight bytes / time (best of several
 rounds). Baselines printed first: a streaming byte-sum (the memory ceiling for a kernel
-that reads its weights once) and NumPy/BLAS float32 GEMM at T == 128.
+that reads its weights once), the core's float32 FMA and int8 dot-product peaks (independent
+chains of the instruction, nothing loaded), of which each GEMM's rate is given as a share,
+and NumPy/BLAS float32 GEMM at T == 128.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -23,6 +26,10 @@ from threadpoolctl import threadpool_limits
 from pyml import quant
 from pyml.cli.main import Parser, run_command
 from pyml.quant import FLOAT_TYPES, QuantType
+from pyml.quant.simd import (HAVE_VNNI, add, add_i32, as_i8, dpbusd, fma, hsum, load_f32x8, load_u8x32, maddubs,
+                             sum_pairs, to_f32, zeros_i32x8)
+
+INT8_INSTRUCTION = "vpdpbusd" if HAVE_VNNI else "vpmaddubsw+vpmaddwd"
 
 _COPY_BYTES = 256 << 20
 
@@ -47,7 +54,10 @@ def _weights(rng, qtype, rows, n_cols):
     raw[:, :, scale_at:scale_at + 2] = np.array([0.01], np.float16).view(np.uint8)
     if qtype in (QuantType.Q4_1, QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K):
         raw[:, :, 2:4] = np.array([0.01], np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+    raw = raw.reshape(rows, -1)
+    if fmt.interleaved is not None:  # as a model holds them: re-laid 8 rows at a time at load
+        return quant.pack(raw, qtype, n_cols)
+    return raw
 
 
 _clock = time.perf_counter
@@ -63,12 +73,56 @@ def _best(fn, rounds):
     return best
 
 
+@numba.njit(cache=True)
+def _fma_chains(n, x):  # 12 independent FMA chains (latency 4 x 2 pipes needs >= 8): the float32 peak
+    c = load_f32x8(x, 8)
+    a0, a1, a2, a3 = load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0)
+    a4, a5, a6, a7 = load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0)
+    a8, a9, a10, a11 = load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0), load_f32x8(x, 0)
+    for _ in range(n):
+        a0, a1, a2, a3 = fma(a0, c, c), fma(a1, c, c), fma(a2, c, c), fma(a3, c, c)
+        a4, a5, a6, a7 = fma(a4, c, c), fma(a5, c, c), fma(a6, c, c), fma(a7, c, c)
+        a8, a9, a10, a11 = fma(a8, c, c), fma(a9, c, c), fma(a10, c, c), fma(a11, c, c)
+    return hsum(add(add(add(a0, a1), add(a2, a3)), add(add(add(a4, a5), add(a6, a7)), add(add(a8, a9),
+                                                                                        add(a10, a11)))))
+
+
+@numba.njit(cache=True)
+def _int8_chains(n, q):  # 12 independent u8 x i8 dot chains, the instruction the int8 kernels use
+    a, b = load_u8x32(q, 0), as_i8(load_u8x32(q, 32))
+    s0, s1, s2, s3 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
+    s4, s5, s6, s7 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
+    s8, s9, s10, s11 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
+    for _ in range(n):
+        if HAVE_VNNI:
+            s0, s1, s2, s3 = dpbusd(s0, a, b), dpbusd(s1, a, b), dpbusd(s2, a, b), dpbusd(s3, a, b)
+            s4, s5, s6, s7 = dpbusd(s4, a, b), dpbusd(s5, a, b), dpbusd(s6, a, b), dpbusd(s7, a, b)
+            s8, s9, s10, s11 = dpbusd(s8, a, b), dpbusd(s9, a, b), dpbusd(s10, a, b), dpbusd(s11, a, b)
+        else:  # vpmaddubsw + vpmaddwd + vpaddd: ggml's AVX2 recipe for 32 products into 8 lanes
+            s0, s1 = add_i32(s0, sum_pairs(maddubs(a, b))), add_i32(s1, sum_pairs(maddubs(a, b)))
+            s2, s3 = add_i32(s2, sum_pairs(maddubs(a, b))), add_i32(s3, sum_pairs(maddubs(a, b)))
+            s4, s5 = add_i32(s4, sum_pairs(maddubs(a, b))), add_i32(s5, sum_pairs(maddubs(a, b)))
+            s6, s7 = add_i32(s6, sum_pairs(maddubs(a, b))), add_i32(s7, sum_pairs(maddubs(a, b)))
+            s8, s9 = add_i32(s8, sum_pairs(maddubs(a, b))), add_i32(s9, sum_pairs(maddubs(a, b)))
+            s10, s11 = add_i32(s10, sum_pairs(maddubs(a, b))), add_i32(s11, sum_pairs(maddubs(a, b)))
+    t = add_i32(add_i32(add_i32(s0, s1), add_i32(s2, s3)), add_i32(add_i32(s4, s5), add_i32(s6, s7)))
+    return hsum(to_f32(add_i32(t, add_i32(add_i32(s8, s9), add_i32(s10, s11)))))
+
+
+def compute_peaks(rounds: int = 5, n: int = 4_000_000) -> tuple[float, float]:
+    """(float32 GFLOP/s, int8 GOP/s) one core reaches on 256-bit vectors with nothing to wait for:
+    the ceilings the GEMMs' rates are shares of (an int8 multiply-add counts 2 ops, as a float FMA)."""
+    x = np.full(16, 1e-7, np.float32)
+    q = np.ones(64, np.uint8)
+    fp32 = 12 * 8 * 2 * n / _best(lambda: _fma_chains(n, x), rounds) / 1e9
+    int8 = 12 * 32 * 2 * n / _best(lambda: _int8_chains(n, q), rounds) / 1e9
+    return fp32, int8
+
+
 def gemv_gbs(qtype, rows, n_cols, exact=False, rounds=6, rng=None) -> float:
     rng = rng or np.random.default_rng(0)
     w = _weights(rng, qtype, rows, n_cols)
-    copies = [w] + [w.copy() for _ in range(max(1, _COPY_BYTES // w.nbytes) - 1)]
-    for c in copies:
-        c.flags.writeable = False  # as a GGUF memory map
+    copies = [w] + [_copy(w) for _ in range(max(1, _COPY_BYTES // w.nbytes) - 1)]
     x = rng.standard_normal((1, n_cols), np.float32)
     out = np.empty((1, rows), np.float32)
 
@@ -78,10 +132,19 @@ def gemv_gbs(qtype, rows, n_cols, exact=False, rounds=6, rng=None) -> float:
     return w.nbytes * len(copies) / _best(run, rounds) / 1e9
 
 
+def _copy(w):
+    if isinstance(w, np.ndarray):
+        w = w.copy()
+        w.flags.writeable = False  # as a GGUF memory map
+        return w
+    return dataclasses.replace(w, groups=_copy(w.groups), tail=_copy(w.tail))
+
+
 def gemm_gflops(qtype, rows, n_cols, T=128, exact=False, rounds=3, rng=None) -> float:
     rng = rng or np.random.default_rng(0)
     w = _weights(rng, qtype, rows, n_cols)
-    w.flags.writeable = False
+    if isinstance(w, np.ndarray):
+        w.flags.writeable = False
     x = rng.standard_normal((T, n_cols), np.float32)
     out = np.empty((T, rows), np.float32)
     return 2.0 * T * rows * n_cols / _best(lambda: quant.matmul(x, w, qtype, n_cols, out=out, exact=exact),
@@ -92,7 +155,6 @@ def call_overhead_us(qtype=QuantType.Q4_1, n=576, rounds=2000) -> tuple[float, f
     """(µs per matmul of a cache-resident n x n GEMV, µs of that which is bandwidth at 20 GB/s)."""
     rng = np.random.default_rng(0)
     w = _weights(rng, qtype, n, n)
-    w.flags.writeable = False
     x = rng.standard_normal((1, n), np.float32)
     out = np.empty((1, n), np.float32)
     for _ in range(100):
@@ -148,19 +210,24 @@ def run(args) -> int:
             for (qtype, r, c), row in rows.items():
                 if qtype not in FLOAT_TYPES:
                     row[3] = gemm_gflops(qtype, r, c, args.T, exact=True, rng=rng)
+        fp32_peak, int8_peak = compute_peaks()
         blas = 2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9
 
         print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
         print(f"memory ceiling (stream sum of 256 MB): {ceiling:6.1f} GB/s")
-        print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: {blas:6.1f} GFLOP/s")
+        print(f"compute peak per core: float32 FMA {fp32_peak:6.1f} GFLOP/s, int8 dot ({INT8_INSTRUCTION}) "
+              f"{int8_peak:6.1f} GOP/s; x{n} threads for the ceilings below")
+        print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: {blas:6.1f} GFLOP/s "
+              f"({100 * blas / (n * fp32_peak):.0f}% of the float32 peak)")
         print(f"Q4_1 576x576 GEMV: {us:.1f} µs per call ({bw_us:.1f} µs of it is weight bytes at 20 GB/s)")
         print(f"{'type':6s} {'shape':>10s} {'T=1 GB/s':>9s}" + (f" {'exact':>6s}" if args.exact else "")
-              + f" {'T=' + str(args.T) + ' GFLOP/s':>14s}" + (f" {'exact':>6s}" if args.exact else ""))
+              + f" {'T=' + str(args.T) + ' GFLOP/s':>14s} {'% of peak':>9s}" + (f" {'exact':>6s}" if args.exact else ""))
         for (qtype, r, c), (gbs, gbs_x, gfl, gfl_x) in rows.items():
             line = f"{qtype.name:6s} {r:>5d}x{c:<5d} {gbs:9.1f}"
             if args.exact:
                 line += f" {gbs_x:6.1f}" if gbs_x is not None else f" {'':6s}"
-            line += f" {gfl:14.1f}"
+            peak = n * (fp32_peak if qtype in FLOAT_TYPES else int8_peak)
+            line += f" {gfl:14.1f} {100 * gfl / peak:8.0f}%"
             if args.exact and gfl_x is not None:
                 line += f" {gfl_x:6.1f}"
             print(line, flush=True)

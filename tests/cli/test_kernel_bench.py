@@ -1,0 +1,23 @@
+"""kernel_bench's ceilings and its view of the weights (as a model holds them)."""
+
+import numpy as np
+
+from pyml import quant
+from pyml.cli import kernel_bench
+from pyml.quant import QuantType
+
+
+def test_compute_peaks_are_rates_of_the_right_order():
+    fp32, int8 = kernel_bench.compute_peaks(rounds=1, n=200_000)
+    # 8 float lanes x 2 FLOP per FMA, at least one FMA per ns on any x86 core of the last decade
+    assert 16 < fp32 < 2000
+    assert int8 > fp32  # 32 byte products per instruction against 8 float FMAs
+
+
+def test_weights_are_measured_in_the_layout_the_model_uses():
+    rng = np.random.default_rng(0)
+    assert isinstance(kernel_bench._weights(rng, QuantType.Q4_0, 16, 64), quant.Packed)
+    assert isinstance(kernel_bench._weights(rng, QuantType.Q6_K, 16, 256), np.ndarray)  # the file's layout
+    copy = kernel_bench._copy(kernel_bench._weights(rng, QuantType.Q8_0, 16, 64))
+    assert not copy.groups.flags.writeable
+    assert kernel_bench.gemm_gflops(QuantType.Q4_0, 16, 64, T=4, rounds=1) > 0
