@@ -61,9 +61,9 @@ from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
-                             fnma, load_fp16x8c, load_i8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, mul,
-                             nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, store_f32x8, sub_i32, sum_pairs,
-                             to_f32, zeros_f32x8, zeros_i32x8)
+                             fnma, load_fp16x8c, load_i8x4_bcast, load_u8x4_bcast, load_u8x8_f32, load_u8x32,
+                             maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, splat_u8, store_f32x8,
+                             sub_i32, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8, zeros_i32x8)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -247,11 +247,18 @@ def _dot_vnni(kind, v, y, yo):
     """_dot with vpdpbusd (the same integers: every sum is exact in 32 bits)."""
     numba.literally(kind)
     acc = zeros_i32x8()
-    if kind == Q8_0:  # signed codes: |code| against the activation carrying the code's sign
+    if kind == Q8_0:
+        # Signed codes: vpdpbusd multiplies unsigned by signed bytes, so the activation comes offset
+        # by 128 (y here is offset_activation's uint8 copy) and 128 x each row's code sum comes off:
+        # one vpdpbusd per code vector and token instead of vpsignb + vpdpbusd; the code sums
+        # depend on the weights only, and LLVM computes them once for the tokens of a GEMM tile.
+        # 1 thread, T = 128, SmolLM2's shapes: 184-192 GFLOP/s against 142-154, the same integers.
+        corr, c128 = zeros_i32x8(), splat_u8(128)
         for n in range(8):  # unrolled by LLVM: the trip count is constant
             q = as_i8(v[n])
-            acc = dpbusd(acc, abs_u8(q), sign_i8(load_i8x4_bcast(y, yo + 4 * n), q))
-        return acc
+            acc = dpbusd(acc, load_u8x4_bcast(y, yo + 4 * n), q)
+            corr = dpbusd(corr, c128, q)
+        return sub_lanes_i32(acc, corr)
     # code vector n holds values 16 * (n % 2) + 4 * (n // 2) + i (module doc)
     for n in range(8):
         acc = dpbusd(acc, v[n], load_i8x4_bcast(y, yo + 16 * (n % 2) + 4 * (n // 2)))
@@ -296,6 +303,16 @@ def _k_block(v, w, o, j, y, u, yd, ys, acc):
     scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
     acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u)), acc)  # 4-bit codes without offset: Q4_0's dot
     return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
+
+
+@numba.njit
+def offset_activation(kind, xq):
+    """The activation bytes the dots load: for Q8_0 on VNNI the int8 codes + 128 (_dot_vnni), for
+    the rest the codes themselves (a view: the loads reinterpret bytes, so one type serves both)."""
+    numba.literally(kind)
+    if kind == Q8_0 and HAVE_VNNI:
+        return xq.view(np.uint8) ^ np.uint8(128)
+    return xq.view(np.uint8)
 
 
 @numba.njit
@@ -410,11 +427,12 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
     def gemv(groups, x, out):
         xq, xd, xs, _ = quantize_q8(x)
         xsum = _code_sums(xq, xd.size)
+        y = offset_activation(kind, xq)
         for g in prange(groups.shape[0]):
             if kind == Q4_K:
                 store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
             else:
-                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], xq, xd, xs, xsum))
+                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], y, xd, xs, xsum))
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
@@ -424,11 +442,12 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
         xsum = np.empty((T, nb), np.int32)
         for t in range(T):
             xsum[t] = _code_sums(xq[t], nb)
+        y = offset_activation(kind, xq)
         for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
             if kind == Q4_K:
                 _gemm_group_k(groups[g], xq, xd, xs, out, g)
             else:
-                _gemm_group(kind, groups[g], xq, xd, xs, xsum, out, g)
+                _gemm_group(kind, groups[g], y, xd, xs, xsum, out, g)
         return out
 
     return InterleavedKernels(gemv, gemm)

@@ -235,6 +235,27 @@ def load_i8x4_bcast(typingctx, ary, idx):
 
 
 @intrinsic
+def load_u8x4_bcast(typingctx, ary, idx):
+    """load_i8x4_bcast as unsigned lanes: the first operand of vpdpbusd (activations offset by 128)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
+        return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(32)]))
+    return U8x32(ary, idx), codegen
+
+
+@intrinsic
+def splat_u8(typingctx, c):
+    """U8x32 with every lane c (an integer literal)."""
+    value = _literal_int(c)
+    if value is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(value, U8x32.llvm())
+    return U8x32(c), codegen
+
+
+@intrinsic
 def load_u32(typingctx, ary, idx):
     """The little-endian uint32 at byte `idx` of a uint8 array (Q5 high bits)."""
     def codegen(context, builder, sig, args):
@@ -600,6 +621,7 @@ def pair_i16(typingctx, v, m):
 
 add_i16 = _lanewise("add", I16x16, "a + b, lane-wise (wraps: callers keep the sums in range)")
 add_i32 = _lanewise("add", I32x8, "a + b, lane-wise")
+sub_lanes_i32 = _lanewise("sub", I32x8, "a - b, lane-wise")
 sub_i16 = _lanewise("sub", I16x16, "a - b, lane-wise")
 shl_i16 = _const_op("shl", I16x16, "lanes << n (n an integer literal)")
 
