@@ -48,8 +48,12 @@ class Tally:
 
     def __init__(self, total: int):
         self.bar = progress.bar(total=total, desc="pyml-batch", unit="prompt")
-        self.t0 = perf.clock()
+        self.t0 = self.created = perf.clock()
         self.prompts = self.errors = self.tokens = 0
+
+    def start(self) -> None:
+        """The model is loaded (everywhere): tokens/s counts from here."""
+        self.t0 = perf.clock()
 
     def add(self, out: dict) -> None:
         self.prompts += 1
@@ -67,7 +71,8 @@ class Tally:
         self.bar.close()
         return (f"pyml-batch: {self.prompts - self.errors} prompts done, {self.errors} errors"
                 f"{f', {skipped} already done' if skipped else ''} | {self.tokens} tokens in "
-                f"{perf.clock() - self.t0:.1f} s ({self.tok_s:.1f} tok/s) | {where}")
+                f"{perf.clock() - self.t0:.1f} s ({self.tok_s:.1f} tok/s) after {self.t0 - self.created:.1f} s "
+                f"of start-up | {where}")
 
 
 def run(args) -> int:
@@ -101,6 +106,7 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
     lm = load_model(**model_options(args))
     if prof is not None:
         prof.set_model(lm)
+    tally.start()
     for job in jobs:
         out = run_job(lm, job)
         writer.add(job.line, out)
@@ -122,6 +128,7 @@ def _run_on_ray(args, jobs, writer, tally, prof) -> str:
                              workers=[{k: v for k, v in i.items() if k not in ("records", "model")} for i in infos])
             for w, info in enumerate(infos, 1):
                 prof.add_records(info["records"], w, info["clock"] - here)
+        tally.start()
         for w, job, reply in pool.run(jobs):
             out = reply["out"]
             writer.add(job.line, out)
