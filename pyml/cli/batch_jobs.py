@@ -163,8 +163,11 @@ def resume(path) -> set:
             done.add(id_key(obj["id"]))
             kept.append(text + "\n")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise PymlError(f"--out {path}: cannot rewrite it: {e.strerror}") from None
     return done
 
 

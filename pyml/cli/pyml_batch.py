@@ -79,9 +79,13 @@ def run(args) -> int:
     perf.configure(args.log)
     if args.workers < 1:
         raise PymlError(f"--workers must be at least 1, got {args.workers}")
-    if args.ray:
-        _ray_runner().require()  # before the output file is touched
     jobs, errors = read_jobs(args.input, sampling_options(args), args.chat, args.system)
+    # Ray is reached (or found missing) before the output file is touched
+    with _ray_runner().session(args.address) if args.ray else nullcontext():
+        return _batch(args, jobs, errors)
+
+
+def _batch(args, jobs: list, errors: list) -> int:
     done = resume(args.out)
     todo = [j for j in jobs if id_key(j.id) not in done]
     writer = OrderedWriter(args.out, sorted([j.line for j in todo] + [e["line"] for e in errors]))
@@ -116,7 +120,6 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
 
 def _run_on_ray(args, jobs, writer, tally, prof) -> str:
     ray_runner = _ray_runner()
-    started = ray_runner.connect(args.address)
     pool = None
     try:
         threads = args.threads or ray_runner.default_threads(args.workers)
@@ -141,7 +144,6 @@ def _run_on_ray(args, jobs, writer, tally, prof) -> str:
     finally:
         if pool is not None:
             pool.close()
-        ray_runner.disconnect(started)
 
 
 def _ray_runner():

@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -313,8 +314,8 @@ def build_parser():
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--out", metavar="DIR", default="pyml-sweep", help="where sweep.md and sweep.json go "
                    "(default ./pyml-sweep)")
-    p.add_argument("--ray", action="store_true", help="run each configuration as a Ray task, with --threads "
-                   'threads each (needs pip install "pyml[ray]"; docs/scaling.md)')
+    p.add_argument("--ray", action="store_true", help="run each configuration as a Ray task with --threads threads "
+                   '(default: a node\'s cores; needs pip install "pyml[ray]"; docs/scaling.md)')
     p.add_argument("--address", default=None,
                    help="with --ray: a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
     return p
@@ -323,8 +324,12 @@ def build_parser():
 def run(args) -> int:
     if args.passes < 1 or args.plain_passes < 0:
         raise PymlError("--passes must be at least 1 and --plain-passes at least 0")
-    if args.ray:
-        _ray_runner().require()  # before any output
+    # Ray is reached (or found missing) before any output
+    with _ray_runner().session(args.address) if args.ray else nullcontext():
+        return _sweep(args)
+
+
+def _sweep(args) -> int:
     sizes = list(SIZES) if args.all else args.sizes
     contexts = list(CONTEXTS) if args.all else sorted(args.contexts)
     shapes = {n: Shape(n, *SIZES[n], vocab=args.vocab) for n in sizes}
@@ -399,17 +404,13 @@ def measure_point(shape: Shape, ctx: int, n_positions: int, passes: int, plain_p
 def _measure_on_ray(args, grid: Grid, bar) -> tuple[list, int]:
     """The grid's points as Ray tasks, one each with --threads threads; results in grid order."""
     ray_runner = _ray_runner()
-    started = ray_runner.connect(args.address)
-    try:
-        threads = args.threads or ray_runner.cluster_cpus()
-        points = [(shape, c, grid.n_positions, grid.passes, grid.plain_passes, grid.all_logits, threads)
-                  for shape in grid.shapes.values() for c in grid.fitting(shape, bar)]
-        results = [None] * len(points)
-        for i, result in ray_runner.run_tasks(measure_point, points, threads):
-            results[i] = result
-            bar.update(grid.per_config)
-    finally:
-        ray_runner.disconnect(started)
+    threads = args.threads or ray_runner.node_cpus()
+    points = [(shape, c, grid.n_positions, grid.passes, grid.plain_passes, grid.all_logits, threads)
+              for shape in grid.shapes.values() for c in grid.fitting(shape, bar)]
+    results = [None] * len(points)
+    for i, result in ray_runner.run_tasks(measure_point, points, threads):
+        results[i] = result
+        bar.update(grid.per_config)
     return results, threads
 
 

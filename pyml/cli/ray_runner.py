@@ -12,6 +12,7 @@ This module is imported only when --ray is given: `import ray` costs ~1.0 s on t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -39,29 +40,47 @@ IN_FLIGHT = 2       # jobs queued on each worker, so it never waits for the driv
 MAX_ATTEMPTS = 3    # a prompt whose worker died this many times is reported, not retried again
 
 
-def require() -> None:
-    """Fail in one line, naming the extra, when Ray is not installed."""
-    if ray is None:
-        raise PymlError(RAY_MISSING)
-
-
 def connect(address: str | None = None) -> bool:
     """Start or join a Ray instance; True when this call started it (the caller shuts it down)."""
-    require()
+    if ray is None:
+        raise PymlError(RAY_MISSING)
     if ray.is_initialized():
         return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    _check_reachable(address)
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR,
                  log_to_driver=False, configure_logging=True)
     except ConnectionError as e:
-        raise PymlError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: {e}") \
-            from None
+        raise PymlError(f"cannot reach the Ray cluster at {address}: {e}") from None
     return True
+
+
+def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT that nothing answers on is one line now: ray.init would retry it for minutes."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # a local instance, "auto", or a ray:// client address: Ray's own checks apply
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise PymlError(f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start --head` "
+                        f"running there?)") from None
 
 
 def disconnect(started: bool) -> None:
     if started and ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def session(address: str | None = None):
+    """Ray, connected for the block: a local instance started here is shut down at its end."""
+    started = connect(address)
+    try:
+        yield
+    finally:
+        disconnect(started)
 
 
 def worker_env() -> dict:
@@ -72,9 +91,14 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def node_cpus() -> int:
+    """The CPUs of the largest node: more than that, no task or worker can be given."""
+    return max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] + [1])
+
+
 def default_threads(workers: int) -> int:
-    """Cores per worker: the cluster's CPUs shared out, at least one each."""
-    return max(1, cluster_cpus() // workers)
+    """Cores per worker: the cluster's CPUs shared out, at least one each, at most a node's."""
+    return max(1, min(node_cpus(), cluster_cpus() // workers))
 
 
 def cause(e: Exception) -> Exception:
@@ -133,7 +157,7 @@ class WorkerPool:
     def __init__(self, workers: int, threads: int, load_options: dict, profile: bool = False):
         if workers < 1:
             raise PymlError(f"--workers must be at least 1, got {workers}")
-        cpus = min(float(threads), cluster_cpus() / workers)
+        cpus = min(float(threads), cluster_cpus() / workers, node_cpus())
         actor = ray.remote(BatchWorker).options(num_cpus=cpus, max_restarts=0,
                                                 runtime_env={"env_vars": worker_env()})
         self.actors = [actor.remote(dict(load_options, threads=threads), profile) for _ in range(workers)]
@@ -209,7 +233,7 @@ def _first_line(e: Exception) -> str:
 
 def run_tasks(fn, args_list: list, threads: int):
     """Yield (index, result) as `fn(*args)` completes for each args in args_list, one Ray task each."""
-    task = ray.remote(fn).options(num_cpus=min(float(threads), cluster_cpus()), max_retries=1,
+    task = ray.remote(fn).options(num_cpus=min(threads, node_cpus()), max_retries=1,
                                   runtime_env={"env_vars": worker_env()})
     refs = {task.remote(*args): i for i, args in enumerate(args_list)}
     while refs:

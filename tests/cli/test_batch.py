@@ -2,6 +2,7 @@
 per-line overrides, resuming, --profile, and --ray without Ray installed."""
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -153,3 +154,17 @@ def test_ray_flag_without_ray_is_one_line_naming_the_extra(tiny, tmp_path):
                      'to use --ray',
                      'pyml-sweep: error: Ray is not installed: pip install "pyml[ray]" (or pip install ray) '
                      'to use --ray']
+
+
+def test_an_unreachable_cluster_is_one_line_before_the_output_is_touched(tiny, tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "o.jsonl"
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "--ray", "--address",
+                            f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pyml-batch: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused "
+                   f"(is `ray start --head` running there?)"]
+    assert not out.exists()
