@@ -182,12 +182,14 @@ class WorkerPool:
         in_flight: dict = {}
         attempts: dict[int, int] = {}
 
-        def feed():
-            for w in alive:
-                while queue and held[w] < IN_FLIGHT:
-                    job = queue.popleft()
-                    in_flight[self.actors[w].run.remote(job)] = (w, job)
-                    held[w] += 1
+        def feed():  # the next job to the worker holding the fewest, so a short batch is shared too
+            while queue and alive:
+                w = min(alive, key=held.get)
+                if held[w] >= IN_FLIGHT:
+                    return
+                job = queue.popleft()
+                in_flight[self.actors[w].run.remote(job)] = (w, job)
+                held[w] += 1
 
         feed()
         while in_flight:

@@ -3,6 +3,7 @@ and always shuts down: the same greedy texts as one process, in input order; bad
 lines; resuming; a killed worker's prompts retried on the other; the same sweep table."""
 
 import json
+import re
 
 import pytest
 import ray
@@ -72,7 +73,7 @@ def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, b
     assert "## Workers" in report and "| Generations | 8 |" in report
     workers = report.split("## Workers")[1].split("\n## ")[0]
     rows = [line.split(" | ") for line in workers.splitlines() if line.startswith(("| 1 ", "| 2 "))]
-    assert len(rows) == 2 and sum(int(row[2]) for row in rows) == 8  # the generations, split between them
+    assert len(rows) == 2 and sum(int(row[2]) for row in rows) == 8 and all(int(row[2]) for row in rows)
     trace = json.loads((prof / "trace.json").read_text())
     assert validate_chrome_trace(trace) > 0
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {2, 3}
@@ -80,7 +81,7 @@ def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, b
 
 
 def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batch_in, sequential, tmp_path,
-                                                           monkeypatch):
+                                                           monkeypatch, capsys):
     killed = []
 
     def kill_the_first_to_answer(self, worker, reply):
@@ -93,6 +94,9 @@ def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batc
     assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray"]) == 0
     assert killed
     assert without_timings(read_output(out)) == without_timings(sequential)
+    each = re.search(r"\((\d+), (\d+) prompts each\)", capsys.readouterr().err).groups()
+    done = [int(n) for n in each]
+    assert sum(done) == 9 and done[killed[0]] <= 2  # the 8 prompts and the long one; the rest on the other
 
 
 def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequential, tmp_path, capsys):
