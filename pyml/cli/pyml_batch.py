@@ -34,7 +34,8 @@ def build_parser() -> Parser:
     p.add_argument("--chat", action="store_true", help="wrap every prompt in the model's chat template")
     add_sampling_options(p, max_tokens=64)
     p.add_argument("--ray", action="store_true", help='run on Ray workers (needs pip install "pyml[ray]")')
-    p.add_argument("--workers", type=int, default=2, help="Ray workers, each with its own model (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="Ray workers, each with its own model and -t threads "
+                   "(default 2 workers; -t defaults to the cores shared out among them)")
     p.add_argument("--address", default=None,
                    help="a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level or filters (as pyml-infer's)")
