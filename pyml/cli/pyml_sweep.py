@@ -28,7 +28,8 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -362,46 +363,115 @@ def build_parser():
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--out", metavar="DIR", default="pyml-sweep", help="where sweep.md and sweep.json go "
                    "(default ./pyml-sweep)")
+    p.add_argument("--ray", action="store_true", help="run each configuration as a Ray task with --threads threads "
+                   '(default: a node\'s cores; needs pip install "pyml[ray]"; docs/scaling.md)')
+    p.add_argument("--address", default=None,
+                   help="with --ray: a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
     return p
 
 
 def run(args) -> int:
     if args.passes < 1 or args.plain_passes < 0:
         raise PymlError("--passes must be at least 1 and --plain-passes at least 0")
+    # Ray is reached (or found missing) before any output
+    with _ray_runner().session(args.address) if args.ray else nullcontext():
+        return _sweep(args)
+
+
+def _sweep(args) -> int:
     sizes = list(SIZES) if args.all else args.sizes
     contexts = list(CONTEXTS) if args.all else sorted(args.contexts)
-    runtime = RuntimeConfig(args.threads if args.threads is not None else RuntimeConfig().threads).apply()
-    runtime.warmup_thread_pool()
     shapes = {n: Shape(n, *SIZES[n], vocab=args.vocab) for n in sizes}
-    n_positions = max(contexts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, skipped = [], []
-    per_config = 1 + args.passes + args.plain_passes
-    bar = tqdm(total=len(sizes) * len(contexts) * per_config, unit="pass", file=sys.stderr, desc="sweep")
-    for name in sizes:
-        shape = shapes[name]
+    grid = Grid(shapes, contexts, args.passes, args.plain_passes, args.all_logits)
+    bar = tqdm(total=len(sizes) * len(contexts) * grid.per_config, unit="pass", file=sys.stderr, desc="sweep")
+    measure_grid = _measure_on_ray if args.ray else _measure_here
+    results, threads = measure_grid(args, grid, bar)
+    bar.close()
+    return _write(args, out, results, shapes, grid.skipped, threads)
+
+
+@dataclass
+class Grid:
+    """The sweep's configurations, and the lines saying which of them were skipped."""
+    shapes: dict
+    contexts: list
+    passes: int
+    plain_passes: int
+    all_logits: bool
+    skipped: list = field(default_factory=list)
+
+    @property
+    def n_positions(self) -> int:
+        return max(self.contexts)
+
+    @property
+    def per_config(self) -> int:
+        return 1 + self.passes + self.plain_passes
+
+    def fitting(self, shape: Shape, bar) -> list:
+        """The contexts whose pass fits in the available memory now; a skip line for each other."""
         avail = available_memory()
-        fits = [c for c in contexts if avail is None or
-                1.2 * (shape.weight_bytes(n_positions) + shape.pass_bytes(c, args.all_logits)) < avail]
-        for c in contexts:
+        need = {c: shape.weight_bytes(self.n_positions) + shape.pass_bytes(c, self.all_logits) for c in self.contexts}
+        fits = [c for c in self.contexts if avail is None or 1.2 * need[c] < avail]
+        for c in self.contexts:
             if c not in fits:
-                need = shape.weight_bytes(n_positions) + shape.pass_bytes(c, args.all_logits)
-                skipped.append(f"{name} ctx={c}: needs ~{need / 2**30:.1f} GiB with a 20% margin over "
-                               f"{1.2 * need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
-                bar.write(f"pyml-sweep: skip {skipped[-1]}", file=sys.stderr)
-                bar.update(per_config)
+                self.skipped.append(f"{shape.name} ctx={c}: needs ~{need[c] / 2**30:.1f} GiB with a 20% margin "
+                                    f"over {1.2 * need[c] / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
+                bar.write(f"pyml-sweep: skip {self.skipped[-1]}", file=sys.stderr)
+                bar.update(self.per_config)
+        return fits
+
+
+def _measure_here(args, grid: Grid, bar) -> tuple[list, int]:
+    """One size after another in this process, each model built once for all its contexts."""
+    runtime = RuntimeConfig(args.threads if args.threads is not None else RuntimeConfig().threads).apply()
+    runtime.warmup_thread_pool()
+    results = []
+    for name, shape in grid.shapes.items():
+        fits = grid.fitting(shape, bar)
         if not fits:
             continue
         bar.set_description(f"building {name}")
-        model = build_gpt2(shape, n_positions)
+        model = build_gpt2(shape, grid.n_positions)
         for c in fits:
             bar.set_description(f"{name} ctx={c}")
-            results.append(measure(model, shape, c, args.passes, args.plain_passes, args.all_logits, bar))
+            results.append(measure(model, shape, c, grid.passes, grid.plain_passes, grid.all_logits, bar))
         del model
-    bar.close()
+    return results, runtime.threads
+
+
+def measure_point(shape: Shape, ctx: int, n_positions: int, passes: int, plain_passes: int, all_logits: bool,
+                  threads: int) -> dict:
+    """One configuration on its own, as a Ray task runs it: its threads, its model, its measurement."""
+    RuntimeConfig(threads).apply().warmup_thread_pool()
+    model = build_gpt2(shape, n_positions)
+    return measure(model, shape, ctx, passes, plain_passes, all_logits)
+
+
+def _measure_on_ray(args, grid: Grid, bar) -> tuple[list, int]:
+    """The grid's points as Ray tasks, one each with --threads threads; results in grid order."""
+    ray_runner = _ray_runner()
+    threads = args.threads or ray_runner.node_cpus()
+    points = [(shape, c, grid.n_positions, grid.passes, grid.plain_passes, grid.all_logits, threads)
+              for shape in grid.shapes.values() for c in grid.fitting(shape, bar)]
+    results = [None] * len(points)
+    for i, result in ray_runner.run_tasks(measure_point, points, threads):
+        results[i] = result
+        bar.update(grid.per_config)
+    return results, threads
+
+
+def _ray_runner():
+    # Deferred: `import ray` costs ~1.0 s, and only --ray needs it.
+    from pyml.cli import ray_runner
+    return ray_runner
+
+
+def _write(args, out: Path, results, shapes, skipped, threads: int) -> int:
     mach = machine_info()
-    meta = {"machine": f"{mach['cpu']} ({mach['usable_cores']} cores)", "threads": runtime.threads,
+    meta = {"machine": f"{mach['cpu']} ({mach['usable_cores']} cores)", "threads": threads,
             "passes": args.passes, "plain_passes": args.plain_passes, "vocab": args.vocab,
             "all_logits": args.all_logits, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": sys.argv, "machine_info": mach}

@@ -210,6 +210,28 @@ def timeline(run) -> dict:
     return out
 
 
+def workers(run) -> list:
+    """One row per worker process of a run spread over several (pyml-batch --ray): what each did."""
+    rows = {}
+    for r in run.records:
+        if r.parent_rec is not None:
+            continue
+        row = rows.setdefault(r.worker, {"worker": r.worker, "generations": 0, "prompt_tokens": 0,
+                                         "prefill_ms": 0.0, "decode_steps": 0, "decode_ms": 0.0, "load_ms": 0.0})
+        if r.name == "generator::prefill":
+            row["generations"] += 1
+            row["prompt_tokens"] += _int_detail(r, "tokens") or 0
+            row["prefill_ms"] += r.dur_ms
+        elif r.name == "generator::decode_step":
+            row["decode_steps"] += 1
+            row["decode_ms"] += r.dur_ms
+        elif r.name == "model::load":
+            row["load_ms"] += r.dur_ms
+    for row in rows.values():
+        row["decode_tok_s"] = 1e3 * row["decode_steps"] / row["decode_ms"] if row["decode_ms"] else None
+    return [rows[w] for w in sorted(rows)]
+
+
 COMPONENTS = ("embedding", "layers", "norm", "projection", "sample", "other")
 
 

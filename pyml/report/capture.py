@@ -37,6 +37,7 @@ from pyml.report.timing import RecordSink, measure_timing_overhead
 from pyml.report.writer import write_reports
 
 _active: list = []
+WORKER_ID_BITS = 40   # a worker's record ids are moved to worker << 40 and up: no process makes 2**40 spans
 
 
 class Profile:
@@ -69,6 +70,21 @@ class Profile:
             "prefill_s": result.prefill_s, "decode_steps": len(result.decode_s),
             "decode_ms_per_token": result.decode_ms_per_token, "decode_tok_s": result.decode_tok_s,
             "stop_reason": result.stop_reason, "summary": result.summary()}
+
+    # --- records made elsewhere --------------------------------------------------------------
+    def add_records(self, records: list, worker: int, clock_shift: float = 0.0) -> None:
+        """Write another process's records (Record.to_json dicts, e.g. a Ray worker's) as `worker`.
+
+        Ids are moved into the worker's own range so they never meet this process's; `clock_shift`
+        (seconds) moves their starts onto this process's clock.
+        """
+        base = worker << WORKER_ID_BITS
+        write = self._file.write
+        for r in records:
+            r = dict(r, id=base + r["id"], parent=None if r.get("parent") is None else base + r["parent"],
+                     start=r["start"] + clock_shift, worker=worker)
+            write(json.dumps(r, default=str, separators=(",", ":")) + "\n")
+        self.events += len(records)
 
     # --- collecting ------------------------------------------------------------------------
     def __enter__(self):

@@ -1,8 +1,8 @@
 """trace.json: the run in Chrome's trace event format, for https://ui.perfetto.dev and chrome://tracing.
 
-One complete event (`ph: "X"`, `ts`/`dur` in µs from the first event) per span,
-one track per thread, with process and thread names as metadata events. Events on
-a track nest by time; since times are kept to the µs, each event is clamped into
+One complete event (`ph: "X"`, `ts`/`dur` in µs from the first event) per span, one
+process per worker (a batch run on Ray's workers; else just one), one track per thread,
+with process and thread names as metadata events. Events on a track nest by time; since times are kept to the µs, each event is clamped into
 its parent's interval and before its next sibling, so rounding never breaks the
 nesting (a shift of at most 1 µs).
 """
@@ -17,18 +17,24 @@ from pyml.core.errors import PymlError
 def chrome_trace(run) -> dict:
     recs = run.records
     t0 = min(r.start for r in recs)
-    events = [{"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": f"pyml: {run.label}"}}]
-    for tid in sorted({r.thread for r in recs}):
-        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name",
-                       "args": {"name": "main" if tid == 0 else f"thread {tid}"}})
-        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    events = []
+    for worker in sorted({r.worker for r in recs}):
+        pid = worker + 1
+        name = f"pyml: {run.label}" if worker == 0 else f"pyml worker {worker}: {run.label}"
+        events.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}})
+        events.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}})
+        for tid in sorted({r.thread for r in recs if r.worker == worker}):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                           "args": {"name": "main" if tid == 0 else f"thread {tid}"}})
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
+                           "args": {"sort_index": tid}})
     spans, next_start, spans_out = {}, {}, []
     # Reversed end order visits a parent before its children and a later sibling before an
     # earlier one: each event is clamped into its parent and to end before its next sibling.
     for r in reversed(recs):
         ts = (r.start - t0) * 1e6
         end = ts + r.dur_ms * 1e3
-        key = id(r.parent_rec) if r.parent_rec is not None else ("track", r.thread)
+        key = id(r.parent_rec) if r.parent_rec is not None else ("track", r.worker, r.thread)
         lo, hi = spans[id(r.parent_rec)] if r.parent_rec is not None else (0.0, float("inf"))
         hi = min(hi, next_start.get(key, float("inf")))
         ts = min(max(ts, lo), hi)
@@ -39,9 +45,9 @@ def chrome_trace(run) -> dict:
                                   ("step", r.step), ("layer", r.layer), ("dtype", r.dtype)) if v not in (None, "")}
         if r.parts:
             args["parts_ms"] = r.parts
-        spans_out.append({"ph": "X", "pid": 1, "tid": r.thread, "name": r.name, "cat": r.op or "span",
+        spans_out.append({"ph": "X", "pid": r.worker + 1, "tid": r.thread, "name": r.name, "cat": r.op or "span",
                           "ts": round(ts, 3), "dur": round(end - ts, 3), "args": args})
-    spans_out.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    spans_out.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
     events += spans_out
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": run.source, "model": (run.info.get("model") or {}).get("source")}}

@@ -77,6 +77,7 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     if tl["generations"] > 1:
         rows.append(["Generations", str(tl["generations"]), "the decode figures cover all of them"])
     doc.table(["Phase", "Time", "Notes"], rows, "lrl")
+    _workers_section(doc, run)
 
     if steps:
         comps = aggregate.components(steps)
@@ -116,6 +117,19 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
                "`jitter.md` — decode step and per-layer jitter, with the audit's verdict",
                "`trace.json` — the whole timeline: open it in https://ui.perfetto.dev or chrome://tracing"])
     return doc
+
+
+def _workers_section(doc, run):
+    rows = aggregate.workers(run)
+    if len(rows) < 2:
+        return
+    doc.h("Workers")
+    doc.table(["Worker", "Load", "Generations", "Prompt tokens", "Prefill", "Decode steps", "Decode", "Decode tok/s"],
+              [[str(w["worker"]) if w["worker"] else "this process", ms(w["load_ms"]), str(w["generations"]),
+                str(w["prompt_tokens"]), ms(w["prefill_ms"]), str(w["decode_steps"]), ms(w["decode_ms"]),
+                num(w["decode_tok_s"])] for w in rows])
+    doc.p("Each worker is a process of its own (a Ray actor) with its own copy of the model; the tables "
+          "below merge every worker's records, and trace.json shows one process per worker.")
 
 
 def _model_table(doc, run):

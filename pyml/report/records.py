@@ -49,6 +49,7 @@ class Record:
     phase: str | None = None        # load | warmup | prefill | decode | None
     step: int | None = None         # 0 for prefill, 1.. for decode steps
     thread: int = 0                 # 0 = main thread, then 1, 2, .. in order of appearance
+    worker: int = 0                 # the process that made it: 0 = the run's own, 1.. = batch workers
     line: int = 0                   # line in the source file (for messages)
     orphan: bool = False            # its enclosing span never ended
     # derived by normalize()
@@ -74,7 +75,7 @@ class Record:
                 "op": self.op, "phase": self.phase, "step": self.step, "layer": self.layer,
                 "kind": self.kind, "dtype": self.dtype, "depth": self.depth, "details": self.details,
                 "parts": self.parts, "start": self.start, "dur_ms": self.dur_ms, "thread": self.thread,
-                **({"orphan": True} if self.orphan else {})}
+                **({"worker": self.worker} if self.worker else {}), **({"orphan": True} if self.orphan else {})}
 
 
 # --- deriving the fields a table groups by ------------------------------------------------
@@ -131,7 +132,7 @@ def normalize(raws: list[dict], main_thread: int | None = None,
                            start=_fmt6(r["start"]), details=r.get("details") or "",
                            parts={k: _fmt3(v) for k, v in (r.get("parts") or {}).items()},
                            module=r.get("module") or None, phase=r.get("phase"), step=r.get("step"),
-                           thread=t, line=r.get("line", 0)))
+                           thread=t, worker=r.get("worker") or 0, line=r.get("line", 0)))
     index = {r.id: r for r in recs}
     orphans = 0
     for r in recs:  # children in the order they ended
@@ -206,6 +207,9 @@ def read_events(path: Path) -> list[dict]:
                                         f"({type(r[k]).__name__})")
         if r.get("parent") is not None and not isinstance(r["parent"], int):
             raise EventsFormatError(f"{path}:{n}: field 'parent' must be an integer or null")
+        if r.get("worker") is not None and (not isinstance(r["worker"], int) or isinstance(r["worker"], bool)
+                                            or r["worker"] < 0):
+            raise EventsFormatError(f"{path}:{n}: field 'worker' must be a non-negative integer")
         if r.get("parts") is not None and not isinstance(r["parts"], dict):
             raise EventsFormatError(f"{path}:{n}: field 'parts' must be an object")
         r["line"] = n

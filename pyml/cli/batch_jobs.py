@@ -1,0 +1,202 @@
+"""pyml-batch's jobs: the input lines read into jobs, one job run on a loaded model, and the
+output written in input order and resumed from.
+
+An input line is `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with any of
+OVERRIDES beside it (they replace the command's flags for that line). An output line is
+`{"id", "text", "tokens", "stop_reason", "timings"}` or, for a line that could not be read or
+run, `{"id" (when the line had one), "line", "error"}`: a bad line never stops the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyml.core.errors import PymlError
+
+# per-line overrides of the command's flags, with the JSON types each accepts
+_NUMBER = (int, float)
+OVERRIDES = {"max_tokens": int, "temperature": _NUMBER, "top_k": int, "top_p": _NUMBER, "min_p": _NUMBER,
+             "repetition_penalty": _NUMBER, "seed": int, "stop": list, "system": str, "chat": bool}
+_KEYS = {"id", "prompt", "messages", *OVERRIDES}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One input line to generate from: its id, its line number, and everything it asks for."""
+    id: object
+    line: int
+    prompt: str | None = None
+    messages: tuple | None = None
+    options: dict = field(default_factory=dict)   # the command's sampling options, with the line's overrides
+    chat: bool = False
+    system: str | None = None
+
+    @property
+    def size(self) -> int:
+        """How long the prompt is, in characters: the scheduler starts the longest first."""
+        text = self.prompt if self.prompt is not None else "".join(str(m.get("content", "")) for m in self.messages)
+        return len(text) + (len(self.system) if self.system else 0)
+
+
+def error_line(line: int, message: str, job_id=None) -> dict:
+    out = {"id": job_id} if job_id is not None else {}
+    return {**out, "line": line, "error": message}
+
+
+def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system: str | None = None) -> Job:
+    """A Job from one input line, or PymlError saying what is wrong with it."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PymlError(f"not a JSON object ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise PymlError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _KEYS)
+    if unknown:
+        raise PymlError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                        f"(use id, prompt or messages, and {', '.join(OVERRIDES)})")
+    if "id" not in obj or isinstance(obj["id"], (dict, list)) or obj["id"] is None:
+        raise PymlError("no \"id\" (a string or a number)")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise PymlError("give exactly one of \"prompt\" (a string) and \"messages\" (a list)")
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if prompt is not None and not isinstance(prompt, str):
+        raise PymlError("\"prompt\" must be a string")
+    if messages is not None and not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise PymlError("\"messages\" must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    options = dict(defaults)
+    for key, kind in OVERRIDES.items():
+        if key not in obj:
+            continue
+        value = obj[key]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise PymlError(f"\"{key}\" has the wrong type ({type(value).__name__})")
+        if key == "stop" and not all(isinstance(s, str) for s in value):
+            raise PymlError("\"stop\" must be a list of strings")
+        if key == "chat":
+            chat = value
+        elif key == "system":
+            system = value
+        else:
+            options[key] = value
+    return Job(obj["id"], line, prompt, tuple(messages) if messages is not None else None, options, chat, system)
+
+
+def read_jobs(path, defaults: dict, chat: bool = False, system: str | None = None) -> tuple[list, list]:
+    """(jobs, errors) from an input file: errors are output lines for the lines that cannot run."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PymlError(f"{path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    jobs, errors, seen = [], [], {}
+    for n, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            job = parse_line(text, n, defaults, chat, system)
+        except PymlError as e:
+            errors.append(error_line(n, str(e)))
+            continue
+        key = id_key(job.id)
+        if key in seen:
+            errors.append(error_line(n, f"id {job.id!r} repeats the id of line {seen[key]}", job.id))
+            continue
+        seen[key] = n
+        jobs.append(job)
+    return jobs, errors
+
+
+def id_key(job_id) -> str:
+    """Ids compare as JSON: 1 and "1" are different ids."""
+    return json.dumps(job_id)
+
+
+# --- one job ------------------------------------------------------------------------------------
+
+def run_job(lm, job: Job) -> dict:
+    """The output line of one job on a loaded LanguageModel (an error line if it cannot run)."""
+    try:
+        if job.messages is not None or job.chat or job.system is not None:
+            messages = list(job.messages) if job.messages is not None else [{"role": "user", "content": job.prompt}]
+            if job.system is not None and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": job.system})
+            prompt = lm.chat_prompt(messages)
+        else:
+            prompt = job.prompt
+        result = lm.generate(prompt, **job.options)
+    except PymlError as e:
+        return error_line(job.line, str(e), job.id)
+    except Exception as e:  # one line's failure is that line's output, never the batch's end
+        return error_line(job.line, f"internal error: {type(e).__name__}: {e}", job.id)
+    return {"id": job.id, "text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
+            "timings": result.timings()}
+
+
+# --- the output file ----------------------------------------------------------------------------
+
+def resume(path) -> set:
+    """The ids an earlier run finished in `path`, keeping only their lines there.
+
+    Error lines and a last line cut short (a run that was killed while writing) are dropped, so
+    those jobs run again and no id appears twice in the file.
+    """
+    path = Path(path)
+    if not path.exists():
+        return set()
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    except OSError as e:
+        raise PymlError(f"--out {path}: {e.strerror}") from None
+    kept, done = [], set()
+    for text in lines:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "id" in obj and "error" not in obj and id_key(obj["id"]) not in done:
+            done.add(id_key(obj["id"]))
+            kept.append(text + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise PymlError(f"--out {path}: cannot rewrite it: {e.strerror}") from None
+    return done
+
+
+class OrderedWriter:
+    """Appends output lines in input order: a line that completes early waits for those before it."""
+
+    def __init__(self, path, order: list[int]):
+        self.order = order            # the input line numbers still to be written, in order
+        self.next = 0
+        self.pending: dict[int, dict] = {}
+        try:
+            self.file = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise PymlError(f"--out {path}: {e.strerror}") from None
+
+    def add(self, line: int, out: dict) -> None:
+        self.pending[line] = out
+        while self.next < len(self.order) and self.order[self.next] in self.pending:
+            obj = self.pending.pop(self.order[self.next])
+            self.file.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self.next += 1
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,170 @@
+"""pyml-batch in one process: input lines to output lines in input order, bad lines as error lines,
+per-line overrides, resuming, --profile, and --ray without Ray installed."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pyml.cli import pyml_batch
+from pyml.cli.batch_jobs import parse_line, resume
+from pyml.cli.standins import write_gpt2
+from pyml.core.errors import PymlError
+from pyml.nlp.api import load_model
+
+PROMPTS = {"a": "Hello there", "b": "The capital of France is", 3: "xyz", "d": "0123456789 " * 3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A GPT-2 layout with random weights, a byte tokenizer and a 128-token window."""
+    return write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny):
+    return load_model(str(tiny), threads=1)
+
+
+def write_input(path, extra=()):
+    lines = [json.dumps({"id": k, "prompt": v}) for k, v in PROMPTS.items()]
+    lines[2:2] = extra
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_output(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not a JSON object"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"prompt": "x"}', 'no "id"'),
+    ('{"id": null, "prompt": "x"}', 'no "id"'),
+    ('{"id": 1}', 'exactly one of "prompt"'),
+    ('{"id": 1, "prompt": "x", "messages": []}', 'exactly one of "prompt"'),
+    ('{"id": 1, "prompt": 5}', '"prompt" must be a string'),
+    ('{"id": 1, "messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+    ('{"id": 1, "prompt": "x", "temp": 0.5}', "unknown field temp"),
+    ('{"id": 1, "prompt": "x", "max_tokens": "8"}', '"max_tokens" has the wrong type (str)'),
+    ('{"id": 1, "prompt": "x", "max_tokens": true}', '"max_tokens" has the wrong type (bool)'),
+    ('{"id": 1, "prompt": "x", "stop": ["a", 1]}', '"stop" must be a list of strings'),
+])
+def test_a_bad_line_says_what_is_wrong(line, message):
+    with pytest.raises(PymlError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse_line(line, 1, {"max_tokens": 4})
+
+
+def test_overrides_replace_the_flags_for_their_line():
+    job = parse_line('{"id": "x", "prompt": "p", "max_tokens": 3, "temperature": 0.5, "stop": ["."], '
+                     '"system": "Be brief."}', 7, {"max_tokens": 16, "temperature": 0.0, "stop": []})
+    assert (job.id, job.line, job.prompt, job.system) == ("x", 7, "p", "Be brief.")
+    assert job.options == {"max_tokens": 3, "temperature": 0.5, "stop": ["."]}
+
+
+def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys):
+    src = write_input(tmp_path / "in.jsonl", extra=[
+        "{broken", json.dumps({"id": "long", "prompt": "x" * 200}), json.dumps({"id": "a", "prompt": "again"}),
+        json.dumps({"id": "short", "prompt": "Hello there", "max_tokens": 2}), ""])
+    out = tmp_path / "out.jsonl"
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "6", "-t", "1"]) == 0
+    lines = read_output(out)
+    assert [o.get("id") for o in lines] == ["a", "b", None, "long", "a", "short", 3, "d"]
+    assert lines[2] == {"line": 3, "error": lines[2]["error"]} and "not a JSON object" in lines[2]["error"]
+    assert lines[3]["error"] == "the prompt is 200 tokens, longer than the model's context window of 128"
+    assert lines[4]["error"] == "id 'a' repeats the id of line 1"
+    for o in (lines[0], lines[1], lines[6], lines[7]):
+        expected = tiny_lm.generate(PROMPTS[o["id"]], 6)  # greedy: the library's own answer
+        assert (o["text"], o["tokens"], o["stop_reason"]) == (expected.text, expected.tokens, "max_tokens")
+        assert o["timings"]["predicted_n"] == 5 and o["timings"]["prompt_n"] == len(expected.prompt_tokens)
+    assert len(lines[5]["tokens"]) == 2
+    err = capsys.readouterr().err
+    assert "pyml-batch: 5 prompts done, 3 errors" in err and "1 process, 1 threads" in err
+
+
+def test_resume_skips_the_ids_done_and_reruns_errors(tiny, tmp_path, monkeypatch, capsys):
+    src = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    done = {"id": "a", "text": "earlier", "tokens": [1], "stop_reason": "max_tokens", "timings": {}}
+    # an earlier run: "a" done, "b" failed, 3 cut off while being written
+    out.write_text(json.dumps(done) + "\n" + json.dumps({"id": "b", "line": 2, "error": "boom"}) + '\n{"id": 3, "te')
+    ran = []
+    monkeypatch.setattr(pyml_batch, "run_job", lambda lm, job: ran.append(job.id) or
+                        {"id": job.id, "text": "", "tokens": [], "stop_reason": "eos", "timings": {}})
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny)]) == 0
+    assert ran == ["b", 3, "d"]
+    assert [o["id"] for o in read_output(out)] == ["a", "b", 3, "d"]
+    assert read_output(out)[0] == done
+    assert "3 prompts done, 0 errors, 1 already done" in capsys.readouterr().err
+    ran.clear()
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny)]) == 0
+    assert ran == [] and len(read_output(out)) == 4
+    assert "nothing to run" in capsys.readouterr().err
+
+
+def test_resume_of_a_missing_file_is_a_fresh_start(tmp_path):
+    assert resume(tmp_path / "none.jsonl") == set()
+
+
+def test_a_missing_input_file_is_one_line(tmp_path, capsys):
+    assert pyml_batch.main([str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyml-batch: error: ") and "nope.jsonl" in err[0]
+
+
+def test_messages_and_chat_use_the_chat_template(tiny, tiny_lm, tmp_path):
+    src = tmp_path / "in.jsonl"
+    messages = [{"role": "user", "content": "hi"}]
+    src.write_text(json.dumps({"id": 1, "messages": messages}) + "\n" + json.dumps({"id": 2, "prompt": "hi"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "4", "--chat",
+                            "--system", "Be brief."]) == 0
+    one, two = read_output(out)
+    expected = tiny_lm.generate(tiny_lm.chat_prompt([{"role": "system", "content": "Be brief."}] + messages), 4)
+    assert one["tokens"] == two["tokens"] == expected.tokens
+    assert one["timings"]["prompt_n"] == len(expected.prompt_tokens)
+
+
+def test_profile_gives_one_report_over_the_batch(tiny, tmp_path):
+    src = write_input(tmp_path / "in.jsonl")
+    prof = tmp_path / "prof"
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "o.jsonl"), "-m", str(tiny), "-n", "3",
+                            "--profile", str(prof)]) == 0
+    report = (prof / "report.md").read_text()
+    assert "| Generations | 4 |" in report and "## Workers" not in report  # one process: no per-worker rows
+    assert json.loads((prof / "run.json").read_text())["model"]["arch"] == "gpt2"
+
+
+def test_ray_flag_without_ray_is_one_line_naming_the_extra(tiny, tmp_path):
+    src = write_input(tmp_path / "in.jsonl")
+    code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` now raises ImportError
+            "from pyml.cli import pyml_batch, pyml_sweep\n"
+            f"a = pyml_batch.main([{str(src)!r}, '--out', {str(tmp_path / 'o.jsonl')!r}, '-m', {str(tiny)!r}, "
+            "'--ray'])\n"
+            f"b = pyml_sweep.main(['--ray', '--out', {str(tmp_path / 'sweep')!r}])\n"
+            "sys.exit(10 * a + b)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 22, proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ['pyml-batch: error: Ray is not installed: pip install "pyml[ray]" (or pip install ray) '
+                     'to use --ray',
+                     'pyml-sweep: error: Ray is not installed: pip install "pyml[ray]" (or pip install ray) '
+                     'to use --ray']
+
+
+def test_an_unreachable_cluster_is_one_line_before_the_output_is_touched(tiny, tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "o.jsonl"
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "--ray", "--address",
+                            f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pyml-batch: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused "
+                   f"(is `ray start --head` running there?)"]
+    assert not out.exists()
