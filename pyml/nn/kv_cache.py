@@ -46,6 +46,7 @@ class KVCache:
         self.kv_type = check_kv_type(kv_type, head_dim)
         self.n_layers, self.n_kv_heads, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, max_len
         windows = list(windows) if windows is not None else [None] * n_layers
+        self.windows = windows
         full = -(-max_len // BLOCK) * BLOCK
         self.slots = [min(full, -(-(w + RING_SLACK) // BLOCK) * BLOCK) if w else full for w in windows]
         code = KV_TYPES[kv_type]
@@ -59,6 +60,7 @@ class KVCache:
         else:
             self.k_scale = self.v_scale = [_NO_SCALES] * n_layers
         self.length = 0  # positions filled (advanced by the model after a forward pass)
+        self.written = [0] * n_layers  # per layer, the end of the positions last written
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +70,14 @@ class KVCache:
     def is_ring(self, layer: int) -> bool:
         """Whether the layer keeps only its last slots positions (a sliding window's ring)."""
         return self.slots[layer] < self.max_len
+
+    def resumable(self, pos: int) -> bool:
+        """Whether a forward pass may start at `pos` after what was written: a ring has
+        overwritten positions older than its slots, and a sliding layer resuming at pos needs
+        the window-1 positions before it (a PromptCache reusing a short prefix of a long
+        history must prefill from 0 when this is False)."""
+        return all(pos >= end or pos == 0 or not self.is_ring(i) or pos - self.windows[i] + 1 >= end - self.slots[i]
+                   for i, end in enumerate(self.written))
 
     def layer(self, layer: int):
         """(keys, k_scale, values, v_scale): the arrays the attention kernels take."""
@@ -79,6 +89,10 @@ class KVCache:
         T = k.shape[0]
         if pos + T > self.max_len:
             raise PymlError(f"KV cache full: position {pos + T} exceeds its {self.max_len} slots")
+        if not self.resumable(pos):
+            raise PymlError(f"layer {layer}'s sliding-window ring no longer holds the positions before {pos}: "
+                            f"prefill from position 0")
+        self.written[layer] = pos + T
         with _perf.trace("kv_cache::update", "layer={} pos={} {}", layer, pos, self.kv_type, layer=layer,
                          op="kv_cache"):
             skip = max(0, T - self.slots[layer])

@@ -240,8 +240,10 @@ def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, wi
     while c0 < hi:
         c1 = min(c0 + CHUNK, hi)
         nb = (c1 - c0 + BLOCK - 1) // BLOCK
-        for r0 in range(0, R, ROWS):
-            for b in range(0, nb, 2):  # an odd last tile's partner lands past `width`, unread
+        # key tiles outer: a pair of tiles stays in L1 while every row meets it (with the rows
+        # outer, Gemma's hd-256 chunk was re-read from L2 once per 4 rows)
+        for b in range(0, nb, 2):  # an odd last tile's partner lands past `width`, unread
+            for r0 in range(0, R, ROWS):
                 _scores4x2(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
         width = nb * BLOCK
         # a chunk wholly inside the span, before every row's position and within every row's
@@ -281,8 +283,8 @@ def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, wi
             l[r] += total
         j0 = max(lo, c0) - c0
         j1 = c1 - c0
-        for r0 in range(0, R, ROWS):
-            for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
+        for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
+            for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
                 a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
                 a1, b1 = load_f32x8(acc[r0 + 1], i), load_f32x8(acc[r0 + 1], i + BLOCK)
                 a2, b2 = load_f32x8(acc[r0 + 2], i), load_f32x8(acc[r0 + 2], i + BLOCK)

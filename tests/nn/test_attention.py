@@ -69,3 +69,15 @@ def test_kv_types_agree_with_f32_on_the_real_models(model, smollm2_gguf, gemma3_
         same = next((i for i, (a, b) in enumerate(zip(top1[kv_type], top1["f32"])) if a != b), STEPS)
         print(f"\n[{model} kv {kv_type}] top-1 agreement {agree[kv_type]:.3f}, greedy identical for {same} tokens")
     assert all(agree[kv_type] >= bound for kv_type, bound in AGREEMENT.items()), agree
+
+
+def test_a_ring_refuses_to_resume_where_its_window_was_overwritten():
+    """A PromptCache that reuses a short prefix of a long history cannot resume on a ring whose
+    slots now hold later positions: one clear error, never a silently wrong window."""
+    cache = KVCache(1, 1, 32, 1000, "f32", windows=[8])
+    kv = np.zeros((600, 1, 32), np.float32)
+    cache.update(0, 0, kv, kv)  # slots hold positions 336 .. 599
+    assert cache.resumable(600) and cache.resumable(343) and cache.resumable(0)
+    assert not cache.resumable(100)
+    with pytest.raises(PymlError, match="prefill from position 0"):
+        cache.update(0, 100, kv[:1], kv[:1])
