@@ -253,7 +253,7 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
 
     `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     `kv_type`: how the KV caches of its generations are stored, f16 (default, as llama.cpp), f32
-    or q8_0 (docs/performance.md, "KV cache types").
+    or q8_0 (docs/performance.md, "Attention and the KV cache").
     """
     if source is not None:
         if gguf or safetensors:

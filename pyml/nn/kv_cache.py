@@ -4,11 +4,12 @@ The layout is the attention kernels' (quant/attention_ops.py): keys in tiles of 
 head_dim with the positions in vector lanes, values [n_kv_heads, slots, head_dim]; q8_0 adds an
 fp16 scale per 32 values. Position p lives in slot p % slots. A full layer has a slot for every
 position; a sliding-window layer keeps a ring (as mlx-lm's RotatingKVCache) of its window plus
-RING_SLACK slots, enough for a prefill piece of RING_SLACK + 1 queries to see its whole window. A head_dim that is not a multiple of 16 is
-stored zero-padded to one. Nothing is reallocated per token.
+RING_SLACK slots, enough for a prefill piece of RING_SLACK + 1 queries to see its whole window.
+A head_dim that is not a multiple of 16 is stored zero-padded to one. Nothing is reallocated
+per token.
 
 f16 is the default, as llama.cpp's: half the bytes of f32 for a decode step to read, with
-errors documented in docs/performance.md ("KV cache types").
+errors documented in docs/performance.md ("Attention and the KV cache").
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def check_kv_type(kv_type: str, head_dim: int) -> str:
     if kv_type not in KV_TYPES:
         raise PymlError(f"unknown KV cache type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
     if kv_type == "q8_0" and head_dim % QBLOCK:
-        raise PymlError(f"KV cache type q8_0 needs a head_dim that is a multiple of {QBLOCK}, this model's is {head_dim}")
+        raise PymlError(f"KV cache type q8_0 needs a head_dim that is a multiple of {QBLOCK}, "
+                        f"this model's is {head_dim}")
     return kv_type
 
 
