@@ -11,6 +11,8 @@ import sys
 
 from pyml.core.errors import PymlError
 from pyml.nlp.api import DEFAULT_MODEL
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE
+from pyml.quant.attention_ops import KV_TYPES
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -26,11 +28,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gguf", metavar="PATH_OR_NAME",
                      help="GGUF file (split: its first shard), hf:ORG/REPO[:QUANT], or a known name")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default=DEFAULT_KV_TYPE,
+                   help=f"how the KV cache is stored (default {DEFAULT_KV_TYPE}, as llama.cpp; f32 is exact, "
+                        f"q8_0 a quarter of f32's bytes: docs/performance.md)")
 
 
 def model_options(args: argparse.Namespace) -> dict:
     """load_model's keyword arguments for the model the options name."""
-    return dict(source=args.model, gguf=args.gguf, safetensors=args.safetensors, threads=args.threads)
+    return dict(source=args.model, gguf=args.gguf, safetensors=args.safetensors, threads=args.threads,
+                kv_type=args.kv_type)
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, ctx_size: int | None = None) -> None:

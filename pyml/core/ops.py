@@ -169,51 +169,6 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
     return x
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_head(h, q, keys, values, start, end, scale, out):
-    """One query head over its kv head's positions start..end-1: softmax(q.K^T * scale).V -> out[h].
-
-    keys/values are the whole C-contiguous cache [Hkv, max_len, hd], not a slice of it:
-    with a known unit stride LLVM vectorises the dot products (a strided view runs ~4x slower).
-    """
-    hd = q.shape[1]
-    kv = h // (q.shape[0] // keys.shape[0])
-    scores = np.empty(end - start, np.float32)
-    best = -np.inf
-    for s in range(start, end):
-        acc = np.float32(0.0)
-        for i in range(hd):
-            acc += q[h, i] * keys[kv, s, i]
-        acc *= scale
-        scores[s - start] = acc
-        best = max(best, acc)
-    total = np.float32(0.0)
-    for s in range(end - start):
-        e = exp32(scores[s] - best)
-        scores[s] = e
-        total += e
-    for i in range(hd):
-        out[h, i] = 0.0
-    for s in range(start, end):
-        w = scores[s - start] / total
-        for i in range(hd):
-            out[h, i] += w * values[kv, s, i]
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_one_parallel(q, keys, values, start, end, scale, out):
-    for h in numba.prange(q.shape[0]):
-        _attend_head(h, q, keys, values, start, end, scale, out)
-    return out
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_one_serial(q, keys, values, start, end, scale, out):
-    for h in range(q.shape[0]):
-        _attend_head(h, q, keys, values, start, end, scale, out)
-    return out
-
-
 # Below this many multiply-adds a parallel region costs more than it saves: waking the
 # second thread is ~3 µs on an idle machine and up to a scheduler tick (ms) on a busy one.
 PARALLEL_MIN_WORK = 1 << 17
@@ -293,20 +248,6 @@ def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleaved: bool) -> np
     return _rope_rows(x, pos, inv_freq, interleaved)
 
 
-def attend_one(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, end: int,
-               scale: float) -> np.ndarray:
-    """Softmax(q K^T * scale) V for one position over cached positions start..end-1, all heads
-    at once: q [H, hd], keys/values [Hkv, max_len, hd] -> [H, hd].
-
-    One jitted call instead of five NumPy ops and two batched matmuls: on a small
-    model the dispatch of those costs more than the arithmetic of a decode step.
-    """
-    with _perf.trace("attention::sdpa", "q={} kv=[{}, {}, {}]", q.shape, keys.shape[0], end - start,
-                     keys.shape[2]):
-        kernel = _attend_one_parallel if q.size * (end - start) >= PARALLEL_MIN_WORK else _attend_one_serial
-        return kernel(q, keys, values, start, end, np.float32(scale), np.empty_like(q))
-
-
 def warmup():
     """Compile the jitted ops on tiny inputs (see RuntimeConfig.warmup_thread_pool)."""
     x = np.ones((2, 8), np.float32)
@@ -321,6 +262,3 @@ def warmup():
     inv = np.ones(4, np.float64)
     _rope_rows(q, 0, inv, True)
     _rope_rows(q, 0, inv, False)
-    kv = np.ones((1, 4, 8), np.float32)
-    for kernel in (_attend_one_parallel, _attend_one_serial):
-        kernel(np.ascontiguousarray(q[:, 0]), kv, kv, 1, 3, np.float32(1.0), np.empty((2, 8), np.float32))

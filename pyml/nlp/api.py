@@ -25,6 +25,7 @@ from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE, check_kv_type
 from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nlp.load")
@@ -54,8 +55,8 @@ class LanguageModel:
     def config(self) -> ModelConfig:
         return self.model.config
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        return self.model.new_cache(max_len)
+    def new_cache(self, max_len: int | None = None, kv_type: str | None = None) -> KVCache:
+        return self.model.new_cache(max_len, kv_type)
 
     def new_prompt_cache(self, max_len: int | None = None) -> PromptCache:
         """A KV cache that remembers its tokens: pass it as `cache=` to every turn of a
@@ -249,12 +250,14 @@ def guess_format(source: str) -> str:
 
 
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
-               threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None
-               ) -> LanguageModel:
+               threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None,
+               kv_type: str = DEFAULT_KV_TYPE) -> LanguageModel:
     """Load a model: `safetensors=` a directory or hub id, `gguf=` a file (a split model: its first
     shard), a short name or `hf:ORG/REPO[:QUANT]` (docs/hub.md).
 
     `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
+    `kv_type`: how the KV caches of its generations are stored, f16 (default, as llama.cpp), f32
+    or q8_0 (docs/performance.md, "Attention and the KV cache").
     """
     if source is not None:
         if gguf or safetensors:
@@ -273,6 +276,7 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
         else:
             built = build_gguf(hub.resolve_gguf(gguf))
         model = built.model
+        model.kv_type = check_kv_type(kv_type, model.head_dim)
         if lm_head_quant:
             quantize_head(model, lm_head_quant)
         model.pack_weights()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyml.core import ops, perf
+from pyml.core import perf
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
+from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.attention")
 
@@ -56,27 +57,19 @@ class Attention:
             if self.rope is not None:
                 q = self.rope(np.ascontiguousarray(q), pos)
                 k = self.rope(np.ascontiguousarray(k), pos)
-            cache.update(layer, pos, k, v)
-            end = pos + T
-            start = max(0, pos - self.window + 1) if self.window else 0
+            q = np.ascontiguousarray(q)
             if T == 1:  # decode: one fused kernel over all heads
-                ctx = ops.attend_one(np.ascontiguousarray(q[0]), cache.k[layer], cache.v[layer], start, end,
-                                     self.scale)
+                cache.update(layer, pos, k, v)
+                start = max(0, pos + 1 - self.window) if self.window else 0
+                ctx = attention_ops.attend_decode(q[0], *cache.layer(layer), start, pos + 1, self.scale,
+                                                  np.empty((self.n_heads, self.head_dim), np.float32))
                 return self.o_proj(ctx.reshape(1, -1))
-            keys, values = cache.view(layer, end, start)  # [Hkv, S, hd]
-            S, group = end - start, self.n_heads // self.n_kv_heads
-            # [T, H, hd] -> [Hkv, group*T, hd]: the query heads of one kv head side by side
-            qg = np.ascontiguousarray(q.transpose(1, 0, 2)).reshape(self.n_kv_heads, group * T, self.head_dim)
-            qg *= self.scale
-            scores = ops.batched_matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, group*T, S]
-            if T > 1:
-                q_pos = np.arange(pos, end)[:, None]
-                k_pos = np.arange(start, end)[None, :]
-                masked = k_pos > q_pos
-                if self.window:
-                    masked |= (q_pos - k_pos) >= self.window
-                scores.reshape(self.n_kv_heads, group, T, S)[:, :, masked] = -np.inf
-            probs = ops.softmax(scores)
-            ctx = ops.batched_matmul(probs, values)  # [Hkv, group*T, hd]
-            ctx = ctx.reshape(self.n_heads, T, self.head_dim).transpose(1, 0, 2).reshape(T, -1)
-            return self.o_proj(np.ascontiguousarray(ctx))
+            # a ring keeps window + slack positions: write and attend in pieces that fit beside the window
+            piece = cache.slots[layer] - self.window + 1 if cache.is_ring(layer) else T
+            ctx = np.empty((T, self.n_heads, self.head_dim), np.float32)
+            for t0 in range(0, T, piece):
+                t1 = min(T, t0 + piece)
+                cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
+                ctx[t0:t1] = attention_ops.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
+                                                        self.window or 0)
+            return self.o_proj(ctx.reshape(T, -1))

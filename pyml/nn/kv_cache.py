@@ -1,8 +1,15 @@
-"""Preallocated key/value cache, one pair of arrays per layer.
+"""Preallocated key/value cache in a stored type (f32, f16, q8_0), one set of arrays per layer.
 
-Layout [n_kv_heads, max_len, head_dim] keeps each head's keys contiguous over
-positions, so a decode step's Q.K^T and P.V stream one contiguous slab per head.
-Nothing is reallocated per token.
+The layout is the attention kernels' (quant/attention_ops.py): keys in tiles of 8 positions x
+head_dim with the positions in vector lanes, values [n_kv_heads, slots, head_dim]; q8_0 adds an
+fp16 scale per 32 values. Position p lives in slot p % slots. A full layer has a slot for every
+position; a sliding-window layer keeps a ring (as mlx-lm's RotatingKVCache) of its window plus
+RING_SLACK slots, enough for a prefill piece of RING_SLACK + 1 queries to see its whole window.
+A head_dim that is not a multiple of 16 is stored zero-padded to one. Nothing is reallocated
+per token.
+
+f16 is the default, as llama.cpp's: half the bytes of f32 for a decode step to read, with
+errors documented in docs/performance.md ("Attention and the KV cache").
 """
 
 from __future__ import annotations
@@ -11,30 +18,95 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.core.errors import PymlError
+from pyml.quant.attention_ops import BLOCK, KV_TYPES, QBLOCK, read_kv, write_kv
 
 _perf = perf.get("pyml.nn.kv_cache")
 
+DEFAULT_KV_TYPE = "f16"
+RING_SLACK = 256  # slots beyond the window a sliding layer's ring keeps (the prefill piece - 1)
+_NO_SCALES = np.ones((1, 1, 1, 1), np.float32)  # the float types' scale arrays: never read
+
+
+def check_kv_type(kv_type: str, head_dim: int) -> str:
+    if kv_type not in KV_TYPES:
+        raise PymlError(f"unknown KV cache type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+    if kv_type == "q8_0" and head_dim % QBLOCK:
+        raise PymlError(f"KV cache type q8_0 needs a head_dim that is a multiple of {QBLOCK}, "
+                        f"this model's is {head_dim}")
+    return kv_type
+
 
 class KVCache:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int):
+    """Keys and values of `n_layers` layers for positions 0 .. max_len-1.
+
+    windows: per layer, None (every position kept) or the sliding window (a ring of
+    window + RING_SLACK slots, when that is less than max_len).
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, kv_type: str = DEFAULT_KV_TYPE,
+                 windows=None):
+        self.kv_type = check_kv_type(kv_type, head_dim)
         self.n_layers, self.n_kv_heads, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, max_len
-        self.k = [np.zeros((n_kv_heads, max_len, head_dim), np.float32) for _ in range(n_layers)]
-        self.v = [np.zeros((n_kv_heads, max_len, head_dim), np.float32) for _ in range(n_layers)]
+        windows = list(windows) if windows is not None else [None] * n_layers
+        self.windows = windows
+        full = -(-max_len // BLOCK) * BLOCK
+        self.slots = [min(full, -(-(w + RING_SLACK) // BLOCK) * BLOCK) if w else full for w in windows]
+        code = KV_TYPES[kv_type]
+        dim = -(-head_dim // (2 * BLOCK)) * 2 * BLOCK  # the kernels step through hd 16 at a time: zero padding
+        self.k = [np.zeros((n_kv_heads, n // BLOCK, dim, BLOCK), code) for n in self.slots]
+        self.v = [np.zeros((n_kv_heads, n, dim), code) for n in self.slots]
+        if kv_type == "q8_0":
+            self.k_scale = [np.zeros((n_kv_heads, n // BLOCK, head_dim // QBLOCK, BLOCK), np.uint16)
+                            for n in self.slots]
+            self.v_scale = [np.zeros((n_kv_heads, n, head_dim // QBLOCK), np.uint16) for n in self.slots]
+        else:
+            self.k_scale = self.v_scale = [_NO_SCALES] * n_layers
         self.length = 0  # positions filled (advanced by the model after a forward pass)
+        self.written = [0] * n_layers  # per layer, the end of the positions last written
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.max_len * self.head_dim * 4
+        arrays = self.k + self.v + (self.k_scale + self.v_scale if self.kv_type == "q8_0" else [])
+        return sum(a.nbytes for a in arrays)
+
+    def is_ring(self, layer: int) -> bool:
+        """Whether the layer keeps only its last slots positions (a sliding window's ring)."""
+        return self.slots[layer] < self.max_len
+
+    def resumable(self, pos: int) -> bool:
+        """Whether a forward pass may start at `pos` after what was written: a ring has
+        overwritten positions older than its slots, and a sliding layer resuming at pos needs
+        the window-1 positions before it (a PromptCache reusing a short prefix of a long
+        history must prefill from 0 when this is False)."""
+        return all(pos >= end or pos == 0 or not self.is_ring(i) or pos - self.windows[i] + 1 >= end - self.slots[i]
+                   for i, end in enumerate(self.written))
+
+    def layer(self, layer: int):
+        """(keys, k_scale, values, v_scale): the arrays the attention kernels take."""
+        return self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer]
 
     def update(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray):
-        """Write k, v [T, n_kv_heads, head_dim] at positions pos .. pos+T-1."""
+        """Write k, v [T, n_kv_heads, head_dim] float32 at positions pos .. pos+T-1, converted to the
+        stored type (a ring layer keeps the last of them when T exceeds its slots)."""
         T = k.shape[0]
         if pos + T > self.max_len:
             raise PymlError(f"KV cache full: position {pos + T} exceeds its {self.max_len} slots")
-        with _perf.trace("kv_cache::update", "layer={} pos={}", layer, pos, layer=layer, op="kv_cache"):
-            self.k[layer][:, pos:pos + T] = k.transpose(1, 0, 2)
-            self.v[layer][:, pos:pos + T] = v.transpose(1, 0, 2)
+        if not self.resumable(pos):
+            raise PymlError(f"layer {layer}'s sliding-window ring no longer holds the positions before {pos}: "
+                            f"prefill from position 0")
+        self.written[layer] = pos + T
+        with _perf.trace("kv_cache::update", "layer={} pos={} {}", layer, pos, self.kv_type, layer=layer,
+                         op="kv_cache"):
+            skip = max(0, T - self.slots[layer])
+            write_kv(np.ascontiguousarray(k[skip:], np.float32), np.ascontiguousarray(v[skip:], np.float32),
+                     pos + skip, *self.layer(layer))
 
     def view(self, layer: int, end: int, start: int = 0):
-        """Keys and values of positions start .. end-1: two [n_kv_heads, end-start, head_dim] views."""
-        return self.k[layer][:, start:end], self.v[layer][:, start:end]
+        """Keys and values of positions start .. end-1 as float32 [n_kv_heads, end-start, head_dim]
+        copies (dequantized); a ring layer holds only its last slots positions."""
+        if self.is_ring(layer) and start < end - self.slots[layer]:
+            raise PymlError(f"layer {layer} keeps positions from {end - self.slots[layer]} on, not {start}")
+        shape = (self.n_kv_heads, end - start, self.head_dim)
+        keys, values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        read_kv(*self.layer(layer), start, end, keys, values)
+        return keys, values

@@ -81,10 +81,9 @@ def test_trace_lines(lm, log_to):
     lm.generate([1, 2, 3], max_tokens=2)
     text = stream.getvalue()
     for pattern in [r"linear::forward \[1, 64\]->\[64, 192\] F32 \S+ms",
-                    r"batched_matmul \[4, 3, 16\]x\[4, 16, 3\] \S+ms",   # prefill
-                    r"softmax \[4, 3, 3\] \S+ms",
-                    r"attention::sdpa q=\[4, 16\] kv=\[4, 4, 16\] \S+ms",  # decode: one fused kernel
-                    r"kv_cache::update layer=0 pos=3 \S+ms",
+                    r"attention::sdpa q=\[3, 4, 16\] kv=\[4, 3, 16\] f16 tiled \S+ms",  # prefill
+                    r"attention::sdpa q=\[4, 16\] kv=\[4, 4, 16\] f16 \S+ms",  # decode: one fused kernel
+                    r"kv_cache::update layer=0 pos=3 f16 \S+ms",
                     r"embedding::lookup tokens=1 dim=64 F32 \S+ms",
                     r"layer_norm \[1, 64\] \S+ms",
                     r"attention::forward layer=2 global tokens=1 pos=3 \S+ms",

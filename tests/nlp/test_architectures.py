@@ -84,8 +84,8 @@ def range_err(got, ref) -> float:
 def errors(model, ref, prompt: int = 5):
     """(prompt error, worst KV-cached decode error): the whole prompt at once, then a prefix and
     one token at a time against each position's logits."""
-    full = range_err(model.forward(IDS, model.new_cache(len(IDS)), all_logits=True), ref)
-    cache = model.new_cache(len(IDS))
+    full = range_err(model.forward(IDS, model.new_cache(len(IDS), "f32"), all_logits=True), ref)
+    cache = model.new_cache(len(IDS), "f32")
     model.forward(IDS[:prompt], cache)
     decode = max(range_err(model.forward([t], cache), ref[prompt + i]) for i, t in enumerate(IDS[prompt:]))
     return full, decode
@@ -93,7 +93,7 @@ def errors(model, ref, prompt: int = 5):
 
 def test_safetensors_matches_transformers(case, torch):
     name, directory, hf = case
-    lm = pyml.load_model(safetensors=str(directory), warmup=False)
+    lm = pyml.load_model(safetensors=str(directory), warmup=False, kv_type="f32")
     assert lm.model.arch == hf.config.model_type
     full, decode = errors(lm.model, hf_logits(hf, IDS))
     print(f"\n[{name} safetensors] prompt {full:.2e} decode {decode:.2e} of the logit range")
@@ -125,7 +125,7 @@ def test_unexpected_tensor_is_refused_in_both_formats(case, tmp_path):
     save_file({**tensors, "model.layers.0.self_attn.stray.weight": stray}, str(copy / "model.safetensors"),
               metadata={"format": "pt"})
     with pytest.raises(ModelFormatError, match=r"'model\.layers\.0\.self_attn\.stray\.weight'") as e:
-        pyml.load_model(safetensors=str(copy), warmup=False)
+        pyml.load_model(safetensors=str(copy), warmup=False, kv_type="f32")
     assert "\n" not in str(e.value)
 
 
@@ -142,7 +142,7 @@ def test_unsupported_rope_type_is_refused(case, tmp_path, rope):
     (copy / "config.json").write_text(json.dumps(cfg))
     kind = rope.get("rope_type", rope.get("type"))
     with pytest.raises(UnsupportedError, match=f"rope type '{kind}' is not supported") as e:
-        pyml.load_model(safetensors=str(copy), warmup=False)
+        pyml.load_model(safetensors=str(copy), warmup=False, kv_type="f32")
     assert "\n" not in str(e.value)
 
 
@@ -166,7 +166,7 @@ def test_math_changing_hf_key_is_refused(case, tmp_path):
     cfg = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 30.0}))
     with pytest.raises(UnsupportedError, match="final_logit_softcapping is set"):
-        pyml.load_model(safetensors=str(copy), warmup=False)
+        pyml.load_model(safetensors=str(copy), warmup=False, kv_type="f32")
 
 
 def test_bias_presence_follows_the_config(case, tmp_path):
@@ -184,7 +184,7 @@ def test_bias_presence_follows_the_config(case, tmp_path):
         match = "'model.layers.0.self_attn.o_proj.bias'"
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelFormatError, match=match):
-        pyml.load_model(safetensors=str(copy), warmup=False)
+        pyml.load_model(safetensors=str(copy), warmup=False, kv_type="f32")
 
 
 def test_llama3_divisors_match_transformers(torch):

@@ -55,7 +55,7 @@ def save_hf_gemma3(directory: Path, seed: int = 0, dtype=None, **config):
 
 
 def load(directory) -> "pyml.LanguageModel":
-    return pyml.load_model(safetensors=str(directory), warmup=False)
+    return pyml.load_model(safetensors=str(directory), warmup=False, kv_type="f32")
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -236,8 +236,8 @@ def test_gguf_layout_matches_transformers(tmp_path, torch):
     assert isinstance(model, Gemma3) and not model.config.norm_unit_offset
     assert model.config.layer_types == tuple(hf.config.layer_types)
     ref = hf_logits(hf, IDS)
-    assert max_rel_err(model.forward(IDS, model.new_cache(len(IDS)), all_logits=True), ref) < TOL
-    cache = model.new_cache(len(IDS))
+    assert max_rel_err(model.forward(IDS, model.new_cache(len(IDS), "f32"), all_logits=True), ref) < TOL
+    cache = model.new_cache(len(IDS), "f32")
     model.forward(IDS[:3], cache)
     for i, t in enumerate(IDS[3:]):
         assert max_rel_err(model.forward([t], cache), ref[3 + i]) < TOL
@@ -257,7 +257,7 @@ def real_gemma():
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name,
                                               dtype=torch.float32).eval()
-    return pyml.load_model(gguf=str(real_gguf), warmup=False), hf
+    return pyml.load_model(gguf=str(real_gguf), warmup=False, kv_type="f32"), hf
 
 
 def compare(got, ref) -> tuple:

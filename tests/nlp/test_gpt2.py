@@ -20,7 +20,7 @@ CONFIGS = {
 def gpt2_pair(request, tmp_path_factory, torch):
     d = tmp_path_factory.mktemp(f"gpt2_{request.param}")
     hf = save_hf_gpt2(d, **CONFIGS[request.param])
-    lm = pyml.load_model(safetensors=str(d), warmup=False)
+    lm = pyml.load_model(safetensors=str(d), warmup=False, kv_type="f32")
     return hf, lm
 
 
@@ -52,7 +52,7 @@ def test_prompt_of_length_one(gpt2_pair):
 
 def test_prompt_filling_the_context(tmp_path, torch):
     hf = save_hf_gpt2(tmp_path, n_positions=16, seed=3)
-    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False)
+    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False, kv_type="f32")
     ids = list(np.random.default_rng(0).integers(0, 101, 16))
     assert max_rel_err(lm.forward(ids, all_logits=True), hf_logits(hf, ids)) < TOL
     # and one position more does not fit

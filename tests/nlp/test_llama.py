@@ -40,7 +40,7 @@ def save_hf_llama(directory, seed=0, **config):
 ], ids=["gqa", "mqa_tied", "mha", "rope_linear"])
 def test_hf_llama_matches_transformers(tmp_path, torch, config):
     hf = save_hf_llama(tmp_path, **config)
-    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False)
+    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False, kv_type="f32")
     ids = [3, 17, 42, 90, 0, 7, 7, 56, 11, 23]
     ref = hf_logits(hf, ids)
     assert max_rel_err(lm.forward(ids, all_logits=True), ref) < 1e-4
@@ -52,7 +52,7 @@ def test_hf_llama_matches_transformers(tmp_path, torch, config):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return pyml.load_model(gguf=str(smollm2_gguf), warmup=False)
+    return pyml.load_model(gguf=str(smollm2_gguf), warmup=False, kv_type="f32")
 
 
 def test_smollm2_config_from_gguf(smollm2):
@@ -72,7 +72,7 @@ def test_real_smollm2_logits_match_transformers(kind, smollm2_gguf, requantized,
     2.1% of the logit range at worst (Q4_1), so the bound is 3%. The exact-path test
     below shows the model itself agrees to float32 precision."""
     path = smollm2_gguf if kind == "q4_1" else requantized(kind)
-    lm = pyml.load_model(gguf=str(path), warmup=False)
+    lm = pyml.load_model(gguf=str(path), warmup=False, kv_type="f32")
     hf = hf_gguf_model(path)
     worst = 0.0
     for prompt in PROMPTS:
@@ -93,7 +93,7 @@ def test_real_smollm2_exact_kernels_match_transformers(smollm2_gguf, monkeypatch
 
     from pyml import quant
     monkeypatch.setattr(quant, "matmul", functools.partial(quant.matmul, exact=True))
-    lm = pyml.load_model(gguf=str(smollm2_gguf), warmup=False)
+    lm = pyml.load_model(gguf=str(smollm2_gguf), warmup=False, kv_type="f32")
     hf = hf_gguf_model(smollm2_gguf)
     for prompt in PROMPTS[:2]:
         ids = lm.encode(prompt)
@@ -120,7 +120,7 @@ def test_gguf_rope_is_interleaved_and_matches_hf_layout(smollm2_gguf, monkeypatc
     cfg = LlamaConfig.from_gguf(f)
     a = Llama(cfg, f.store(Llama.gguf_name), rope_style="interleaved")
     ids = [504, 3575, 282, 4649, 314]
-    ref = a.forward(ids, a.new_cache(8), all_logits=True)
+    ref = a.forward(ids, a.new_cache(8, "f32"), all_logits=True)
     # undo the converter's permutation on Q and K rows, then run with half-style RoPE
     store = f.store(Llama.gguf_name)
 
@@ -133,5 +133,5 @@ def test_gguf_rope_is_interleaved_and_matches_hf_layout(smollm2_gguf, monkeypatc
         unpermute(f"model.layers.{i}.self_attn.q_proj.weight", cfg.n_heads)
         unpermute(f"model.layers.{i}.self_attn.k_proj.weight", cfg.n_kv_heads)
     b = Llama(cfg, store, rope_style="half")
-    got = b.forward(ids, b.new_cache(8), all_logits=True)
+    got = b.forward(ids, b.new_cache(8, "f32"), all_logits=True)
     assert max_rel_err(got, ref) < 1e-4

@@ -39,7 +39,7 @@ def test_quantized_head_matches_gguf_quantizer(untied_gpt2, kind, monkeypatch):
     from pyml import quant
     monkeypatch.setattr(quant, "matmul", functools.partial(quant.matmul, exact=True))
     d, hf = untied_gpt2
-    lm = pyml.load_model(safetensors=str(d), warmup=False, lm_head_quant=kind)
+    lm = pyml.load_model(safetensors=str(d), warmup=False, kv_type="f32", lm_head_quant=kind)
     qtype = QuantType[kind.upper()]
     assert lm.model.lm_head.weight.qtype == qtype
     ids = [3, 17, 42, 99, 0, 7, 150, 56]
@@ -52,7 +52,7 @@ def test_quantized_head_matches_gguf_quantizer(untied_gpt2, kind, monkeypatch):
 
 def test_embedding_keeps_the_float_rows_when_tied(tmp_path, torch):
     hf = save_hf_gpt2(tmp_path, seed=2)  # tied: wte is the head
-    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False, lm_head_quant="q8_0")
+    lm = pyml.load_model(safetensors=str(tmp_path), warmup=False, kv_type="f32", lm_head_quant="q8_0")
     assert lm.model.lm_head.weight.qtype == QuantType.Q8_0
     assert lm.model.embed_tokens.weight.qtype == QuantType.F32
     ids = [4, 8, 15, 16, 23, 42]
@@ -62,7 +62,7 @@ def test_embedding_keeps_the_float_rows_when_tied(tmp_path, torch):
 
 def test_already_quantized_head_is_refused(smollm2_gguf):
     with pytest.raises(pyml.PymlError, match="already stored as Q"):
-        pyml.load_model(gguf=str(smollm2_gguf), warmup=False, lm_head_quant="q8_0")
+        pyml.load_model(gguf=str(smollm2_gguf), warmup=False, kv_type="f32", lm_head_quant="q8_0")
 
 
 def test_cli_debug_log_states_the_saving(untied_gpt2):

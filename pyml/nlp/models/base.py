@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import Packed
 
 _perf = perf.get("pyml.nlp.model")
@@ -45,14 +46,17 @@ class DecoderModel:
     logit_softcap: float | None = None
     # tensors a file may hold that the model does not read: name regex -> why that is safe
     known_unused: dict = {}
+    kv_type: str = DEFAULT_KV_TYPE  # the stored type of the caches new_cache makes (load_model's kv_type=)
 
     def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:  # [T] -> [T, d]
         return self.embed_tokens(tokens)
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        """A KV cache for `max_len` positions (default: the whole context window)."""
+    def new_cache(self, max_len: int | None = None, kv_type: str | None = None) -> KVCache:
+        """A KV cache for `max_len` positions (default: the whole context window), stored as
+        `kv_type` (f32, f16, q8_0; default the model's kv_type); sliding-window layers get a ring."""
         n = self.max_positions if max_len is None else min(max_len, self.max_positions)
-        return KVCache(len(self.blocks), self.n_kv_heads, self.head_dim, n)
+        return KVCache(len(self.blocks), self.n_kv_heads, self.head_dim, n, kv_type or self.kv_type,
+                       windows=[block.attn.window for block in self.blocks])
 
     def forward(self, tokens, cache: KVCache, pos: int | None = None, all_logits: bool = False) -> np.ndarray:
         """Logits for the last position [vocab] (or every position [T, vocab] with `all_logits`).

@@ -1,0 +1,472 @@
+"""Attention kernels over the KV cache in its stored type (f32, f16, q8_0): decode and tiled prefill.
+
+Why here and not in core: the kernels are written in the SIMD vocabulary (simd.py: F32x8 values,
+vcvtph2ps loads) and read the q8_0 block format, both of this room.
+
+Cache layout (one layer; Hkv kv heads, `cap` slots, head_dim hd; see nn/kv_cache.py):
+
+    keys     [Hkv, cap/8, hd, 8]   tiles of 8 positions: for each dimension, the 8 positions
+                                   side by side, so a query's scores for 8 positions accumulate
+                                   in one vector (an FMA per dimension, no horizontal sum), and
+                                   every query row of a GQA group is computed against one load
+    values   [Hkv, cap, hd]        a position's values contiguous: P.V runs along hd
+    k_scale  [Hkv, cap/8, hd/32, 8]  q8_0 only (else a dummy): the fp16 scale of each 32-dim
+    v_scale  [Hkv, cap, hd/32]       block of each position, laid out like the codes it scales
+
+Stored types: f32 (float32), f16 (uint16 holding IEEE half bits, converted in-register by
+vcvtph2ps), q8_0 (int8 codes, fp16 scale per 32 values along head_dim, as llama.cpp's Q8_0
+block: d = max|x| / 127, code = roundf(x / d); the same codes and scale as ggml, tiled).
+Position p lives in slot p % cap: a full cache has cap >= every position, a sliding-window
+layer's ring holds the last `cap` positions (cap >= window + the longest write).
+
+Softmax is online (flash-attention): 64 positions at a time per query row, a running max m,
+sum l and accumulator acc, rescaled when the max grows. Decode splits the span over threads
+(flash-decoding) and merges the partial (m, l, acc); prefill gives each thread (kv head,
+tile of queries) items, so peak extra memory is O(T x hd), never O(T x S).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic, overload
+
+from pyml.core import perf
+from pyml.core.jit import FASTMATH
+from pyml.core.ops import PARALLEL_MIN_WORK, exp32
+from pyml.quant import simd
+from pyml.quant.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
+
+_perf = perf.get("pyml.quant.attention_ops")
+
+BLOCK = 8       # positions per key tile: one F32x8 of scores
+CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
+ROWS = 4        # query rows computed against one load of a key tile
+QBLOCK = 32     # q8_0: values per scale, along head_dim
+TILE_Q = 8      # prefill: queries per work item (x the group's heads = its rows)
+
+KV_TYPES = {"f32": np.float32, "f16": np.uint16, "q8_0": np.int8}  # name -> stored code dtype
+_TYPE_NAMES = {code: name for name, code in KV_TYPES.items()}
+_NOTHING = np.zeros((0, 1, 1), np.float32)  # attend_decode without a key and value to write
+
+
+@intrinsic
+def _load_i8x8_f32(typingctx, ary, idx):
+    """8 signed bytes at element idx -> F32x8 (vpmovsxbd + vcvtdq2ps): q8_0 codes."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vt = ir.VectorType(ir.IntType(8), 8)
+        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vt.as_pointer()), align=1)
+        return builder.sitofp(builder.sext(v, ir.VectorType(ir.IntType(32), 8)), F32x8.llvm())
+    return F32x8(ary, idx), codegen
+
+
+def _load8(ary, idx):
+    """8 stored values at flat element idx as F32x8, whatever the stored type."""
+
+
+@overload(_load8, inline="always")
+def _load8_typed(ary, idx):
+    if ary.dtype == numba.float32:
+        return lambda ary, idx: load_f32x8(ary, idx)
+    if ary.dtype == numba.uint16:
+        return lambda ary, idx: simd.load_f16x8(ary, idx)
+    if ary.dtype == numba.int8:
+        return lambda ary, idx: _load_i8x8_f32(ary, idx)
+    return None
+
+
+def _scale8(scales, idx):
+    """8 fp16 scales at flat idx as F32x8; 1.0 for a float cache (its scales are a dummy array)."""
+
+
+@overload(_scale8, inline="always")
+def _scale8_typed(scales, idx):
+    if scales.dtype == numba.uint16:
+        return lambda scales, idx: simd.load_f16x8(scales, idx)
+    return lambda scales, idx: f32x8(1.0)
+
+
+def _scale1(scales, kv, slot, block):
+    """One value's fp16 scale as float32; 1.0 for a float cache."""
+
+
+@overload(_scale1, inline="always")
+def _scale1_typed(scales, kv, slot, block):
+    if scales.dtype == numba.uint16:
+        return lambda scales, kv, slot, block: simd.half_to_f32(scales[kv, slot, block])
+    return lambda scales, kv, slot, block: np.float32(1.0)
+
+
+def _is_q8(ary):
+    """Whether a cache array holds q8_0 codes (int8)."""
+
+
+@overload(_is_q8, inline="always")
+def _is_q8_typed(ary):
+    flag = ary.dtype == numba.int8
+    return lambda ary: flag
+
+
+def _is_f16(ary):
+    """Whether a cache array holds fp16 bits (uint16)."""
+
+
+@overload(_is_f16, inline="always")
+def _is_f16_typed(ary):
+    flag = ary.dtype == numba.uint16
+    return lambda ary: flag
+
+
+# --- writing the cache ---------------------------------------------------------------
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _roundf(x):
+    """Round half away from zero (C's roundf, as ggml's quantizer)."""
+    return np.float32(math.copysign(math.floor(abs(x) + np.float32(0.5)), x))
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def write_kv(k, v, pos, keys, k_scale, values, v_scale):
+    """Store k, v [T, Hkv, hd] float32 at positions pos .. pos+T-1 (slots p % cap), in the
+    cache's stored type (from the arrays' dtype: float32, uint16 = f16, int8 = q8_0)."""
+    T, n_kv, hd = k.shape  # the cache's own head_dim may be padded: its padding stays zero
+    cap = values.shape[1]
+    for t in range(T):
+        slot = (pos + t) % cap
+        kb, lane = slot // BLOCK, slot % BLOCK
+        for h in range(n_kv):
+            if _is_q8(values):
+                for b in range(hd // QBLOCK):
+                    i0 = b * QBLOCK
+                    ka = np.float32(0.0)
+                    va = np.float32(0.0)
+                    for i in range(i0, i0 + QBLOCK):
+                        ka = max(ka, abs(k[t, h, i]))
+                        va = max(va, abs(v[t, h, i]))
+                    kd, vd = ka / np.float32(127.0), va / np.float32(127.0)
+                    kid = np.float32(1.0) / kd if kd != 0 else np.float32(0.0)
+                    vid = np.float32(1.0) / vd if vd != 0 else np.float32(0.0)
+                    k_scale[h, kb, b, lane] = simd.f32_to_half(kd)
+                    v_scale[h, slot, b] = simd.f32_to_half(vd)
+                    for i in range(i0, i0 + QBLOCK):
+                        keys[h, kb, i, lane] = np.int8(_roundf(k[t, h, i] * kid))
+                        values[h, slot, i] = np.int8(_roundf(v[t, h, i] * vid))
+            elif _is_f16(values):
+                for i in range(hd):
+                    keys[h, kb, i, lane] = simd.f32_to_half(k[t, h, i])
+                    values[h, slot, i] = simd.f32_to_half(v[t, h, i])
+            else:
+                for i in range(hd):
+                    keys[h, kb, i, lane] = k[t, h, i]
+                    values[h, slot, i] = v[t, h, i]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def read_kv(keys, k_scale, values, v_scale, start, end, k_out, v_out):
+    """Positions start .. end-1 back as float32 [Hkv, end-start, hd] (inspection and tests)."""
+    n_kv, hd, cap = values.shape[0], k_out.shape[2], values.shape[1]
+    for h in range(n_kv):
+        for p in range(start, end):
+            slot = p % cap
+            kb, lane = slot // BLOCK, slot % BLOCK
+            for i in range(hd):
+                kx, vx = keys[h, kb, i, lane], values[h, slot, i]
+                if _is_q8(values):
+                    k_out[h, p - start, i] = np.float32(kx) * simd.half_to_f32(k_scale[h, kb, i // QBLOCK, lane])
+                    v_out[h, p - start, i] = np.float32(vx) * simd.half_to_f32(v_scale[h, slot, i // QBLOCK])
+                elif _is_f16(values):
+                    k_out[h, p - start, i] = simd.half_to_f32(kx)
+                    v_out[h, p - start, i] = simd.half_to_f32(vx)
+                else:
+                    k_out[h, p - start, i] = kx
+                    v_out[h, p - start, i] = vx
+
+
+# --- the shared core: rows of queries against a span of positions ----------------------
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _scores4x2(q, r0, keys, k_scale, kv, kb, scores, col):
+    """scores[r0..r0+3, col..col+15] = q[r0..r0+3] . keys of tiles kb and kb+1 (16 positions):
+    one tile load serves 4 rows, and 8 accumulators keep both FMA ports busy (4 chains wait
+    on the FMA latency); q8_0 scales applied per 32-dim block."""
+    hd = q.shape[1]
+    nkb = keys.shape[1]
+    kb2 = (kb + 1) % nkb
+    base, base2 = (kv * nkb + kb) * hd * BLOCK, (kv * nkb + kb2) * hd * BLOCK
+    sbase, sbase2 = (kv * nkb + kb) * (hd // QBLOCK) * BLOCK, (kv * nkb + kb2) * (hd // QBLOCK) * BLOCK
+    s0, s1, s2, s3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    t0, t1, t2, t3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    for b in range((hd + QBLOCK - 1) // QBLOCK):  # hd: a multiple of 32 for q8_0, of 16 otherwise
+        p0, p1, p2, p3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        u0, u1, u2, u3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        for i in range(b * QBLOCK, min(hd, b * QBLOCK + QBLOCK)):
+            kx = _load8(keys, base + i * BLOCK)
+            ky = _load8(keys, base2 + i * BLOCK)
+            q0, q1, q2, q3 = f32x8(q[r0, i]), f32x8(q[r0 + 1, i]), f32x8(q[r0 + 2, i]), f32x8(q[r0 + 3, i])
+            p0, u0 = fma(q0, kx, p0), fma(q0, ky, u0)
+            p1, u1 = fma(q1, kx, p1), fma(q1, ky, u1)
+            p2, u2 = fma(q2, kx, p2), fma(q2, ky, u2)
+            p3, u3 = fma(q3, kx, p3), fma(q3, ky, u3)
+        d, e = _scale8(k_scale, sbase + b * BLOCK), _scale8(k_scale, sbase2 + b * BLOCK)
+        s0, s1, s2, s3 = fma(d, p0, s0), fma(d, p1, s1), fma(d, p2, s2), fma(d, p3, s3)
+        t0, t1, t2, t3 = fma(e, u0, t0), fma(e, u1, t1), fma(e, u2, t2), fma(e, u3, t3)
+    store_f32x8(scores[r0], col, s0)
+    store_f32x8(scores[r0 + 1], col, s1)
+    store_f32x8(scores[r0 + 2], col, s2)
+    store_f32x8(scores[r0 + 3], col, s3)
+    store_f32x8(scores[r0], col + BLOCK, t0)
+    store_f32x8(scores[r0 + 1], col + BLOCK, t1)
+    store_f32x8(scores[r0 + 2], col + BLOCK, t2)
+    store_f32x8(scores[r0 + 3], col + BLOCK, t3)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores):
+    """Fold positions lo .. hi-1 of kv head `kv` into the online softmax of query rows q
+    [R, hd] (R a multiple of ROWS, already scaled; rows >= n_rows are padding). Row r sees
+    position p when p <= qpos[r] and (window == 0 or qpos[r] - p < window).
+    State: m, l [R] (running max, sum), acc [R, hd]; scores [R, CHUNK] is scratch."""
+    R, hd = q.shape
+    cap = values.shape[1]
+    nkb = keys.shape[1]
+    q_first, q_last = qpos[0], qpos[0]
+    for r in range(n_rows):
+        q_first, q_last = min(q_first, qpos[r]), max(q_last, qpos[r])
+    c0 = lo - lo % BLOCK
+    while c0 < hi:
+        c1 = min(c0 + CHUNK, hi)
+        nb = (c1 - c0 + BLOCK - 1) // BLOCK
+        # key tiles outer: a pair of tiles stays in L1 while every row meets it (with the rows
+        # outer, Gemma's hd-256 chunk was re-read from L2 once per 4 rows)
+        for b in range(0, nb, 2):  # an odd last tile's partner lands past `width`, unread
+            for r0 in range(0, R, ROWS):
+                _scores4x2(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
+        width = nb * BLOCK
+        # a chunk wholly inside the span, before every row's position and within every row's
+        # window needs no mask: the common case, kept free of per-score comparisons
+        unmasked = c0 >= lo and c0 + width <= hi and c0 + width - 1 <= q_first and \
+            (window == 0 or q_last - c0 < window)
+        for r in range(R):
+            if r >= n_rows:
+                scores[r, :width] = 0.0
+                continue
+            if not unmasked:
+                qp = qpos[r]
+                for j in range(width):
+                    p = c0 + j
+                    keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
+                    scores[r, j] = scores[r, j] if keep else -np.inf
+            best = np.float32(-np.inf)
+            for j in range(width):
+                best = max(best, scores[r, j])
+            if best == -np.inf:
+                scores[r, :width] = 0.0
+                continue
+            if best > m[r]:
+                alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
+                l[r] *= alpha
+                for i in range(hd):
+                    acc[r, i] *= alpha
+                m[r] = best
+            mr = m[r]
+            total = np.float32(0.0)
+            for j in range(width):
+                s = scores[r, j]
+                e = exp32(s - mr)
+                e = e if s > -np.inf else np.float32(0.0)
+                scores[r, j] = e
+                total += e
+            l[r] += total
+        j0 = max(lo, c0) - c0
+        j1 = c1 - c0
+        for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
+            for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
+                a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
+                a1, b1 = load_f32x8(acc[r0 + 1], i), load_f32x8(acc[r0 + 1], i + BLOCK)
+                a2, b2 = load_f32x8(acc[r0 + 2], i), load_f32x8(acc[r0 + 2], i + BLOCK)
+                a3, b3 = load_f32x8(acc[r0 + 3], i), load_f32x8(acc[r0 + 3], i + BLOCK)
+                for j in range(j0, j1):
+                    slot = (c0 + j) % cap
+                    vx = _load8(values, (kv * cap + slot) * hd + i)
+                    vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
+                    d = _scale1(v_scale, kv, slot, i // QBLOCK)
+                    w0, w1 = f32x8(scores[r0, j] * d), f32x8(scores[r0 + 1, j] * d)
+                    w2, w3 = f32x8(scores[r0 + 2, j] * d), f32x8(scores[r0 + 3, j] * d)
+                    a0, b0 = fma(w0, vx, a0), fma(w0, vy, b0)
+                    a1, b1 = fma(w1, vx, a1), fma(w1, vy, b1)
+                    a2, b2 = fma(w2, vx, a2), fma(w2, vy, b2)
+                    a3, b3 = fma(w3, vx, a3), fma(w3, vy, b3)
+                store_f32x8(acc[r0], i, a0)
+                store_f32x8(acc[r0], i + BLOCK, b0)
+                store_f32x8(acc[r0 + 1], i, a1)
+                store_f32x8(acc[r0 + 1], i + BLOCK, b1)
+                store_f32x8(acc[r0 + 2], i, a2)
+                store_f32x8(acc[r0 + 2], i + BLOCK, b2)
+                store_f32x8(acc[r0 + 3], i, a3)
+                store_f32x8(acc[r0 + 3], i + BLOCK, b3)
+        c0 = c1
+
+
+# --- decode: one query position, the span split over threads --------------------------
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+                 m, l, acc, scores):
+    kv, part = item // splits, item % splits
+    step = ((end - start + splits - 1) // splits + CHUNK - 1) // CHUNK * CHUNK
+    lo = start + part * step
+    hi = min(end, lo + step)
+    m[item, :] = -np.inf
+    l[item, :] = 0.0
+    acc[item, :, :] = 0.0
+    if lo < hi:
+        _attend_rows(qs[kv], qpos, group, keys, k_scale, values, v_scale, kv, lo, hi, window,
+                     m[item], l[item], acc[item], scores[item])
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _decode_setup(q, values, splits, scale, end):
+    H, n_kv, hd = q.shape[0], values.shape[0], values.shape[2]
+    group = H // n_kv
+    R = (group + ROWS - 1) // ROWS * ROWS
+    qs = np.zeros((n_kv, R, hd), np.float32)  # hd: the cache's, padded to 16 with zeros
+    for h in range(H):
+        for i in range(q.shape[1]):
+            qs[h // group, h % group, i] = q[h, i] * scale
+    qpos = np.full(R, end - 1, np.int64)
+    items = n_kv * splits
+    return (group, qs, qpos, np.empty((items, R), np.float32), np.empty((items, R), np.float32),
+            np.empty((items, R, hd), np.float32), np.empty((items, R, CHUNK), np.float32))
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _decode_merge(n_kv, splits, group, m, l, acc, out):
+    """The split parts' (m, l, acc) -> out [H, hd]: each rescaled to the common max."""
+    hd = out.shape[1]
+    for kv in range(n_kv):
+        for g in range(group):
+            best = np.float32(-np.inf)
+            for part in range(splits):
+                best = max(best, m[kv * splits + part, g])
+            total = np.float32(0.0)
+            h = kv * group + g
+            out[h, :] = 0.0
+            for part in range(splits):
+                it = kv * splits + part
+                if m[it, g] == -np.inf:
+                    continue
+                w = exp32(m[it, g] - best)
+                total += w * l[it, g]
+                for i in range(hd):
+                    out[h, i] += w * acc[it, g, i]
+            for i in range(hd):
+                out[h, i] /= total
+    return out
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
+    write_kv(k, v, end - 1, keys, k_scale, values, v_scale)  # T = 0: nothing to write
+    n_kv = values.shape[0]
+    group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, splits, scale, end)
+    for item in numba.prange(n_kv * splits):
+        _decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+                     m, l, acc, scores)
+    return _decode_merge(n_kv, splits, group, m, l, acc, out)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
+    write_kv(k, v, end - 1, keys, k_scale, values, v_scale)
+    n_kv = values.shape[0]
+    group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, 1, scale, end)
+    for item in range(n_kv):
+        _decode_item(item, 1, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+                     m, l, acc, scores)
+    return _decode_merge(n_kv, 1, group, m, l, acc, out)
+
+
+# --- prefill: tiles of queries x the key tiles they see ---------------------------------
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out):
+    """q [T, H, hd] at positions pos .. pos+T-1 -> out [T, H, hd]; items (kv head, TILE_Q queries)."""
+    T, H, hd = q.shape
+    n_kv, hdp = values.shape[0], values.shape[2]  # the cache's head_dim, padded to 16 with zeros
+    group = H // n_kv
+    n_tiles = (T + TILE_Q - 1) // TILE_Q
+    R = (TILE_Q * group + ROWS - 1) // ROWS * ROWS
+    for item in numba.prange(n_kv * n_tiles):
+        kv, tile = item // n_tiles, item % n_tiles
+        t0 = tile * TILE_Q
+        nt = min(TILE_Q, T - t0)
+        qs = np.zeros((R, hdp), np.float32)
+        qpos = np.full(R, pos + t0 + nt - 1, np.int64)
+        for t in range(nt):
+            for g in range(group):
+                qpos[t * group + g] = pos + t0 + t
+                for i in range(hd):
+                    qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
+        m = np.full(R, -np.inf, np.float32)
+        l = np.zeros(R, np.float32)
+        acc = np.zeros((R, hdp), np.float32)
+        scores = np.empty((R, CHUNK), np.float32)
+        lo = max(0, pos + t0 - window + 1) if window > 0 else 0
+        _attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
+                     m, l, acc, scores)
+        for t in range(nt):
+            for g in range(group):
+                r = t * group + g
+                for i in range(hd):
+                    out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
+    return out
+
+
+# --- public entry points -----------------------------------------------------------------
+
+def decode_splits(n_kv: int, span: int) -> int:
+    """How many parts a decode step's span is cut into: enough (kv head, part) items that every
+    thread gets the same number, never parts shorter than a softmax chunk."""
+    threads = numba.get_num_threads()
+    return max(1, min(threads // math.gcd(n_kv, threads), span // CHUNK))
+
+
+def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
+                  v_scale: np.ndarray, start: int, end: int, scale: float, out: np.ndarray,
+                  window: int = 0, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
+    """Decode attention, all heads in one call: out [H, hd] = softmax(q K^T * scale) V over the
+    cached positions start .. end-1 (the query is position end-1; with `window`, positions
+    further than window-1 back are left out as well).
+
+    q [H, hd] float32 (H a multiple of Hkv: head h reads kv head h // (H / Hkv)); keys, k_scale,
+    values, v_scale: one layer's cache arrays as KVCache.layer(i) returns them (layout and types
+    in this module's docstring); out [H, hd] float32, returned. k, v [Hkv, hd] float32: the new
+    position's key and value, written at end-1 in the same compiled call (KV write + attention in
+    one); without them, position end-1 must already be written (write_kv / KVCache.update).
+    """
+    with _perf.trace("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}", *q.shape, values.shape[0], end - start,
+                     q.shape[1], _TYPE_NAMES[values.dtype.type], op="sdpa"):
+        span = end - start
+        shape = (1, values.shape[0], q.shape[1])
+        k = _NOTHING if k is None else np.ascontiguousarray(k, np.float32).reshape(shape)
+        v = _NOTHING if v is None else np.ascontiguousarray(v, np.float32).reshape(shape)
+        if q.size * span >= PARALLEL_MIN_WORK:
+            return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale),
+                                    decode_splits(values.shape[0], span), out)
+        return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale), 1,
+                              out)
+
+
+def attend_tiled(q: np.ndarray, pos: int, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
+                 v_scale: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
+    """Causal attention for T queries at positions pos .. pos+T-1 over the cache (their own keys
+    and values already written): q [T, H, hd] float32 -> [T, H, hd]. Blocks of TILE_Q queries x
+    8-position key tiles with an online softmax; no [T, S] score matrix is ever formed."""
+    with _perf.trace("attention::sdpa", "q=[{}, {}, {}] kv=[{}, {}, {}] {} tiled", *q.shape, values.shape[0],
+                     pos + q.shape[0], q.shape[2], _TYPE_NAMES[values.dtype.type], op="sdpa"):
+        return _tiled(np.ascontiguousarray(q), pos, keys, k_scale, values, v_scale, window, np.float32(scale),
+                      np.empty(q.shape, np.float32))

@@ -1,0 +1,143 @@
+"""Attention over the KV cache (quant/attention_ops.py) against float64 NumPy attention written out
+here: the stored codes against the gguf package's Q8_0 quantizer and NumPy's float16; decode and
+tiled prefill against softmax(q K^T s + mask) V on the same stored keys (float32 tolerance), and
+against the float32 keys within each type's documented bound."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from pyml.nn.kv_cache import KVCache
+from pyml.quant import attention_ops
+
+TYPES = ["f32", "f16", "q8_0"]
+# max |error| of a context vector (unit-normal keys, values and queries, scale 1/8) against float32
+# keys and values: f16 rounds each to 11 bits, q8_0 to 1/254 of its 32-value block's max
+BOUND_VS_F32 = {"f32": 2e-5, "f16": 3e-3, "q8_0": 6e-2}
+
+
+def reference(q, keys, values, qpos, scale, window=0):
+    """float64 softmax(q K^T * scale) V: q [T, H, hd] at positions qpos [T]; keys, values [Hkv, S, hd]
+    holding positions 0 .. S-1; causal, and with a window, keys at distance >= window masked."""
+    T, H, hd = q.shape
+    Hkv, S = keys.shape[:2]
+    group = H // Hkv
+    k_pos = np.arange(S)[None, :]
+    masked = k_pos > qpos[:, None]
+    if window:
+        masked |= qpos[:, None] - k_pos >= window
+    out = np.empty((T, H, hd))
+    for h in range(H):
+        s = q[:, h].astype(np.float64) @ keys[h // group].astype(np.float64).T * scale  # [T, S]
+        s[masked] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = p @ values[h // group].astype(np.float64) / p.sum(axis=1, keepdims=True)
+    return out
+
+
+def filled(kv_type, n_kv, hd, n, rng, max_len=None, window=None):
+    k = rng.standard_normal((n, n_kv, hd), np.float32)
+    v = rng.standard_normal((n, n_kv, hd), np.float32)
+    cache = KVCache(1, n_kv, hd, max_len or n, kv_type, windows=[window])
+    cache.update(0, 0, k, v)
+    return cache, k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+
+
+def test_q8_0_codes_and_scales_are_ggml_s():
+    rng = np.random.default_rng(0)
+    cache, k, v = filled("q8_0", 2, 64, 20, rng)
+    for ours, theirs in ((cache.view(0, 20)[0], k), (cache.view(0, 20)[1], v)):
+        blocks = quants.quantize(theirs.reshape(-1, 64), GGMLQuantizationType.Q8_0)
+        expect = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(theirs.shape)
+        np.testing.assert_array_equal(ours, expect)
+
+
+def test_f16_is_numpys_float16():
+    rng = np.random.default_rng(1)
+    cache, k, v = filled("f16", 3, 32, 17, rng)
+    keys, values = cache.view(0, 17)
+    np.testing.assert_array_equal(keys, k.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(values, v.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 1, 256), (4, 4, 32), (8, 2, 64)])
+@pytest.mark.parametrize("start,end", [(0, 1), (0, 7), (0, 64), (0, 65), (3, 133), (63, 300), (250, 257)])
+def test_decode_matches_float64(kv_type, heads, kv_heads, hd, start, end):
+    rng = np.random.default_rng(heads * 1000 + end)
+    cache, k, v = filled(kv_type, kv_heads, hd, end, rng, max_len=end + 40)
+    q = rng.standard_normal((heads, hd), np.float32)
+    qpos = np.array([end - 1])
+    got = attention_ops.attend_decode(q, *cache.layer(0), start, end, 0.125, np.empty_like(q))
+    window = end - start
+    stored_k, stored_v = cache.view(0, end)
+    expect = reference(q[None], stored_k, stored_v, qpos, 0.125, window)[0]
+    np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
+    exact = reference(q[None], k, v, qpos, 0.125, window)[0]
+    assert np.abs(got - exact).max() < BOUND_VS_F32[kv_type]
+
+
+def test_decode_never_reads_past_the_end():
+    """NaN in the slots after the last position (the same key tile) changes nothing."""
+    rng = np.random.default_rng(2)
+    cache, k, v = filled("f32", 1, 64, 13, rng, max_len=40)
+    nan = np.full((27, 1, 64), np.nan, np.float32)
+    cache.update(0, 13, nan, nan)
+    q = rng.standard_normal((2, 64), np.float32)
+    got = attention_ops.attend_decode(q, *cache.layer(0), 0, 13, 0.125, np.empty_like(q))
+    np.testing.assert_allclose(got, reference(q[None], k, v, np.array([12]), 0.125)[0], rtol=2e-5, atol=2e-6)
+
+
+def test_large_scores_stay_finite():
+    """Scores of a few hundred: every chunk subtracts the running max before exponentiating."""
+    rng = np.random.default_rng(3)
+    k = 20 * rng.standard_normal((300, 1, 16 * 2), np.float32)
+    v = rng.standard_normal((300, 1, 32), np.float32)
+    cache = KVCache(1, 1, 32, 300, "f32")
+    cache.update(0, 0, k, v)
+    q = 20 * rng.standard_normal((2, 32), np.float32)
+    got = attention_ops.attend_decode(q, *cache.layer(0), 0, 300, 1.0, np.empty_like(q))
+    assert np.isfinite(got).all()
+    expect = reference(q[None], k.transpose(1, 0, 2), v.transpose(1, 0, 2), np.array([299]), 1.0)[0]
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 63, 64, 65, 130])
+@pytest.mark.parametrize("heads,kv_heads,hd,window", [(9, 3, 64, 0), (4, 1, 256, 0), (4, 2, 32, 20)])
+def test_tiled_matches_the_reference(kv_type, T, heads, kv_heads, hd, window):
+    rng = np.random.default_rng(T * 7 + heads)
+    cache, k, v = filled(kv_type, kv_heads, hd, T, rng)
+    q = rng.standard_normal((T, heads, hd), np.float32)
+    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window)
+    stored_k, stored_v = cache.view(0, T)
+    qpos = np.arange(T)
+    np.testing.assert_allclose(got, reference(q, stored_k, stored_v, qpos, 0.125, window), rtol=2e-5, atol=2e-6)
+    assert np.abs(got - reference(q, k, v, qpos, 0.125, window)).max() < BOUND_VS_F32[kv_type]
+
+
+@pytest.mark.parametrize("pos,T,window", [(100, 9, 0), (64, 64, 0), (37, 30, 16), (200, 65, 48)])
+def test_tiled_on_top_of_a_cached_context(pos, T, window):
+    """A prompt at positions pos .. pos+T-1 after pos cached ones (a chat turn, pp512@d4096)."""
+    rng = np.random.default_rng(pos + T)
+    cache, k, v = filled("f32", 2, 64, pos + T, rng)
+    q = rng.standard_normal((T, 6, 64), np.float32)
+    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window)
+    expect = reference(q, k, v, np.arange(pos, pos + T), 0.125, window)
+    np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+def test_decode_writes_the_new_position_in_the_same_call(kv_type):
+    """attend_decode(k=, v=): the KV write and the attention as one call (what a fused layer makes)."""
+    rng = np.random.default_rng(4)
+    whole, _, _ = filled(kv_type, 2, 64, 150, rng)
+    part = KVCache(1, 2, 64, 150, kv_type)
+    keys, values = whole.view(0, 150)
+    part.update(0, 0, keys[:, :149].transpose(1, 0, 2), values[:, :149].transpose(1, 0, 2))
+    q = rng.standard_normal((6, 64), np.float32)
+    got = attention_ops.attend_decode(q, *part.layer(0), 0, 150, 0.125, np.empty_like(q),
+                                      k=keys[:, 149], v=values[:, 149])
+    for a, b in zip(part.layer(0), whole.layer(0)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got, attention_ops.attend_decode(q, *whole.layer(0), 0, 150, 0.125, np.empty_like(q)))
