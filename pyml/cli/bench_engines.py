@@ -33,18 +33,19 @@ class PymlEngine:
         self.set_context([], 2048)
 
     def set_context(self, tokens, room: int):
-        self.cache, self.depth = self.lm.new_cache(len(tokens) + room), len(tokens)
+        self.cache = self.lm.new_cache(len(tokens) + room)
         for i in range(0, len(tokens), UBATCH):
             self.lm.model.forward(tokens[i:i + UBATCH], self.cache)
+        self.context = self.cache.snapshot()
 
     def pp(self, tokens) -> float:
-        self.cache.length = self.depth
+        self.cache.restore(self.context)
         t0 = time.perf_counter()
         self.lm.model.forward(tokens, self.cache)
         return time.perf_counter() - t0
 
     def tg(self, first: int, n: int) -> float:
-        self.cache.length = self.depth
+        self.cache.restore(self.context)
         forward = self.lm.model.forward
         token = int(np.argmax(forward([first], self.cache)))
         t0 = time.perf_counter()

@@ -84,9 +84,8 @@ def weight_bytes_per_token(lm) -> int:
 def kv_bytes_per_position(lm) -> list:
     """Bytes of keys and values one cached position holds, per layer, and the positions each layer
     keeps (its sliding window, or None): a decode step at depth d reads min(d, window) of them."""
-    cache = lm.new_cache(1)
-    per_value = cache.nbytes / (2 * len(lm.model.blocks) * cache.n_kv_heads * cache.head_dim * cache.max_len)
-    return [(2 * cache.n_kv_heads * cache.head_dim * per_value, block.attn.window) for block in lm.model.blocks]
+    cache = lm.new_cache(64)
+    return [(cache.bytes_per_position(i), block.attn.window) for i, block in enumerate(lm.model.blocks)]
 
 
 def bytes_read_per_token(weights: int, kv_layers: list, depth: int) -> float:

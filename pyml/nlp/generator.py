@@ -88,7 +88,8 @@ class PromptCache:
             if held != new:
                 break
             n += 1
-        return n
+        # a sliding-window ring may have overwritten the positions a prefill from n needs
+        return n if n == 0 or self.kv.resumable(n) else 0
 
     def reset(self) -> None:
         self.tokens = []

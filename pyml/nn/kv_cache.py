@@ -69,6 +69,29 @@ class KVCache:
         arrays = self.k + self.v + (self.k_scale + self.v_scale if self.kv_type == "q8_0" else [])
         return sum(a.nbytes for a in arrays)
 
+    def bytes_per_position(self, layer: int) -> float:
+        """Bytes the layer stores per cached position (keys, values and their scales, padding
+        included): what a decode step reads per position it attends to."""
+        arrays = [self.k[layer], self.v[layer]]
+        if self.kv_type == "q8_0":
+            arrays += [self.k_scale[layer], self.v_scale[layer]]
+        return sum(a.nbytes for a in arrays) / self.slots[layer]
+
+    def snapshot(self):
+        """What a later restore() needs to return the cache to this moment: the ring layers' arrays
+        (writes past `length` overwrite their old positions; a full layer's are only appended to)."""
+        rings = [i for i in range(self.n_layers) if self.is_ring(i)]
+        return (self.length, list(self.written),
+                {i: [a.copy() for a in (self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])] for i in rings})
+
+    def restore(self, snapshot) -> None:
+        """Back to what the cache held at snapshot() (a benchmark repeating work at one depth)."""
+        self.length, written, rings = snapshot
+        self.written = list(written)
+        for i, arrays in rings.items():
+            for dst, src in zip((self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]), arrays):
+                dst[...] = src
+
     def is_ring(self, layer: int) -> bool:
         """Whether the layer keeps only its last slots positions (a sliding window's ring)."""
         return self.slots[layer] < self.max_len

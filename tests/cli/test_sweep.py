@@ -31,12 +31,11 @@ def test_measure_one_configuration():
     assert r["config"] == "t_ctx16" and r["passes"] == 2
     assert r["op_ms"] + r["glue_ms"] == pytest.approx(r["forward_ms"], rel=1e-6, abs=1e-3)
     assert r["forward_ms"] <= r["python_ms"]
-    assert r["matmul_pct"] + r["other_ops_pct"] + r["glue_pct"] == pytest.approx(100.0)
+    assert r["matmul_pct"] + r["sdpa_pct"] + r["other_ops_pct"] + r["glue_pct"] == pytest.approx(100.0)
     top = {o["op"]: o for o in r["top_ops"]}
     assert top["matmul:attn.c_attn"]["count"] == 2  # once per layer per pass
-    assert top["batched_matmul"]["count"] == 4      # Q·Kᵀ and P·V per layer
     assert r["flop_ratio_pct"] == pytest.approx(100 * 5 / (4 * 16))
-    assert r["softmax_ms"] > 0 and r["attn_matmul_ms"] > 0
+    assert r["sdpa_ms"] > 0 and r["sdpa_pct"] > 0 and r["sdpa_gflop_s"] > 0
     # the block shares are parts of the forward pass: none negative, together at most all of it
     parts = (r["attention_core_pct"], r["attention_proj_pct"], r["ffn_pct"])
     assert min(parts) > 0 and sum(parts) <= 100.0
