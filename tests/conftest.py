@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles never reach for a hub
+    # every load writes a packed-weights cache file: the suite's go to a folder of its own, not the user's
+    os.environ.setdefault("PYML_PACKED_CACHE", tempfile.mkdtemp(prefix="pyml-packed-tests-"))
 
 
 @pytest.fixture(scope="session")
