@@ -15,7 +15,7 @@ import numpy as np
 from pyml import quant
 from pyml.core import derived, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
-from pyml.core.runtime import RuntimeConfig
+from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
 from pyml.nlp.loaders import hub, packed_cache
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
@@ -314,6 +314,8 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.
     gc.collect()
     gc.freeze()
+    freed = return_free_heap()
+    _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
     return LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template)
 
 
