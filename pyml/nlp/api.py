@@ -304,18 +304,20 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     load_s = perf.clock() - t0
     _perf.logger.debug("%s", model.describe())
     runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
+    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
+    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
+    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again. The heap
+    # the tokenizer's build freed goes back to the system before the warm-up pages in the weights,
+    # or the two would add up in the peak (Gemma 270M: 84 MB).
+    gc.collect()
+    gc.freeze()
+    freed = return_free_heap()
+    _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
     if warmup:
         with perf.context(phase="warmup"):
             # the model's own forward pass warms exactly the kernels it uses (a third of
             # quant.warmup()'s 0.55 s went to types SmolLM2 never touches)
             runtime.warmup_thread_pool(steps=[lambda: _warm_forward(model)])
-    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
-    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
-    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.
-    gc.collect()
-    gc.freeze()
-    freed = return_free_heap()
-    _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
     return LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template)
 
 
