@@ -208,19 +208,16 @@ def build_packed(build, source: Path, lm_head_quant: str | None = None) -> Built
     files = packed_cache.model_files(source)
     options = f"lm_head_quant={str(lm_head_quant).lower()}" if lm_head_quant else ""
     for attempt in (1, 2):
-        provider = packed_cache.open_for(files, options)
+        provider = packed_cache.open_for(files, options, reuse=attempt == 1)
         try:
             with derived.using(provider):
                 built = build()
                 if lm_head_quant:
                     quantize_head(built.model, lm_head_quant)
                 built.model.pack_weights()
-        except packed_cache.Stale as e:  # the file holds other arrays than this model asks for
-            if attempt == 2:
-                raise
+        except packed_cache.Stale as e:  # the file holds other arrays than this model asks for (a Reader:
             _perf.logger.warning("packed-weights cache %s: %s; rebuilding it", provider.path, e)
-            provider.path.unlink(missing_ok=True)
-            continue
+            continue  # attempt 1 only: the second writes a new file or packs in memory, never reads)
         except BaseException:
             if isinstance(provider, packed_cache.Writer):
                 provider.abort()

@@ -15,6 +15,7 @@ from gguf import GGUFReader
 
 from pyml import load_model, quant
 from pyml.cli.standins import write_gpt2, write_llama_gguf
+from pyml.core import derived
 from pyml.core.mapping import _mapping_of
 from pyml.nlp.api import build_gguf
 from pyml.nlp.loaders import packed_cache
@@ -224,3 +225,22 @@ def test_lm_head_quant_has_a_cache_file_of_its_own(cache, tmp_path):
     load_model(gguf=str(llama), threads=1, warmup=False, lm_head_quant="q8_0")
     assert len(cache_files(cache)) == 2
     np.testing.assert_array_equal(load(llama).forward(IDS), plain)
+
+
+def test_a_name_asked_for_twice_is_never_cached(cache, tiny_q4):
+    """Two different arrays under one key: a later load must not hand the first out for both."""
+    files = [tiny_q4]
+    writer = packed_cache.open_for(files)
+    with derived.using(writer):
+        first = derived.array("twice", (4,), np.float32, lambda out: out.fill(1))
+        second = derived.array("twice", (4,), np.float32, lambda out: out.fill(2))
+        kept = derived.array("once", (4,), np.float32, lambda out: out.fill(5))
+    writer.commit()
+    assert first[0] == 1 and second[0] == 2
+    reader = packed_cache.open_for(files)
+    assert isinstance(reader, packed_cache.Reader)
+    with derived.using(reader):
+        again = derived.array("twice", (4,), np.float32, lambda out: out.fill(3))
+        cached = derived.array("once", (4,), np.float32, lambda out: out.fill(6))
+    assert again[0] == 3  # made again, not read
+    assert cached[0] == 5 and _backing_path(cached) == str(reader.path)

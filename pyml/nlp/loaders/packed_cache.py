@@ -134,11 +134,14 @@ class Reader:
 
     def __init__(self, path: Path, index: dict):
         self.path, self.arrays = path, index["arrays"]
+        self.uncached = set(index.get("uncached") or ())  # names that were not unique: made in memory
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def array(self, key, shape, dtype, fill):
-        found = self.lookup(key, shape, dtype) if key else None
+        if not key or key in self.uncached:
+            return InMemory().array(key, shape, dtype, fill)
+        found = self.lookup(key, shape, dtype)
         if found is None:  # the model asks for what the file does not hold: it was made otherwise
             raise Stale(f"it holds no {key!r} of shape {list(shape)} {dtype}")
         return found
@@ -169,12 +172,17 @@ class Writer:
         self._end = ALIGN
         self._memory = InMemory()
         self.failed: OSError | None = None
+        self.uncached: set = set()
 
     def array(self, key, shape, dtype, fill):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not key or key in self.arrays or self.failed or not nbytes:
+        if key in self.arrays or key in self.uncached:  # two arrays asked for under one name: keep neither,
+            self.arrays.pop(key, None)                 # a later load would hand the first out for both
+            self.uncached.add(key)
+            return self._memory.array(None, shape, dtype, fill)
+        if not key or self.failed or not nbytes:
             out = self._memory.array(key, shape, dtype, fill)
-            if key and not self.failed and key not in self.arrays:
+            if key and not self.failed:
                 self.arrays[key] = [self._end, dtype.name, list(shape)]
             return out
         at = self._end
@@ -200,7 +208,8 @@ class Writer:
         try:
             if self.failed:
                 raise self.failed
-            index = json.dumps({"identity": self.identity, "arrays": self.arrays}).encode()
+            index = json.dumps({"identity": self.identity, "arrays": self.arrays,
+                                "uncached": sorted(self.uncached)}).encode()
             f = self._file
             f.truncate(self._end)
             f.seek(self._end)
@@ -233,12 +242,12 @@ def model_files(source: Path) -> list[Path]:
     return [source] + [p for p in names if p != source and p.exists()]
 
 
-def open_for(model_files: list[Path], options: str = ""):
-    """The provider for one load: a Reader of a valid cache file, else a Writer of a new one,
-    else (a folder that cannot be written) process memory, said in one warning line."""
+def open_for(model_files: list[Path], options: str = "", reuse: bool = True):
+    """The provider for one load: a Reader of a valid cache file (unless not `reuse`), else a Writer
+    of a new one, else (a folder that cannot be written) process memory, said in one warning line."""
     path = cache_path(model_files, options)
     ident = identity(model_files)
-    if path.exists():
+    if reuse and path.exists():
         try:
             index, _ = read_index(path)
             if index["identity"] != ident:
