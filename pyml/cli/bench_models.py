@@ -60,6 +60,7 @@ MODELS = {m.name: m for m in [
     BenchModel("smollm2-135m-q4_1", "gguf", "Q4_1", _real("smollm2-135m")),
     BenchModel("smollm2-135m-q8_0", "gguf", "Q8_0", _requantized("q8_0")),
     BenchModel("smollm2-135m-q4_0", "gguf", "Q4_0", _requantized("q4_0")),
+    BenchModel("smollm2-135m-f32", "gguf", "F32", _requantized("f32")),  # issue 17's cold-start memory target
     BenchModel("gemma3-270m-q4_k_m", "gguf", "Q4_K_M", _real("gemma3-270m")),
     BenchModel("gpt2-124m-f32", "safetensors", "F32", _standin(standins.write_gpt2, "gpt2-124m", "gpt2")),
     BenchModel("tinyllama-1.1b-q4_0", "gguf", "Q4_0",
