@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,17 @@ sys.path.insert(0, str(ROOT))
 
 def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles never reach for a hub
+    # every load writes a packed-weights cache file: the suite's go to a folder of its own, not the user's
+    if "PYML_PACKED_CACHE" not in os.environ:
+        os.environ["PYML_PACKED_CACHE"] = _PACKED[0] = tempfile.mkdtemp(prefix="pyml-packed-tests-")
+
+
+_PACKED = [None]  # the folder pytest_configure made, removed at the end
+
+
+def pytest_unconfigure(config):
+    if _PACKED[0]:
+        shutil.rmtree(_PACKED[0], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

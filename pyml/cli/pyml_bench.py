@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml import quant
+from pyml.cli import bench_cold
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, MODELS
 from pyml.cli.main import Parser, run_command
@@ -377,6 +378,10 @@ def build_parser() -> Parser:
                    help="instead of pp/tg: peak resident memory of each model (one process each) "
                         "against its file size + KV cache")
     p.add_argument("--memory-probe", metavar="MODEL", help=argparse.SUPPRESS)  # the child of --memory
+    p.add_argument("--cold", action="store_true",
+                   help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
+                        "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
+                        "two processes on one model (bench_cold.py)")
     return p
 
 
@@ -401,6 +406,9 @@ def run_bench(args) -> int:
     kinds = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
     if args.reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
+    if args.cold:
+        sys.stdout.write(bench_cold.cold(models, MODELS, args.reps, peers, threads[0], Path(args.out)))
+        return 0
     if args.log_cost or args.memory:
         if args.log_cost:
             table, name = "".join(log_cost(models, t) for t in threads), "log-cost.md"

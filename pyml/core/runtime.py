@@ -8,6 +8,7 @@ or decode step; `warmup_thread_pool()` moves it before the clock starts.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from contextlib import nullcontext
@@ -40,6 +41,29 @@ def kernel_lock():
         except ValueError:  # no parallel kernel has run yet: the lock is the safe answer
             return _LAUNCH_LOCK
     return _LAUNCH_LOCK if _layer == "workqueue" else nullcontext()
+
+
+def return_free_heap() -> int:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim); bytes of RSS returned.
+
+    Building a tokenizer from a GGUF's metadata makes and drops millions of small objects (Gemma
+    3: 262,144 token strings, 513,511 merge pairs, in Python and in `tokenizers`' Rust): freed,
+    they stayed in the process's heap, 84 MB of its RSS for the life of the process."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to ask
+        return 0
+    before = _rss()
+    libc.malloc_trim(0)
+    return max(0, before - _rss())
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def cpu_count() -> int:

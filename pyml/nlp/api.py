@@ -13,11 +13,11 @@ from typing import NamedTuple
 import numpy as np
 
 from pyml import quant
-from pyml.core import perf
+from pyml.core import derived, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
-from pyml.core.runtime import RuntimeConfig
+from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
-from pyml.nlp.loaders import hub
+from pyml.nlp.loaders import hub, packed_cache
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
@@ -207,6 +207,33 @@ def build_gguf(path: Path, with_tokenizer: bool = True) -> Built:
     return Built(model, tokenizer, str(path), f.get("tokenizer.chat_template"))
 
 
+def build_packed(build, source: Path, lm_head_quant: str | None = None) -> Built:
+    """`build()`, its head re-stored (--lm-head-quant) and its weights packed, every load-time copy
+    taken from the packed-weights cache or written into it (loaders/packed_cache.py)."""
+    files = packed_cache.model_files(source)
+    options = f"lm_head_quant={str(lm_head_quant).lower()}" if lm_head_quant else ""
+    for attempt in (1, 2):
+        provider = packed_cache.open_for(files, options, reuse=attempt == 1)
+        try:
+            with derived.using(provider):
+                built = build()
+                if lm_head_quant:
+                    quantize_head(built.model, lm_head_quant)
+                built.model.pack_weights()
+        except packed_cache.Stale as e:  # the file holds other arrays than this model asks for (a Reader:
+            _perf.logger.warning("packed-weights cache %s: %s; rebuilding it", provider.path, e)
+            continue  # attempt 1 only: the second writes a new file or packs in memory, never reads)
+        except BaseException:
+            if isinstance(provider, packed_cache.Writer):
+                provider.abort()
+            raise
+        break
+    if isinstance(provider, packed_cache.Writer):
+        provider.commit()
+    _perf.logger.debug("packed weights: %s %s", type(provider).__name__.lower(), getattr(provider, "path", "memory"))
+    return built
+
+
 def quantize_head(model: DecoderModel, kind: str) -> None:
     """--lm-head-quant: store a float output head as Q8_0 / Q4_0 blocks at load.
 
@@ -272,27 +299,30 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     t0 = perf.clock()
     with perf.context(phase="load"), _perf.debug("model::load", "{}", gguf or safetensors, op="load"):
         if safetensors is not None:
-            built = build_safetensors(hub.resolve_safetensors(safetensors))
+            where = hub.resolve_safetensors(safetensors)
+            built = build_packed(lambda: build_safetensors(where), where, lm_head_quant)
         else:
-            built = build_gguf(hub.resolve_gguf(gguf))
+            where = hub.resolve_gguf(gguf)
+            built = build_packed(lambda: build_gguf(where), where, lm_head_quant)
         model = built.model
         model.kv_type = check_kv_type(kv_type, model.head_dim)
-        if lm_head_quant:
-            quantize_head(model, lm_head_quant)
-        model.pack_weights()
     load_s = perf.clock() - t0
     _perf.logger.debug("%s", model.describe())
     runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
+    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
+    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
+    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again. The heap
+    # the tokenizer's build freed goes back to the system before the warm-up pages in the weights,
+    # or the two would add up in the peak (Gemma 270M: 84 MB).
+    gc.collect()
+    gc.freeze()
+    freed = return_free_heap()
+    _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
     if warmup:
         with perf.context(phase="warmup"):
             # the model's own forward pass warms exactly the kernels it uses (a third of
             # quant.warmup()'s 0.55 s went to types SmolLM2 never touches)
             runtime.warmup_thread_pool(steps=[lambda: _warm_forward(model)])
-    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
-    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
-    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again.
-    gc.collect()
-    gc.freeze()
     return LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template)
 
 

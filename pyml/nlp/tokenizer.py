@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import codecs
 import json
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
@@ -84,11 +86,19 @@ BYTE_OF_CHAR = _byte_level_alphabet()
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """Every token's text and llama.cpp token type, and how a normal token spells its bytes."""
-    texts: list             # [n_vocab] str, as the file stores them
-    types: list             # [n_vocab] int, gguf.TokenType values
+    """Every token's text and llama.cpp token type, and how a normal token spells its bytes.
+
+    The texts are the backend's own (`id_to_token`, held by `tokenizers` in Rust): a Python list
+    of them was 25 MB of str objects for Gemma 3's 262,144 tokens, beside the same strings in
+    the backend; the types an int32 array."""
+    backend: _Backend       # its vocabulary: token id -> the text the file stores
+    types: np.ndarray       # int32 [n_vocab], gguf.TokenType values
     byte_level: bool        # GPT-2 byte alphabet; else SentencePiece ("▁" = space, <0xNN> = byte)
     strip_first_space: bool  # decode drops the space SentencePiece put before the first word
+
+    def text(self, token_id: int) -> str:
+        """The token's text as stored ("" for an id no token has)."""
+        return self.backend.id_to_token(token_id) or ""
 
 
 class Tokenizer:
@@ -116,7 +126,7 @@ class Tokenizer:
         if model == "gpt2":
             pre = metadata.get("tokenizer.ggml.pre") or "default"
             backend = _byte_level_bpe(texts, _string_list(metadata, "tokenizer.ggml.merges", source), pre, source)
-            vocab = Vocabulary(texts, types, byte_level=True, strip_first_space=False)
+            vocab = Vocabulary(backend, _type_array(types), byte_level=True, strip_first_space=False)
             defaults = dict(bos=None, eos=None, unk=None, add_bos=pre in _LLAMA3_STYLE)
         elif model == "llama":
             scores = _number_list(metadata, "tokenizer.ggml.scores", n, source, float)
@@ -125,7 +135,7 @@ class Tokenizer:
                                        f"vocabulary needs one score per token")
             space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
             backend = _sentencepiece_bpe(texts, scores, types, space_prefix, source)
-            vocab = Vocabulary(texts, types, byte_level=False, strip_first_space=space_prefix)
+            vocab = Vocabulary(backend, _type_array(types), byte_level=False, strip_first_space=space_prefix)
             defaults = dict(bos=1, eos=2, unk=0, add_bos=True)  # llama.cpp's SPM defaults
         else:
             raise UnsupportedError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
@@ -139,8 +149,10 @@ class Tokenizer:
         bos, eos = token_id("bos_token_id", defaults["bos"]), token_id("eos_token_id", defaults["eos"])
         eot = token_id("eot_token_id", None)
         arch = metadata.get("general.architecture", "")
+        eog = _end_of_generation_ids(texts)
+        del texts, types  # the backend holds the texts from here on
         return cls(backend, vocab, bos_id=bos, eos_id=eos, unk_id=token_id("unknown_token_id", defaults["unk"]),
-                   pad_id=token_id("padding_token_id", None), eos_ids=(eot, *_end_of_generation_ids(texts)),
+                   pad_id=token_id("padding_token_id", None), eos_ids=(eot, *eog),
                    add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
                    add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
                    chat_template=metadata.get("tokenizer.chat_template") or fallback_chat_template(arch),
@@ -186,7 +198,7 @@ class Tokenizer:
         generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
         stop_ids = generation_eos if isinstance(generation_eos, list) else [generation_eos]
         return cls(backend, vocab, bos_id=bos, eos_id=eos, unk_id=special_id("unk"), pad_id=special_id("pad"),
-                   eos_ids=(*[i for i in stop_ids if isinstance(i, int)], *_end_of_generation_ids(vocab.texts)),
+                   eos_ids=(*[i for i in stop_ids if isinstance(i, int)], *_end_of_generation_ids(map(vocab.text, range(len(vocab.types))))),
                    add_bos=bool(add_bos), add_eos=bool(add_eos),
                    chat_template=_chat_template_beside(folder, tok_config), source=str(path))
 
@@ -217,7 +229,7 @@ class Tokenizer:
         if not 0 <= token_id < self.vocab_size:
             raise ModelFormatError(f"{self.source}: token id {token_id} is outside the vocabulary "
                                    f"of {self.vocab_size} tokens")
-        text, kind = self._vocab.texts[token_id], self._vocab.types[token_id]
+        text, kind = self._vocab.text(token_id), int(self._vocab.types[token_id])
         if kind in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN):
             return text.encode("utf-8")  # stored as plain text, not in the vocabulary's spelling
         if kind == TokenType.UNUSED:
@@ -231,7 +243,7 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """A control (or unknown) token, which decode(skip_special_tokens=True) leaves out."""
-        return self._vocab.types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+        return int(self._vocab.types[token_id]) in (TokenType.CONTROL, TokenType.UNKNOWN)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 show as U+FFFD."""
@@ -252,15 +264,15 @@ class Tokenizer:
     # --- properties ---
     @property
     def vocab_size(self) -> int:
-        return len(self._vocab.texts)
+        return len(self._vocab.types)
 
     @property
     def bos_token(self) -> str:
-        return self._vocab.texts[self.bos_id] if self.bos_id is not None else ""
+        return self._vocab.text(self.bos_id) if self.bos_id is not None else ""
 
     @property
     def eos_token(self) -> str:
-        return self._vocab.texts[self.eos_id] if self.eos_id is not None else ""
+        return self._vocab.text(self.eos_id) if self.eos_id is not None else ""
 
     def __repr__(self):
         return (f"Tokenizer({self.source}, {self.vocab_size} tokens, bos={self.bos_id}, "
@@ -328,15 +340,20 @@ def _sentencepiece_bpe(texts, scores, types, space_prefix: bool, source: str) ->
     """
     known = set(texts)
     normal = int(TokenType.NORMAL)  # a plain int: comparing with the IntEnum is slow over 256k tokens
-    candidates = []
+    # the candidates in flat arrays, not a tuple each: Gemma 3 has 513,511 (~55 MB of tuples at the load's peak)
+    keys, ids, cuts = array("d"), array("q"), array("q")
     for i, (text, kind) in enumerate(zip(texts, types)):
         if kind != normal or len(text) < 2:
             continue  # control and user-defined tokens are matched whole, never merged into
         for cut in range(1, len(text)):
             if text[:cut] in known and text[cut:] in known:
-                candidates.append((-scores[i], i, cut))
-    candidates.sort()
-    pairs = [(texts[i][:cut], texts[i][cut:]) for _, i, cut in candidates]
+                keys.append(-scores[i])
+                ids.append(i)
+                cuts.append(cut)
+    del known
+    order = np.lexsort((np.frombuffer(cuts, np.int64), np.frombuffer(ids, np.int64), np.frombuffer(keys)))
+    pairs = [(texts[i][:cut], texts[i][cut:]) for i, cut in zip(np.take(ids, order).tolist(),
+                                                                   np.take(cuts, order).tolist())]
     unk = next((t for t, k in zip(texts, types) if k == TokenType.UNKNOWN), None)
     backend = _Backend(_bpe(texts, pairs, source, byte_fallback=True, unk_token=unk))
     steps = [normalizers.Prepend(_SPACE)] if space_prefix else []
@@ -365,6 +382,13 @@ def _add_special_tokens(backend: _Backend, texts, types):
             if k == TokenType.USER_DEFINED and t]
     backend.add_special_tokens(control)  # each text is in the vocabulary, so each keeps its id
     backend.add_tokens(user)
+
+
+def _type_array(types) -> np.ndarray:
+    try:
+        return np.fromiter((int(t) for t in types), np.int32, len(types))
+    except OverflowError:
+        raise ValueError("a token type is outside the int32 range") from None
 
 
 def _end_of_generation_ids(texts) -> list:
@@ -409,13 +433,14 @@ def _vocabulary_from_spec(spec: dict, backend: _Backend, path) -> Vocabulary:
             types[i] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
     decoders = _decoder_steps(spec.get("decoder"))
     kinds = {d.get("type") for d in decoders}
+    types = _type_array(types)
     if "ByteLevel" in kinds:
-        return Vocabulary(texts, types, byte_level=True, strip_first_space=False)
+        return Vocabulary(backend, types, byte_level=True, strip_first_space=False)
     if kinds & {"Metaspace", "Replace", "ByteFallback"}:
         strip = any(d.get("type") == "Strip" and d.get("start") for d in decoders) or any(
             d.get("type") == "Metaspace" and (d.get("add_prefix_space") or d.get("prepend_scheme") in
                                               ("always", "first")) for d in decoders)
-        return Vocabulary(texts, types, byte_level=False, strip_first_space=strip)
+        return Vocabulary(backend, types, byte_level=False, strip_first_space=strip)
     raise UnsupportedError(f"{path}: decoder {sorted(k for k in kinds if k)} is not supported "
                            f"(supported: ByteLevel, or SentencePiece's Metaspace/Replace/ByteFallback)")
 

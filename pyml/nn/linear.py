@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyml import quant
-from pyml.core import perf
+from pyml.core import derived, perf
 from pyml.core.mapping import release_pages
 from pyml.quant import QuantType
 
@@ -99,7 +99,7 @@ class Linear:
         w = self.weight
         if isinstance(w.data, quant.Packed):
             return False
-        packed = quant.pack(w.data, w.qtype, self.in_features)
+        packed = quant.pack(w.data, w.qtype, self.in_features, key=self.name or None)
         if packed is None:
             return False
         self.weight = Weight(packed, w.qtype, w.shape)  # a tied embedding reads its rows from the file
@@ -111,17 +111,30 @@ class Linear:
 
         Fewer, larger matmuls mean fewer calls per layer — what small models are
         bound by. Returns None when the weights cannot share one kernel (different
-        storage types or input sizes).
+        storage types or input sizes). The concatenation is a derived array
+        (core/derived.py): a packed-weights cache keeps it, or, for a type that pack() will
+        re-lay, keeps the packed form instead, and then nothing is concatenated at all.
         """
         ws = [lin.weight for lin in linears]
         if any(isinstance(w.data, quant.Packed) for w in ws):
             raise ValueError("Linear.fuse takes weights as stored: fuse before pack")
         if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1:
             return None
-        data = np.concatenate([w.data for w in ws], axis=0)
+        qtype, out = ws[0].qtype, sum(w.shape[0] for w in ws)
+        shape = (out, ws[0].shape[1])
+        data = quant.packed_from_cache(name, qtype, shape) if name else None
+        if data is None:
+            def concatenate(into):
+                np.concatenate([w.data for w in ws], axis=0, out=into)
+
+            stored = (out, *ws[0].data.shape[1:])
+            if quant.packs(qtype, out):  # only pack() reads it: a temporary, the packed copy is kept
+                data = np.empty(stored, ws[0].data.dtype)
+                concatenate(data)
+            else:
+                data = derived.array(f"{name}.weight" if name else None, stored, ws[0].data.dtype, concatenate)
         for w in ws:  # the file's pages of the parts are not read again: give them back
             release_pages(w.data)
-        out = sum(w.shape[0] for w in ws)
         biases = [lin.bias for lin in linears]
         if any(b is not None for b in biases):
             biases = [np.zeros(lin.out_features, np.float32) if b is None else b
@@ -129,4 +142,4 @@ class Linear:
             bias = np.concatenate(biases)
         else:
             bias = None
-        return Linear(Weight(data, ws[0].qtype, (out, ws[0].shape[1])), bias, name)
+        return Linear(Weight(data, qtype, shape), bias, name)

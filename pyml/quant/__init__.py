@@ -55,8 +55,8 @@ from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.reference import dequantize_reference, matmul_reference
 
 __all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
-           "dequantize", "dequantize_rows", "matmul", "pack", "Packed", "quantize", "to_bf16_bits",
-           "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
+           "dequantize", "dequantize_rows", "matmul", "pack", "packs", "packed_from_cache", "Packed", "quantize",
+           "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
 _F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
@@ -144,14 +144,24 @@ def _prepare(x, rows: int, n_cols: int, out):
     return x, out
 
 
-def pack(raw: np.ndarray, qtype, n_cols: int) -> Packed | None:
+def pack(raw: np.ndarray, qtype, n_cols: int, key: str | None = None) -> Packed | None:
     """The matrix re-laid 8 rows at a time (interleaved.py: 1.2-3.8x the matmul speed) where its
     traits say the type has that layout and it has 8 rows or more; otherwise None. One copy of
-    the blocks."""
-    if traits_of(qtype).interleaved is None:
+    the blocks, a derived array under `key` (core/derived.py: a packed-weights cache keeps it)."""
+    if not packs(qtype, raw.shape[0]):
         return None
-    w = _as_stored(raw, qtype, n_cols)
-    return interleaved.pack(w, int(qtype), n_cols) if w.shape[0] >= 8 else None
+    return interleaved.pack(_as_stored(raw, qtype, n_cols), int(qtype), n_cols, key)
+
+
+def packs(qtype, rows: int) -> bool:
+    """Whether pack() re-lays a matrix of this type with `rows` rows."""
+    return traits_of(qtype).interleaved is not None and rows >= 8
+
+
+def packed_from_cache(key: str, qtype, shape) -> Packed | None:
+    """What `pack(raw, qtype, shape[1], key)` would return, if the packed-weights cache holds it."""
+    rows, n_cols = shape
+    return interleaved.packed_from_cache(key, int(qtype), rows, n_cols) if packs(qtype, rows) else None
 
 
 def _file_layout(raw):

@@ -57,6 +57,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from pyml.core import derived
 from pyml.core.mapping import release_pages
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
@@ -67,6 +68,9 @@ from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
+# The layout's version: a packed-weights cache made under another one is re-packed. Bump it with
+# any change to the bytes pack() writes.
+LAYOUT_VERSION = 1
 
 
 def superblock_bytes(kind: int) -> int:
@@ -100,24 +104,42 @@ class Packed:
         return out
 
 
-def pack(raw: np.ndarray, kind: int, n_cols: int) -> Packed:
+def pack(raw: np.ndarray, kind: int, n_cols: int, key: str | None = None) -> Packed:
     """raw uint8 [rows, nb * type_size] in the file's layout -> the x8 layout.
 
     Copied a slab of rows at a time, each slab's pages of a file-mapped `raw` given back as soon as
     it is copied (raw stays valid: a later read pages it in again), so a load never holds the
-    file's pages and the copy of a whole tensor at once."""
-    G = raw.shape[0] // 8
+    file's pages and the copy of a whole tensor at once. The arrays are derived ones
+    (core/derived.py) under `key`: a packed-weights cache fills them straight into its file, or
+    hands back the ones it holds without reading `raw` at all."""
+    G, rows = raw.shape[0] // 8, raw.shape[0]
     nb, ts, sb = n_cols // BLOCK_SIZE[kind], TYPE_SIZE[kind], superblock_bytes(kind)
     relay = _relay_q4k if kind == Q4_K else _relay
-    groups = np.empty((G, nb * sb), np.uint8)
-    for g0 in range(0, G, _SLAB_GROUPS):
-        g1 = min(G, g0 + _SLAB_GROUPS)
-        src = raw[8 * g0:8 * g1]
-        relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, sb), to_x8=True)
-        release_pages(src)
-    tail = np.array(raw[8 * G:], dtype=np.uint8, order="C")
-    groups.flags.writeable = tail.flags.writeable = False  # one array kind for the kernels
-    return Packed(kind, n_cols, raw.shape[0], groups, tail)
+
+    def fill_groups(groups):
+        for g0 in range(0, G, _SLAB_GROUPS):
+            g1 = min(G, g0 + _SLAB_GROUPS)
+            src = raw[8 * g0:8 * g1]
+            relay(kind, src.reshape(g1 - g0, 8, nb, ts), groups[g0:g1].reshape(g1 - g0, nb, sb), to_x8=True)
+            release_pages(src)
+
+    def fill_tail(tail):
+        tail[...] = raw[8 * G:]
+
+    groups = derived.array(key and f"{key}.x8", (G, nb * sb), np.uint8, fill_groups)
+    tail = derived.array(key and f"{key}.x8_tail", (rows - 8 * G, nb * ts), np.uint8, fill_tail)
+    return Packed(kind, n_cols, rows, groups, tail)
+
+
+def packed_from_cache(key: str, kind: int, rows: int, n_cols: int) -> Packed | None:
+    """The Packed matrix `pack(..., key=key)` made, if the derived-array provider holds it: a
+    caller can then skip making the matrix it would have packed (a fusion's concatenation)."""
+    G, nb = rows // 8, n_cols // BLOCK_SIZE[kind]
+    groups = derived.lookup(f"{key}.x8", (G, nb * superblock_bytes(kind)), np.uint8)
+    tail = derived.lookup(f"{key}.x8_tail", (rows - 8 * G, nb * TYPE_SIZE[kind]), np.uint8)
+    if groups is None or tail is None:
+        return None
+    return Packed(kind, n_cols, rows, groups, tail)
 
 
 _SLAB_GROUPS = 1024  # 8192 rows: a few MB in flight

@@ -7,6 +7,7 @@ disagree, we follow llama.cpp (the reference for what a GGUF means) and a test s
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -236,7 +237,7 @@ def spm_metadata(pieces: dict, add_space_prefix=True, **extra) -> dict:
 
 
 def texts(tokenizer, ids):
-    return [tokenizer._vocab.texts[i] for i in ids]
+    return [tokenizer._vocab.text(i) for i in ids]
 
 
 def test_spm_merges_the_best_scored_pair_first():
@@ -385,3 +386,27 @@ def test_from_file_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(PymlError, match="tokenizer.json"):
         Tokenizer.from_file(tmp_path / "tokenizer.json")
+
+
+def test_gguf_tokenizer_keeps_no_python_list_of_its_tokens(tmp_path):
+    """The token texts live in the backend once built (issue 17: Gemma's 262K strings were 25 MB of
+    Python objects kept beside the backend's own): nothing reachable from the Tokenizer is a
+    Python sequence with an entry per token, and every token still decodes to its stored text."""
+    from pyml.cli.standins import write_llama_gguf
+    from pyml.nlp.loaders.gguf import GGUFFile
+
+    f = GGUFFile(write_llama_gguf(tmp_path / "m.gguf", "llama-tiny", "q8_0"))
+    texts = list(f.metadata["tokenizer.ggml.tokens"])
+    tok = Tokenizer.from_gguf_metadata(f.metadata)
+    seen, todo, lists = set(), [tok], []
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple, dict, set)) and len(obj) >= len(texts):
+            lists.append(type(obj).__name__)
+        todo.extend(gc.get_referents(obj))
+    assert not lists
+    assert [tok._vocab.text(i) for i in range(len(texts))] == texts
+    assert tok.vocab_size == len(texts)

@@ -76,6 +76,11 @@ GGUF_CASES = {
                            ModelFormatError, ["'x.big'", "18446744073709551615 UINT32", "past the end"]),
     "string array count 2^63": (lambda s: s.kvs.append(gb.KV("x.s", gb.ARRAY, gb.Array(gb.STRING, ["a"], count=2**63))),
                                 ModelFormatError, ["'x.s'", "cannot fit"]),
+    "string array with invalid UTF-8": (lambda s: s.kvs.append(gb.KV("x.u", gb.ARRAY, gb.Array(gb.STRING, ["a", b"\xff"]))),
+                                        ModelFormatError, ["'x.u'", "not valid UTF-8"]),
+    "string array's last string past the end": (
+        lambda s: s.kvs.append(gb.KV("x.t", gb.ARRAY, gb.Array(gb.STRING, ["a", "b"], count=3))), ModelFormatError,
+        ["string", "past the end"]),
     "duplicate key": (lambda s: s.kvs.append(copy.deepcopy(s.kvs[2])), ModelFormatError,
                       ["'llama.embedding_length' appears twice"]),
     "duplicate tensor": (lambda s: s.tensors.append(copy.deepcopy(tensor(s, Q))), ModelFormatError,
@@ -112,6 +117,8 @@ GGUF_MODEL_CASES = {
     "vocab smaller than the tokenizer": (set_kv("llama.vocab_size", gb.U32, 10),
                                          ["model.embed_tokens.weight", "[257, 64]", "[10, 64]"]),
     "tokenizer scores missing": (set_kv("tokenizer.ggml.model", gb.STRING, "llama"), ["tokenizer.ggml.scores"]),
+    "token types past int32": (set_kv("tokenizer.ggml.token_type", gb.ARRAY, gb.Array(gb.I64, [2**40] * 257)),
+                               ["tokenizer", "int32"]),
     "token types of type string": (set_kv("tokenizer.ggml.token_type", gb.ARRAY, gb.Array(gb.STRING, ["a"] * 257)),
                                    ["tokenizer"]),
 }

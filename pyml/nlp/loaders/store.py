@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from pyml import quant
+from pyml.core import derived
 from pyml.core.errors import ModelFormatError
 from pyml.core.mapping import release_pages
 from pyml.nn.linear import Weight
@@ -82,10 +83,11 @@ class TensorStore:
         self._check(name, stored, tuple(shape)[::-1] if transposed else shape)
         self.used.add(name)
         qtype = QuantType[type_name]
-        if transposed:
-            file_data, data = data, np.ascontiguousarray(data.T)
+        if transposed:  # a derived array (core/derived.py): the packed-weights cache keeps it
+            file_data = data
+            data = derived.array(f"{name}.T", file_data.shape[::-1], file_data.dtype,
+                                 lambda out: np.copyto(out, file_data.T))
             release_pages(file_data)
-            data.flags.writeable = False
         return Weight(data, qtype, tuple(shape))
 
     def vector(self, name: str, shape) -> np.ndarray:
