@@ -215,3 +215,42 @@ def test_a_foreign_handler_gets_every_line(log_to):
     finally:
         logging.getLogger("pyml.test.inner").removeHandler(handler)
         perf.refresh()
+
+
+def test_spans_wait_for_their_step_and_flush_delivers_them(records):
+    """Ended spans are held until the top-level span ends (then records and lines are made in
+    one pass, outside the step's measured time); perf.flush() delivers them early."""
+    outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
+    with outer.debug("outer::step"):
+        with inner.trace("inner::op", "n={}", 1, layer=3):
+            pass
+        assert records == []
+        perf.flush()
+        assert [r["name"] for r in records] == ["inner::op"]
+        assert records[0]["layer"] == 3 and records[0]["details"] == "n=1"
+    assert [r["name"] for r in records] == ["inner::op", "outer::step"]
+    assert records[0]["parent"] == records[1]["id"]
+
+
+def test_records_keep_the_phase_they_ended_in(records):
+    """A record made after its context has changed still carries the phase and step it ran in."""
+    inner = perf.get("pyml.test.inner")
+    outer = perf.get("pyml.test.outer")
+    with outer.debug("outer::run"):
+        for step in (1, 2):
+            with perf.context(phase="decode", step=step), inner.trace("inner::op"):
+                pass
+    assert [(r["phase"], r["step"]) for r in records if r["name"] == "inner::op"] == [("decode", 1),
+                                                                                     ("decode", 2)]
+
+
+def test_details_are_formatted_from_their_arguments_each_time(records):
+    """Memoised details still follow their arguments (positions change every step)."""
+    inner = perf.get("pyml.test.inner")
+    for pos in (3, 4, 3):
+        with inner.trace("inner::op", "{} pos={}", (1, 64), pos):
+            pass
+    unhashable = [1, 2]
+    with inner.trace("inner::op", "{}", unhashable):
+        pass
+    assert [r["details"] for r in records] == ["[1, 64] pos=3", "[1, 64] pos=4", "[1, 64] pos=3", "[1, 2]"]
