@@ -202,6 +202,31 @@ def _end(span, t1, stack):
         _drain()
 
 
+def add_ended(items):
+    """Spans timed elsewhere (inside a compiled call, pyml.core.clock), given in the order they
+    ended as (PerfLogger, level, name, fmt, args, attrs, start, end) with perf_counter times.
+    They become children of the current Python span, nested among themselves by their times (a
+    span inside another's interval is its child), exactly as if they had been opened here."""
+    stack = _stack()
+    spans, roots = [], []
+    for p, level, name, fmt, args, attrs, t0, t1 in items:
+        s = Span(p, level, name, fmt, args, attrs)
+        s.id, s.t0, s.t1, s.parent = next(_ids), t0, t1, None
+        while roots and roots[-1].t0 >= t0 and roots[-1].t1 <= t1:  # ended earlier, inside this one
+            roots.pop().parent = s
+        roots.append(s)
+        spans.append(s)
+    base_parent, base_depth = (stack[-1].id if stack else None), len(stack)
+    ctx, ident = _tls.ctx, _tls.ident
+    for s in reversed(spans):  # parents end after their children: they are placed first
+        parent = s.parent
+        s.parent, s.depth = (base_parent, base_depth) if parent is None else (parent.id, parent.depth + 1)
+        s.ctx, s.thread = ctx, ident
+    _pending.extend(spans)
+    if not stack:
+        _drain()
+
+
 def _drain():
     """Turn the pending spans into records (to the collectors) and `[perf]` lines, in end order."""
     with _drain_lock:

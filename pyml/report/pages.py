@@ -258,6 +258,9 @@ def _methodology(doc, run, timing, timing_src):
                  f"{timing.get('clock_us', 0) * 1e3:.0f} ns) — {timing_src}; {timing.get('method', '')}."]
         if timing.get("off_call_ns") is not None:
             lines.append(f"A call site with its level off: {timing['off_call_ns']:.0f} ns.")
+        if timing.get("compiled_clock_ns") is not None:
+            lines.append(f"An op timed inside compiled code reads the time-stamp counter twice: "
+                         f"{timing['compiled_clock_ns']:.0f} ns a read.")
         if timing.get("line_us"):
             lines.append(f"Writing the `[perf]` text line adds {timing['line_us']:.2f} µs per span.")
         cost = aggregate.instrumentation_cost(run, timing)

@@ -10,7 +10,7 @@ import io
 import logging
 import statistics
 
-from pyml.core import perf
+from pyml.core import clock, perf
 
 FLUSH_EVERY = 20000
 
@@ -35,6 +35,7 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
     span_overhead_us: what one empty child span adds to its parent's duration (the
       cost of recording a span, collector included, as seen from the parent).
     clock_us: one perf_counter read. off_call_ns: a call site when its level is off.
+    compiled_clock_ns: one time-stamp counter read inside compiled code (core/clock.py).
     line_us (with_lines): the extra cost of formatting the `[perf]` text line.
     """
     name = "pyml.profile.calibration"
@@ -58,6 +59,7 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
         for _ in range(n * 10):
             clk()
         out["clock_us"] = (clk() - t0) / (n * 10) * 1e6
+        out["compiled_clock_ns"] = clock.read_cost_ns()
         if with_lines:
             handler = logging.StreamHandler(io.StringIO())
             logger.addHandler(handler)
