@@ -47,6 +47,16 @@ def timing_of(run) -> tuple[dict | None, str]:
     return None, ""
 
 
+def overhead_line(run) -> str | None:
+    """What the recording added to this run's decode steps, as measured after it (run.json)."""
+    o = run.info.get("overhead")
+    if not o or o.get("pct") is None:
+        return None
+    what = "trace (records and `[perf]` lines)" if o.get("lines") else "trace recording"
+    return (f"**Instrumentation**: {what} added **{o['pct']:+.1f}%** to this run's decode steps "
+            f"({o['on_ms']:.2f} ms per step recorded, {o['off_ms']:.2f} ms not; {o['method']}).")
+
+
 # --- report.md ------------------------------------------------------------------------------
 
 def report_page(run, layer: int | None = None, timing=None, timing_src="", plots=()) -> Doc:
@@ -77,6 +87,9 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     if tl["generations"] > 1:
         rows.append(["Generations", str(tl["generations"]), "the decode figures cover all of them"])
     doc.table(["Phase", "Time", "Notes"], rows, "lrl")
+    overhead = overhead_line(run)
+    if overhead:
+        doc.p(overhead)
 
     if steps:
         comps = aggregate.components(steps)
