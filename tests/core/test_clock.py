@@ -6,17 +6,8 @@ import time
 
 import numba
 import numpy as np
-import pytest
 
 from pyml.core import clock, perf
-
-
-@pytest.fixture
-def records():
-    got = []
-    perf.add_collector(got.append)
-    yield got
-    perf.remove_collector(got.append)
 
 
 @numba.njit

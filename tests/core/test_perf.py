@@ -23,14 +23,6 @@ def lm(tmp_path_factory):
 
 
 @pytest.fixture
-def records():
-    got = []
-    perf.add_collector(got.append)
-    yield got
-    perf.remove_collector(got.append)
-
-
-@pytest.fixture
 def log_to(request):
     """Configure levels from a spec; yield the stream the lines go to; restore afterwards."""
     stream = io.StringIO()
