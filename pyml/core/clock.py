@@ -88,14 +88,18 @@ def done(events, trace, op, layer, t0):
 class Calibration:
     """Ticks -> perf_counter seconds: seconds = t_ref + (ticks - k_ref) / rate.
 
-    The rate is re-measured against the first reference point whenever at least 50 ms have
-    passed since the last measurement, so its error shrinks as the run goes on; the first
-    call waits 20 ms for a baseline (once per process, and only when tracing compiled code).
+    The rate is measured between the first reference pair and a pair read at least 50 ms later,
+    and re-measured every 50 ms, so its error shrinks as the run goes on (the first call waits
+    20 ms for a baseline: once per process, and only when compiled code is timed). The reference
+    pair is re-read when it is more than 1 ms old, so a converted time is an extrapolation over
+    at most a few ms: its error is the pair's read jitter (~0.1 µs), not the rate's error times
+    the run's length.
     """
 
     def __init__(self):
         self.k0 = self.t0 = None
         self.rate = None
+        self.k_ref = self.t_ref = None
         self.measured_at = 0.0
 
     @staticmethod
@@ -115,13 +119,27 @@ class Calibration:
             k, t = self.pair()
             self.rate = (k - self.k0) / (t - self.t0)
             self.measured_at = t
+            self.k_ref, self.t_ref = k, t
+        elif now - self.t_ref > 0.001:
+            self.k_ref, self.t_ref = self.pair()
         return self
 
     def seconds(self, tick_values: np.ndarray) -> np.ndarray:
-        return self.t0 + (tick_values - self.k0) / self.rate
+        return self.t_ref + (tick_values - self.k_ref) / self.rate
 
 
 _CALIBRATION = Calibration()
+
+
+def calibration() -> Calibration:
+    """The process's calibration, brought up to date: convert all the times of one compiled call
+    with it, so that they agree with each other to the tick."""
+    return _CALIBRATION.update()
+
+
+def to_seconds(tick_values, cal: Calibration | None = None) -> tuple:
+    """Counter values as perf_counter seconds."""
+    return tuple((cal or calibration()).seconds(np.asarray(tick_values, np.int64)).tolist())
 
 
 def read_cost_ns(n: int = 100_000) -> float:
@@ -157,17 +175,28 @@ class EventBuffer:
     def __init__(self, capacity: int = 4096):
         self.events = np.zeros((capacity + 1, 4), np.int64)
 
-    def emit(self, tables, pos: int = 0):
-        """Turn the events written since the last emit into spans under the current Python span,
-        then empty the buffer. tables[layer][op id] is the Op an event stands for (a layer's
-        table names its modules: `model.layers.3.mlp.down_proj`)."""
+    def emit(self, tables, pos: int = 0, count: int | None = None, cal: Calibration | None = None):
+        """Turn the events written since the last emit (the first `count` of them; the rest stay
+        for the next emit) into spans under the current Python span. tables[layer][op id] is
+        the Op an event stands for (a layer's table names its modules: `model.layers.3.mlp.down_proj`)."""
         events = self.events
         n = int(events[0, 0])
         if n == 0:
             return
+        if count is not None and count < n:
+            taken = events[1:count + 1].copy()
+            rest = min(n, events.shape[0] - 1)
+            events[1:rest - count + 1] = events[count + 1:rest + 1]
+            events[0, 0] = n - count
+            self._spans(tables, pos, taken, taken.shape[0], cal or calibration())
+            return
         kept = min(n, events.shape[0] - 1)
-        rows = events[1:kept + 1]
-        cal = _CALIBRATION.update()
+        events[0, 0] = 0
+        self._spans(tables, pos, events[1:kept + 1], n, cal or calibration())
+
+    @staticmethod
+    def _spans(tables, pos, rows, n, cal):
+        kept = rows.shape[0]
         t0s, t1s = cal.seconds(rows[:, 2]), cal.seconds(rows[:, 3])
         ended = []
         for i in range(kept):
@@ -178,7 +207,6 @@ class EventBuffer:
             if op.pos_at:
                 args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
             ended.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, float(t0s[i]), float(t1s[i])))
-        events[0, 0] = 0
         perf.add_ended(ended)
         if n > kept:
             perf.get("pyml.core.clock").logger.warning(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import math
 import os
 import sys
 import threading
@@ -202,6 +203,15 @@ def _end(span, t1, stack):
         _drain()
 
 
+def _on_grid(t: float, up: bool = False) -> float:
+    """A time on the µs grid logs and reports keep. Spans timed in compiled code follow each
+    other with no gap (a feed-forward is its three ops, to the ns): rounded one by one, the
+    children's durations could add up to 1 µs more than their parent's. Start and end put on
+    the grid first, every duration is a whole number of µs and the children's never exceed the
+    parent's. (A clock conversion may also land a hair before the open parent began: clamped.)"""
+    return (math.ceil(t * 1e6) if up else round(t * 1e6)) / 1e6
+
+
 def add_ended(items):
     """Spans timed elsewhere (inside a compiled call, pyml.core.clock), given in the order they
     ended as (PerfLogger, level, name, fmt, args, attrs, start, end) with perf_counter times.
@@ -217,14 +227,55 @@ def add_ended(items):
         roots.append(s)
         spans.append(s)
     base_parent, base_depth = (stack[-1].id if stack else None), len(stack)
+    floor = _on_grid(stack[-1].t0, up=True) if stack else 0.0
     ctx, ident = _tls.ctx, _tls.ident
     for s in reversed(spans):  # parents end after their children: they are placed first
         parent = s.parent
         s.parent, s.depth = (base_parent, base_depth) if parent is None else (parent.id, parent.depth + 1)
         s.ctx, s.thread = ctx, ident
+        s.t0, s.t1 = max(_on_grid(s.t0), floor), max(_on_grid(s.t1), floor)
     _pending.extend(spans)
     if not stack:
         _drain()
+
+
+class placeholder:
+    """A span whose start and end are known only afterwards (`.times(t0, t1)`, perf_counter
+    seconds), for a region that begins and ends inside compiled calls: it is on the stack while
+    open, so spans opened or added inside nest under it; it reads no clock."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, logger: str, level: int, name: str, fmt: str, args: tuple, attrs: dict):
+        p = get(logger)
+        on = p.trace_on if level <= TRACE else p.debug_on
+        self.span = Span(p, level, name, fmt, args, dict(attrs)) if on else None
+
+    def __enter__(self):
+        s = self.span
+        if s is not None:
+            stack = _stack()
+            s.parent = stack[-1].id if stack else None
+            s.id = next(_ids)
+            s.t0 = s.t1 = 0.0
+            stack.append(s)
+        return self
+
+    def times(self, t0: float, t1: float):
+        s = self.span
+        if s is not None:
+            stack = _tls.stack  # it is open: its parent is below it
+            floor = _on_grid(stack[-2].t0, up=True) if len(stack) > 1 else 0.0
+            s.t0, s.t1 = max(_on_grid(t0), floor), max(_on_grid(t1), floor)
+
+    def __exit__(self, exc_type, exc, tb):
+        s = self.span
+        if s is not None:
+            stack = _tls.stack
+            stack.pop()
+            if exc_type is None:
+                _end(s, s.t1, stack)
+        return False
 
 
 def _drain():

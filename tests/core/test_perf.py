@@ -152,8 +152,14 @@ def test_logging_off_reads_no_clock_on_the_hot_path(lm, monkeypatch):
     monkeypatch.setattr(perf, "clock", lambda: calls.append(1) or real())
     cache = lm.new_cache(8)
     lm.model.forward([1, 2, 3], cache)
+    for b in lm.model.blocks:  # event buffers left from earlier traced steps, emptied
+        if b._fused is not None:
+            b._fused.events.events[:] = 0
     lm.model.forward([4], cache)
     assert calls == []
+    # the decode step ran as fused kernels, told not to time: no counter read, so no event written
+    fused = [b._fused for b in lm.model.blocks]
+    assert all(f is not None and not f.events.events.any() for f in fused)
     # and the same forward at debug level does read it (the counter works)
     seen = []
     perf.add_collector(seen.append, level=logging.DEBUG)
@@ -162,6 +168,9 @@ def test_logging_off_reads_no_clock_on_the_hot_path(lm, monkeypatch):
     finally:
         perf.remove_collector(seen.append)
     assert len(calls) > 0 and seen
+    # and at debug the fused kernels time the block's parts from inside
+    blocks = [r for r in seen if r["name"].startswith("transformer[")]
+    assert len(blocks) == 3 and all(set(r["parts"]) == {"attn", "ffn"} for r in blocks)
 
 
 def test_collector_sees_attributes(lm, records):
