@@ -220,7 +220,7 @@ class FusedBlock:
 
     def __init__(self, block):
         self.block = block
-        attn, ffn, i = block.attn, block.ffn, block.index
+        attn, ffn = block.attn, block.ffn
         H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq, nkv = H * hd, Hkv * hd
         d = block.attn_norm.weight.shape[0]
@@ -253,7 +253,7 @@ class FusedBlock:
         if isinstance(ffn, MLP):
             mlp, ups, act = 0, [ffn.up], _ACT_IDS[ffn.act]
         else:
-            mlp, ups, act = (1, [ffn.gate_up], None) if ffn.fused else (2, [ffn.gate, ffn.up], None)
+            mlp, ups = (1, [ffn.gate_up]) if ffn.fused else (2, [ffn.gate, ffn.up])
             act = ops.GATED_ACTS[ffn.act]
         f = ffn.down.in_features
         self.gu = np.zeros((1, f if mlp == 0 else 2 * f), np.float32)
@@ -273,16 +273,32 @@ class FusedBlock:
                            _EMPTY if pfn is None else pfn.weight, 0.0 if pfn is None else pfn.eps,
                            self.y, self.h, self.gu, self.a)
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
-        self.loggers = {op.perf for table in self.tables for op in table if op is not None} | {_perf}
+        self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
+        self.op_loggers.add(perf.get("pyml.nn.attention"))
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         block, events = self.block, self.events.events
-        trace = any(p.debug_on if p is _perf else p.trace_on for p in self.loggers)
-        if not trace:
-            self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, False, block.index)
-            ctx = attend(block.attn, cache, block.index, pos, self.q3, self.k3, self.v3)
-            self.x[:] = x
-            self.post(ctx, *self.post_args, self.x, *self.post_args2, events, False, block.index)
+        ops_on = any(p.trace_on for p in self.op_loggers)
+        if ops_on or _perf.debug_on:
+            return self._timed(x, pos, cache, ops_on)
+        self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, False, block.index)
+        ctx = attend(block.attn, cache, block.index, pos, self.q3, self.k3, self.v3)
+        self.x[:] = x
+        self.post(ctx, *self.post_args, self.x, *self.post_args2, events, False, block.index)
+        return self.x
+
+    def _timed(self, x, pos, cache, ops_on):
+        if not ops_on:  # debug: the block's span and its attn / ffn parts only
+            block, i, events = self.block, self.block.index, self.events.events
+            with _perf.debug(block._event, "", module=block.name, op="block", layer=i,
+                             kind=block.attn.kind) as span:
+                t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, True, i)
+                ctx = attend(block.attn, cache, i, pos, self.q3, self.k3, self.v3)
+                self.x[:] = x
+                t_mid, t_end = self.post(ctx, *self.post_args, self.x, *self.post_args2, events, True, i)
+                events[0, 0] = 0  # no op span is on: the ops' events are dropped unread
+                s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end))
+                span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
             return self.x
         return self._traced(x, pos, cache)
 

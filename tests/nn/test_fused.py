@@ -57,7 +57,7 @@ def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias
                             name="layers.0")
 
 
-def decode_both(block, steps=3, prompt=5, d=None):
+def decode_both(block, steps=3, prompt=5):
     """Prefill (layer by layer, T > 1), then decode `steps` tokens fused and layer by layer from
     copies of the same cache; returns both outputs and both caches."""
     rng = np.random.default_rng(1)
