@@ -31,6 +31,7 @@ With logging off no counter is read.
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numba
@@ -230,6 +231,7 @@ class FusedBlock:
         self.v3 = self.qkv[nq + nkv:].reshape(1, Hkv, hd)
         self.x, self.h, self.y = (np.zeros((1, d), np.float32) for _ in range(3))
         self.events = clock.EventBuffer(64)
+        self._busy = threading.Lock()
 
         projs = [attn.qkv] if isinstance(attn.qkv, Linear) else list(attn.qkv)
         ws = [_weight(p) for p in projs]
@@ -277,6 +279,12 @@ class FusedBlock:
         self.op_loggers.add(perf.get("pyml.nn.attention"))
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
+        # generations on several threads may share a model: they take turns in a block (its
+        # buffers are one set) and each leaves with its own copy of the output
+        with self._busy:
+            return self._step(x, pos, cache).copy()
+
+    def _step(self, x, pos, cache):
         block, events = self.block, self.events.events
         ops_on = any(p.trace_on for p in self.op_loggers)
         if ops_on or _perf.debug_on:
