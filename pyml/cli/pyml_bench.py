@@ -41,6 +41,7 @@ from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.api import load_model
 from pyml.report.machine import git_info, machine_info
+from pyml.report.timing import RecordSink
 
 
 # --- measurements -------------------------------------------------------------------
@@ -266,9 +267,11 @@ def write_outputs(rows, info, peers, out: Path):
 
 def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
     """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
-    levels off / debug / trace interleaved over `rounds` (a shared machine drifts; interleaving
-    spreads the drift over all three), every block over the same cache positions. Lines go to os.devnull: the cost of making them, not of
-    a terminal. Returns a Markdown table of median ms/step and the change against off."""
+    levels off / debug / trace / profile interleaved over `rounds` (a shared machine drifts;
+    interleaving spreads the drift over all of them), every block over the same cache positions.
+    Lines go to os.devnull: the cost of making them, not of a terminal. `profile` is what
+    `--profile` records: every span at trace level into a collector like the profile's, no text.
+    Returns a Markdown table of median ms/step and the change against off."""
     sink = open(os.devnull, "w")
     root = logging.getLogger("pyml")
     saved = list(root.handlers)
@@ -281,16 +284,21 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
             lm = load_model(threads=threads, **{model.kind: str(model.locate())})
             cache = lm.new_cache(steps + 8)
             lm.model.forward([1, 2, 3], cache)
-            got = {"off": [], "debug": [], "trace": []}
+            got = {"off": [], "debug": [], "trace": [], "profile": []}
             for _ in range(rounds):
                 for level in got:
-                    perf.configure("warning" if level == "off" else level)
+                    perf.configure(level if level in ("debug", "trace") else "warning")
+                    records = RecordSink()
+                    if level == "profile":
+                        perf.add_collector(records, level=perf.TRACE)
                     cache.length = 3  # every block decodes the same positions: the same work
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         lm.model.forward([5], cache)
                     perf.flush()
                     got[level].append((time.perf_counter() - t0) / steps * 1e3)
+                    if level == "profile":
+                        perf.remove_collector(records)
             perf.configure("warning")
             off = statistics.median(got["off"])
             for level, ms in got.items():
@@ -371,7 +379,8 @@ def build_parser() -> Parser:
     p.add_argument("--peers", default="", help="comma-separated: " + ", ".join(e for e in ENGINES if e != "pyml"))
     p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
     p.add_argument("--log-cost", action="store_true",
-                   help="instead of pp/tg: decode ms/step with LOG off, debug and trace, interleaved")
+                   help="instead of pp/tg: decode ms/step with LOG off, debug, trace and --profile recording, "
+                        "interleaved")
     p.add_argument("--log", metavar="LEVEL", default=None,
                    help="pyml's log level while measuring (or env LOG): the cost of logging, measured")
     p.add_argument("--memory", action="store_true",

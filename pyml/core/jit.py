@@ -7,9 +7,9 @@ Numba stamps a cached function with its own source file only. Our kernels inline
 and helpers from sibling modules (pyml/quant/simd.py, activation.py, these flags), so after an
 edit there Numba would go on loading old machine code - and in a shared working tree, a
 process started before the edit writes old code back into the cache after any clean-up. So
-the cache entries of pyml/core and pyml/quant are stamped with a fingerprint of all their
-kernel source files as this process read them at import: an entry written from other sources
-is treated as absent and recompiled.
+the cache entries of pyml/core, pyml/quant and pyml/nn (the fused decode kernels) are stamped
+with a fingerprint of all their kernel source files as this process read them at import: an
+entry written from other sources is treated as absent and recompiled.
 
 The stamp holds in every place Numba may keep the cache (a NUMBA_CACHE_DIR, as CI sets, too:
 a CI cache kept across runs once served kernels compiled before a NaN fix in simd.py). This
@@ -32,12 +32,12 @@ from pyml.core.isa import ISA
 FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant")
+_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: the fused decode kernels
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
-_KERNEL_SOURCES = ("core/isa.py", "core/jit.py", "core/ops.py", "quant/activation.py", "quant/attention_ops.py",
-                   "quant/blocks32.py",
-                   "quant/floats.py", "quant/ggml_types.py", "quant/interleaved.py", "quant/kernel_set.py",
-                   "quant/kquants.py", "quant/quantizers.py", "quant/simd.py")
+_KERNEL_SOURCES = ("core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py", "quant/activation.py",
+                   "quant/attention_ops.py", "quant/blocks32.py", "quant/floats.py", "quant/ggml_types.py",
+                   "quant/interleaved.py", "quant/kernel_set.py", "quant/kquants.py", "quant/quantizers.py",
+                   "quant/simd.py", "nn/fused.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never
 # loaded for another on the same CPU (PYML_ISA=avx2 beside the default avx512_vnni)
 FINGERPRINT = hashlib.sha1(b"".join((_PACKAGE / name).read_bytes() for name in _KERNEL_SOURCES)

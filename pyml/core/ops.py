@@ -169,6 +169,10 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
     return x
 
 
+# The row kernels the fused decode step (nn/fused.py) calls from inside its own kernels.
+rms_norm_rows, layer_norm_rows, rope_rows, act_row = _rms_norm_rows, _layer_norm_rows, _rope_rows, _act_row
+
+
 # Below this many multiply-adds a parallel region costs more than it saves: waking the
 # second thread is ~3 µs on an idle machine and up to a scheduler tick (ms) on a busy one.
 PARALLEL_MIN_WORK = 1 << 17

@@ -8,8 +8,12 @@ A call site asks its PerfLogger for a span and times a region with it:
 
 With logging off the call returns a shared do-nothing span after one flag check:
 no clock read, no string formatting. When on, the span reads the clock twice and,
-on exit, (1) delivers a record dict to every registered collector and (2) logs
-one line `[perf] name details elapsed_ms | context` at the span's level.
+on exit, is appended to a pending buffer — no dict, no string, no logging call
+while the code it times runs. When a top-level span ends (a decode step), or 50 ms
+after the last drain, the buffer is drained in end order: each span (1) delivers a
+record dict to every registered collector and (2) becomes one line
+`[perf] name details elapsed_ms | context` at its level. Details repeat step after
+step (a layer's shapes), so each distinct one is formatted once.
 
 The text after ` | ` is what a report needs to rebuild the records from a saved
 log (`pyml-report LOGFILE`): the module path (Hugging Face parameter prefix, when
@@ -40,6 +44,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import math
 import os
 import sys
 import threading
@@ -69,6 +74,7 @@ def _stack() -> list:
     if s is None:
         s = _tls.stack = []
         _tls.ctx = {}
+        _tls.ident = threading.get_ident()
     return s
 
 
@@ -104,19 +110,24 @@ class _Part:
         return self
 
     def __exit__(self, *exc):
-        parts = self.span.parts
-        parts[self.name] = parts.get(self.name, 0.0) + (clock() - self.t0)
+        span = self.span
+        if span.parts is None:
+            span.parts = {}
+        span.parts[self.name] = span.parts.get(self.name, 0.0) + (clock() - self.t0)
         return False
 
 
 class Span:
+    """One timed region. On exit it is appended, as it is, to the pending buffer: the record dict
+    and the `[perf]` text are made from it later, when the buffer is drained (see _drain)."""
+
     __slots__ = ("perf", "level", "name", "fmt", "args", "attrs", "parts",
-                 "id", "parent", "t0")
+                 "id", "parent", "t0", "t1", "depth", "ctx", "thread")
 
     def __init__(self, perf, level, name, fmt, args, attrs):
         self.perf, self.level, self.name = perf, level, name
         self.fmt, self.args, self.attrs = fmt, args, attrs
-        self.parts = {}
+        self.parts = None  # a dict once a part is timed
 
     def part(self, name):
         """Time a named part of this span (reported inline, e.g. `attn=1.2ms`)."""
@@ -127,7 +138,10 @@ class Span:
         self.attrs.update(attrs)
 
     def __enter__(self):
-        stack = _stack()
+        try:
+            stack = _tls.stack
+        except AttributeError:
+            stack = _stack()
         self.parent = stack[-1].id if stack else None
         self.id = next(_ids)
         stack.append(self)
@@ -135,18 +149,177 @@ class Span:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        t1 = clock()
-        _tls.stack.pop()
+        t1 = self.t1 = clock()
+        stack = _tls.stack
+        stack.pop()
         if exc_type is None:
-            self.perf._emit(self, t1 - self.t0)
+            _end(self, t1, stack)
         return False
 
     def details(self) -> str:
         """The formatted details; shapes are passed as tuples (no list built when the level is
-        off) and printed as lists, `[1, 576]`."""
-        if not self.args:
+        off) and printed as lists, `[1, 576]`. A decode step repeats its details step after
+        step (a layer's shapes), so they are formatted once and looked up after that."""
+        args = self.args
+        if not args:
             return self.fmt
-        return self.fmt.format(*(list(a) if type(a) is tuple else a for a in self.args))
+        key = (self.fmt, args)
+        try:
+            return _details_memo[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument: formatted every time
+            return _format_details(self.fmt, args)
+        if len(_details_memo) >= _DETAILS_MEMO_SIZE:
+            _details_memo.clear()
+        text = _details_memo[key] = _format_details(self.fmt, args)
+        return text
+
+
+_details_memo: dict = {}
+_DETAILS_MEMO_SIZE = 8192  # a model's distinct shapes and layers; positions and tokens cycle through
+
+
+def _format_details(fmt: str, args: tuple) -> str:
+    return fmt.format(*(list(a) if type(a) is tuple else a for a in args))
+
+
+# Ended spans wait here, in end order, until a top-level span ends (a decode step) or 50 ms
+# have passed since the last drain: a span's exit is then a clock read and two list operations,
+# and the dicts, strings and handler calls of all of a step's spans are made in one pass after
+# the step's own clock has stopped. One list for all threads: list.append is atomic.
+_pending: list = []
+_drain_lock = threading.RLock()
+_drained_at = [0.0]
+_DRAIN_EVERY_S = 0.05
+
+
+def _end(span, t1, stack):
+    span.depth = len(stack)  # the span is already popped: its ancestors remain
+    span.ctx = _tls.ctx      # never mutated in place (perf.context replaces it): a snapshot
+    span.thread = _tls.ident
+    _pending.append(span)
+    if not stack or t1 - _drained_at[0] > _DRAIN_EVERY_S:
+        _drain()
+
+
+def _on_grid(t: float, up: bool = False) -> float:
+    """A time on the µs grid logs and reports keep. Spans timed in compiled code follow each
+    other with no gap (a feed-forward is its three ops, to the ns): rounded one by one, the
+    children's durations could add up to 1 µs more than their parent's. Start and end put on
+    the grid first, every duration is a whole number of µs and the children's never exceed the
+    parent's. (A clock conversion may also land a hair before the open parent began: clamped.)"""
+    return (math.ceil(t * 1e6) if up else round(t * 1e6)) / 1e6
+
+
+def add_ended(items):
+    """Spans timed elsewhere (inside a compiled call, pyml.core.clock), given in the order they
+    ended as (PerfLogger, level, name, fmt, args, attrs, start, end) with perf_counter times.
+    They become children of the current Python span, nested among themselves by their times (a
+    span inside another's interval is its child), exactly as if they had been opened here."""
+    stack = _stack()
+    spans, roots = [], []
+    for p, level, name, fmt, args, attrs, t0, t1 in items:
+        s = Span(p, level, name, fmt, args, attrs)
+        s.id, s.t0, s.t1, s.parent = next(_ids), t0, t1, None
+        while roots and roots[-1].t0 >= t0 and roots[-1].t1 <= t1:  # ended earlier, inside this one
+            roots.pop().parent = s
+        roots.append(s)
+        spans.append(s)
+    base_parent, base_depth = (stack[-1].id if stack else None), len(stack)
+    floor = _on_grid(stack[-1].t0, up=True) if stack else 0.0
+    ctx, ident = _tls.ctx, _tls.ident
+    for s in reversed(spans):  # parents end after their children: they are placed first
+        parent = s.parent
+        s.parent, s.depth = (base_parent, base_depth) if parent is None else (parent.id, parent.depth + 1)
+        s.ctx, s.thread = ctx, ident
+        s.t0, s.t1 = max(_on_grid(s.t0), floor), max(_on_grid(s.t1), floor)
+    _pending.extend(spans)
+    if not stack:
+        _drain()
+
+
+class placeholder:
+    """A span whose start and end are known only afterwards (`.times(t0, t1)`, perf_counter
+    seconds), for a region that begins and ends inside compiled calls: it is on the stack while
+    open, so spans opened or added inside nest under it; it reads no clock."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, logger: str, level: int, name: str, fmt: str, args: tuple, attrs: dict):
+        p = get(logger)
+        on = p.trace_on if level <= TRACE else p.debug_on
+        self.span = Span(p, level, name, fmt, args, dict(attrs)) if on else None
+
+    def __enter__(self):
+        s = self.span
+        if s is not None:
+            stack = _stack()
+            s.parent = stack[-1].id if stack else None
+            s.id = next(_ids)
+            s.t0 = s.t1 = 0.0
+            stack.append(s)
+        return self
+
+    def times(self, t0: float, t1: float):
+        s = self.span
+        if s is not None:
+            stack = _tls.stack  # it is open: its parent is below it
+            floor = _on_grid(stack[-2].t0, up=True) if len(stack) > 1 else 0.0
+            s.t0, s.t1 = max(_on_grid(t0), floor), max(_on_grid(t1), floor)
+
+    def __exit__(self, exc_type, exc, tb):
+        s = self.span
+        if s is not None:
+            stack = _tls.stack
+            stack.pop()
+            if exc_type is None:
+                _end(s, s.t1, stack)
+        return False
+
+
+def _drain():
+    """Turn the pending spans into records (to the collectors) and `[perf]` lines, in end order."""
+    with _drain_lock:
+        n = len(_pending)
+        if not n:
+            return
+        batch = _pending[:n]
+        del _pending[:n]  # other threads only append: what they add after n stays
+        _drained_at[0] = clock()
+        direct = None
+        for span in batch:
+            p, level = span.perf, span.level
+            details = span.details()
+            if _collectors:
+                _deliver(span, details)
+            if p.logger.isEnabledFor(level):
+                line = _line(span, details)
+                if p.direct is not None:
+                    direct = p.direct
+                    direct.pending.append(line)
+                else:  # through logging: its handler first writes what is pending, so the order holds
+                    p.logger.log(level, "%s", line)
+        if direct is not None:
+            direct.write_pending()
+
+
+def _deliver(span, details):
+    ctx, parts = span.ctx, span.parts
+    level = span.level
+    record = {
+        "id": span.id, "parent": span.parent, "name": span.name,
+        "level": "trace" if level == TRACE else "debug",
+        "logger": span.perf.name, "thread": span.thread,
+        "start": span.t0, "dur_ms": (span.t1 - span.t0) * 1e3,
+        "phase": ctx.get("phase"), "step": ctx.get("step"),
+        "details": details,
+        "parts": {k: v * 1e3 for k, v in parts.items()} if parts else {},
+    }
+    record.update(span.attrs)
+    for fn, min_level in _collectors:
+        if level >= min_level:
+            fn(record)
 
 
 class PerfLogger:
@@ -178,31 +351,6 @@ class PerfLogger:
             return NULL_SPAN
         return Span(self, TRACE, name, fmt, args, attrs)
 
-    def _emit(self, span: Span, elapsed: float):
-        level = span.level
-        details = span.details()
-        if _collectors:
-            ctx = _tls.ctx
-            record = {
-                "id": span.id, "parent": span.parent, "name": span.name,
-                "level": "trace" if level == TRACE else "debug",
-                "logger": self.name, "thread": threading.get_ident(),
-                "start": span.t0, "dur_ms": elapsed * 1e3,
-                "phase": ctx.get("phase"), "step": ctx.get("step"),
-                "details": details,
-                "parts": {k: v * 1e3 for k, v in span.parts.items()},
-            }
-            record.update(span.attrs)
-            for fn, min_level in _collectors:
-                if level >= min_level:
-                    fn(record)
-        if self.logger.isEnabledFor(level):
-            line = "[perf] " + format_line(span.name, details, span.parts, elapsed, _context(span))
-            if self.direct is not None:
-                self.direct.add(line, top_level=not _tls.stack)
-            else:
-                self.logger.log(level, "%s", line)
-
 
 def _direct_handler(logger: logging.Logger) -> "_PerfHandler | None":
     """pyml's own handler when it is the only place this logger's records can go (no other
@@ -231,20 +379,10 @@ class _PerfHandler(logging.StreamHandler):
     def __init__(self, stream):
         super().__init__(stream)
         self.pending: list[str] = []
-        self.written_at = clock()
         self.setFormatter(_LineFormatter())
-
-    def add(self, line: str, top_level: bool):
-        with self.lock:
-            self.pending.append(line)
-        # one write per decode step; in a long pass (a prefill) at least every 50 ms, so a
-        # layer's line still shows while the pass runs
-        if top_level or clock() - self.written_at > 0.05:
-            self.write_pending()
 
     def write_pending(self):
         with self.lock:
-            self.written_at = clock()
             if self.pending:
                 text, self.pending = "\n".join(self.pending) + "\n", []
                 try:
@@ -253,32 +391,48 @@ class _PerfHandler(logging.StreamHandler):
                 except (OSError, ValueError):  # a closed or broken stderr: nothing to tell
                     pass
 
+    def handle(self, record):
+        # a record from outside a drain: the spans that ended before it go first (taken before
+        # this handler's lock, as a drain takes them: one lock order)
+        if not _drain_lock._is_owned():
+            _drain()
+        return super().handle(record)
+
     def emit(self, record):
         self.write_pending()
         super().emit(record)
 
 
 def flush():
-    """Write the `[perf]` lines not yet written (before printing to stderr outside logging)."""
+    """Write the `[perf]` lines not yet written (before printing to stderr outside logging) and
+    deliver the records of the spans that have ended to the collectors."""
+    _drain()
     for h in logging.getLogger("pyml").handlers:
         if isinstance(h, _PerfHandler):
             h.write_pending()
 
 
-def _context(span: Span) -> str:
-    """The ` | ` tail of a line: module, depth, start; phase and step on top-level spans."""
-    depth = len(_tls.stack)  # the span is already popped: its ancestors remain
+def _line(span: Span, details: str) -> str:
+    """The whole `[perf]` line of an ended span: format_line's text and the ` | ` tail (module,
+    depth, start; phase and step on top-level spans), in as few f-strings as it takes."""
+    elapsed, parts, depth = span.t1 - span.t0, span.parts, span.depth
+    head = f"[perf] {span.name} {details}" if details else f"[perf] {span.name}"
+    if parts:
+        timed = " ".join([f"{k}={v * 1e3:.3f}ms" for k, v in parts.items()])
+        head = f"{head} {timed} total={elapsed * 1e3:.3f}ms | "
+    else:
+        head = f"{head} {elapsed * 1e3:.3f}ms | "
     module = span.attrs.get("module")
-    text = f"{module} depth={depth} start={span.t0:.6f}" if module else f"depth={depth} start={span.t0:.6f}"
+    line = (f"{head}{module} depth={depth} start={span.t0:.6f}" if module
+            else f"{head}depth={depth} start={span.t0:.6f}")
     if depth == 0:
-        ctx = _tls.ctx
+        ctx = span.ctx
         phase, step = ctx.get("phase"), ctx.get("step")
         if phase is not None:
-            text = f"{text} phase={phase}"
+            line = f"{line} phase={phase}"
         if step is not None:
-            text = f"{text} step={step}"
-    ident = threading.get_ident()
-    return text if ident == _MAIN_THREAD else f"{text} thread={ident}"
+            line = f"{line} step={step}"
+    return line if span.thread == _MAIN_THREAD else f"{line} thread={span.thread}"
 
 
 _MAIN_THREAD = threading.main_thread().ident
@@ -287,8 +441,8 @@ _MAIN_THREAD = threading.main_thread().ident
 def format_line(name: str, details: str, parts: dict, elapsed: float, context: str = "") -> str:
     """`name details [k=v ms ...] elapsed [| context]` — with parts, the elapsed reads `total=`.
 
-    Times are printed in ms with three decimals: a log holds durations to the µs. (Written as a
-    few f-strings: at trace level this runs ~500 times per decode step.)
+    Times are printed in ms with three decimals: a log holds durations to the µs. (The live
+    lines are written by _line, which must give the same text.)
     """
     head = f"{name} {details}" if details else name
     if parts:
@@ -321,8 +475,9 @@ class context:
 
     def __enter__(self):
         _stack()
-        self.saved = dict(_tls.ctx)
-        _tls.ctx.update(self.values)
+        # a new dict, never an update in place: ended spans keep a reference to theirs
+        self.saved = _tls.ctx
+        _tls.ctx = {**self.saved, **self.values}
         return self
 
     def __exit__(self, *exc):
@@ -333,6 +488,7 @@ class context:
 def add_collector(fn, level: int = TRACE):
     """Deliver every record at `level` or above to `fn(record)`; forces that level on."""
     global _collect_level
+    _drain()  # spans that ended before this collector existed are not its records
     _collectors.append((fn, level))
     _collect_level = min(lv for _, lv in _collectors)
     refresh()
@@ -340,6 +496,7 @@ def add_collector(fn, level: int = TRACE):
 
 def remove_collector(fn):
     global _collect_level
+    _drain()  # the spans that ended while it was registered are its records
     _collectors[:] = [(f, lv) for f, lv in _collectors if f != fn]
     _collect_level = min((lv for _, lv in _collectors), default=logging.CRITICAL + 10)
     refresh()

@@ -46,6 +46,15 @@ class Attention:
         return (q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv_heads, hd),
                 v.reshape(T, self.n_kv_heads, hd))
 
+    def decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: int, cache: KVCache, layer: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """KV write + attention of one token: q [H, hd] (contiguous), k, v [1, Hkv, hd] -> [H, hd].
+        The decode step of both paths, layer by layer and fused (nn/fused.py)."""
+        cache.update(layer, pos, k, v)
+        start = max(0, pos + 1 - self.window) if self.window else 0
+        out = out if out is not None else np.empty((self.n_heads, self.head_dim), np.float32)
+        return attention_ops.attend_decode(q, *cache.layer(layer), start, pos + 1, self.scale, out)
+
     def __call__(self, x: np.ndarray, pos: int, cache: KVCache, layer: int) -> np.ndarray:
         T = x.shape[0]
         with _perf.trace("attention::forward", "layer={} {} tokens={} pos={}", layer, self.kind, T, pos,
@@ -59,11 +68,7 @@ class Attention:
                 k = self.rope(np.ascontiguousarray(k), pos)
             q = np.ascontiguousarray(q)
             if T == 1:  # decode: one fused kernel over all heads
-                cache.update(layer, pos, k, v)
-                start = max(0, pos + 1 - self.window) if self.window else 0
-                ctx = attention_ops.attend_decode(q[0], *cache.layer(layer), start, pos + 1, self.scale,
-                                                  np.empty((self.n_heads, self.head_dim), np.float32))
-                return self.o_proj(ctx.reshape(1, -1))
+                return self.o_proj(self.decode(q[0], k, v, pos, cache, layer).reshape(1, -1))
             # a ring keeps window + slack positions: write and attend in pieces that fit beside the window
             piece = cache.slots[layer] - self.window + 1 if cache.is_ring(layer) else T
             ctx = np.empty((T, self.n_heads, self.head_dim), np.float32)

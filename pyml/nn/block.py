@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyml.core import perf
+from pyml.nn.fused import FusedBlock, can_fuse
 
 _perf = perf.get("pyml.nn.block")
 
@@ -21,12 +22,23 @@ class TransformerBlock:
         self.index, self.attn_norm, self.attn, self.ffn_norm, self.ffn = index, attn_norm, attn, ffn_norm, ffn
         self.post_attn_norm, self.post_ffn_norm, self.name = post_attn_norm, post_ffn_norm, name
         self._event = f"transformer[{index}]::forward"
+        # a decode step (T == 1) runs as two fused kernels (nn/fused.py); made on the first one,
+        # after load has packed the weights. False: always the layer-by-layer path (the reference).
+        self.fused_decode = True
+        self._fused = None
 
     def linears(self) -> list:
         """Every Linear of the block, in the order a forward pass runs them."""
         return self.attn.linears() + self.ffn.linears()
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
+        if x.shape[0] == 1 and self.fused_decode:
+            if self._fused is None:
+                if not can_fuse(self):
+                    self.fused_decode = False
+                    return self(x, pos, cache)
+                self._fused = FusedBlock(self)
+            return self._fused(x, pos, cache)
         with _perf.debug(self._event, "", module=self.name, op="block", layer=self.index,
                          kind=self.attn.kind) as span:
             with span.part("attn"):

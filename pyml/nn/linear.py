@@ -63,7 +63,7 @@ class Linear:
         self.weight, self.bias, self.name = weight, bias, name
         self.out_features, self.in_features = weight.shape
         self._quant_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"
-        self._dims, self._type_name = [self.in_features, self.out_features], weight.qtype.name  # for the spans
+        self._dims, self._type_name = (self.in_features, self.out_features), weight.qtype.name  # for the spans
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, in] -> [T, out]
         w = self.weight

@@ -55,8 +55,8 @@ from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.reference import dequantize_reference, matmul_reference
 
 __all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
-           "dequantize", "dequantize_rows", "matmul", "pack", "packs", "packed_from_cache", "Packed", "quantize",
-           "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
+           "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs", "packed_from_cache", "Packed",
+           "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
 _F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
@@ -86,6 +86,12 @@ def _as_stored(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
         w = w.view()
         w.flags.writeable = False
     return w
+
+
+def kernel_view(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
+    """A stored (not packed) weight as the kernels take it, for code that calls a KernelSet from
+    its own kernels (nn/fused.py): 2-D, C-contiguous, read-only, F16/BF16 as uint16 bits."""
+    return _as_stored(raw, qtype, n_cols)
 
 
 def dequantize(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:

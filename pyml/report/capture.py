@@ -33,7 +33,7 @@ from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.report.machine import run_info
 from pyml.report.records import normalize
-from pyml.report.timing import RecordSink, measure_timing_overhead
+from pyml.report.timing import RecordSink, measure_decode_overhead, measure_timing_overhead
 from pyml.report.writer import write_reports
 
 _active: list = []
@@ -54,11 +54,14 @@ class Profile:
         self._threads: dict = {}
         self._sink = RecordSink(self._flush_thread)
         self._file = None
+        self._lm = None
 
     # --- what the caller knows --------------------------------------------------------
     def set_model(self, lm):
-        """Describe the loaded model (a pyml LanguageModel) in run.json."""
+        """Describe the loaded model (a pyml LanguageModel) in run.json; at the end of the block
+        a few untimed decode steps of it measure what the recording added (run.json "overhead")."""
         self.info["model"] = model_info(lm)
+        self._lm = lm
         self.info["threads"] = lm.runtime.threads
         self.info["warmup"] = lm.runtime.warmup
         self.info["load_s"] = lm.load_s
@@ -126,6 +129,9 @@ class Profile:
         finally:
             self._file.close()
         self.info["duration_s"] = perf.clock() - self.info["t0"]
+        if exc_type is None and self._lm is not None and self.info.get("generation", {}).get("decode_steps"):
+            self.info["overhead"] = measure_decode_overhead(self._lm)
+            self._lm = None
         self.info["events"] = self.events
         self.info["status"] = "ok" if exc_type is None else f"ended by {exc_type.__name__}"
         self.info.update(run_info(self.argv))

@@ -47,6 +47,16 @@ def timing_of(run) -> tuple[dict | None, str]:
     return None, ""
 
 
+def overhead_line(run) -> str | None:
+    """What the recording added to this run's decode steps, as measured after it (run.json)."""
+    o = run.info.get("overhead")
+    if not o or o.get("pct") is None:
+        return None
+    what = "trace (records and `[perf]` lines)" if o.get("lines") else "trace recording"
+    return (f"**Instrumentation**: {what} added **{o['pct']:+.1f}%** to this run's decode steps "
+            f"({o['on_ms']:.2f} ms per step recorded, {o['off_ms']:.2f} ms not; {o['method']}).")
+
+
 # --- report.md ------------------------------------------------------------------------------
 
 def report_page(run, layer: int | None = None, timing=None, timing_src="", plots=()) -> Doc:
@@ -78,6 +88,9 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
         rows.append(["Generations", str(tl["generations"]), "the decode figures cover all of them"])
     doc.table(["Phase", "Time", "Notes"], rows, "lrl")
     _workers_section(doc, run)
+    overhead = overhead_line(run)
+    if overhead:
+        doc.p(overhead)
 
     if steps:
         comps = aggregate.components(steps)
@@ -272,6 +285,9 @@ def _methodology(doc, run, timing, timing_src):
                  f"{timing.get('clock_us', 0) * 1e3:.0f} ns) — {timing_src}; {timing.get('method', '')}."]
         if timing.get("off_call_ns") is not None:
             lines.append(f"A call site with its level off: {timing['off_call_ns']:.0f} ns.")
+        if timing.get("compiled_clock_ns") is not None:
+            lines.append(f"An op timed inside compiled code reads the time-stamp counter twice: "
+                         f"{timing['compiled_clock_ns']:.0f} ns a read.")
         if timing.get("line_us"):
             lines.append(f"Writing the `[perf]` text line adds {timing['line_us']:.2f} µs per span.")
         cost = aggregate.instrumentation_cost(run, timing)

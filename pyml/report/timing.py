@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import statistics
+import time
 
-from pyml.core import perf
+from pyml.core import clock, perf
 
 FLUSH_EVERY = 20000
 
@@ -35,6 +37,7 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
     span_overhead_us: what one empty child span adds to its parent's duration (the
       cost of recording a span, collector included, as seen from the parent).
     clock_us: one perf_counter read. off_call_ns: a call site when its level is off.
+    compiled_clock_ns: one time-stamp counter read inside compiled code (core/clock.py).
     line_us (with_lines): the extra cost of formatting the `[perf]` text line.
     """
     name = "pyml.profile.calibration"
@@ -58,6 +61,7 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
         for _ in range(n * 10):
             clk()
         out["clock_us"] = (clk() - t0) / (n * 10) * 1e6
+        out["compiled_clock_ns"] = clock.read_cost_ns()
         if with_lines:
             handler = logging.StreamHandler(io.StringIO())
             logger.addHandler(handler)
@@ -85,7 +89,7 @@ def _measure_spans(pl, n, repeats) -> dict:
             with pl.trace("calibrate::parent"):
                 for _ in range(n):
                     # shaped like a real call site: details formatted from arguments, attributes
-                    with pl.trace("calibrate::child", "{}->{} {}", [1, 768], [768, 3072], "F32",
+                    with pl.trace("calibrate::child", "{}->{} {}", (1, 768), (768, 3072), "F32",
                                   module="model.layers.0.mlp.up_proj", op="linear", dtype="F32"):
                         pass
             parent = sink.buf[-1]["dur_ms"]
@@ -96,3 +100,60 @@ def _measure_spans(pl, n, repeats) -> dict:
         perf.remove_collector(sink)
     return {"span_floor_us": statistics.median(floors) * 1e3,
             "span_overhead_us": statistics.median(per_child) * 1e3}
+
+
+def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
+    """What recording added to this model's decode steps, measured after the run: blocks of
+    `steps` decode steps over the same cache positions (the same work), with recording off and
+    on as the run had it (a collector like the profile's; the `[perf]` text too when the log
+    level was trace, written to os.devnull: the cost of making lines, not of a terminal),
+    interleaved over `rounds`. Returns median ms per step off and on, and the difference in %.
+    No record of these steps reaches the profile: call it after removing the profile's collector.
+    """
+    model = lm.model
+    cache = lm.new_cache(steps + 4)
+    with_lines = logging.getLogger("pyml").isEnabledFor(perf.TRACE)
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("pyml")]
+    levels = [(lg, lg.level) for lg in loggers + [logging.getLogger("pyml")]]
+    handlers = [h for h in logging.getLogger("pyml").handlers if hasattr(h, "setStream")]
+    sink_file = open(os.devnull, "w")
+    saved_streams = [h.setStream(sink_file) for h in handlers]
+    got = {"off": [], "on": []}
+    try:
+        with perf.context(phase="calibration"):
+            model.forward([1, 2, 3], cache)
+            for _ in range(rounds):
+                for mode in ("off", "on"):
+                    sink = RecordSink()
+                    if mode == "off":
+                        logging.getLogger("pyml").setLevel(logging.CRITICAL + 10)
+                        for lg in loggers:
+                            lg.setLevel(logging.NOTSET)
+                        perf.refresh()
+                    else:
+                        for lg, level in levels:
+                            lg.setLevel(level)
+                        perf.add_collector(sink, level=perf.TRACE)
+                    try:
+                        cache.length = 3
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            model.forward([5], cache)
+                        perf.flush()
+                        got[mode].append((time.perf_counter() - t0) / steps * 1e3)
+                    finally:
+                        if mode == "on":
+                            perf.remove_collector(sink)
+    finally:
+        for lg, level in levels:
+            lg.setLevel(level)
+        perf.refresh()
+        for h, stream in zip(handlers, saved_streams):
+            h.setStream(stream)
+        sink_file.close()
+    off, on = statistics.median(got["off"]), statistics.median(got["on"])
+    return {"off_ms": off, "on_ms": on, "pct": (on / off - 1) * 100 if off else None,
+            "steps": steps * rounds, "lines": with_lines,
+            "method": (f"{rounds} x {steps} decode steps at the same positions with recording off and on "
+                       f"({'records and [perf] lines' if with_lines else 'records'}), interleaved, after the run; "
+                       f"median ms per step")}

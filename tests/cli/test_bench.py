@@ -39,7 +39,7 @@ def test_log_cost_table(tmp_path, smollm2_gguf):
     r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     levels = [line.split("|")[3].strip() for line in r.stdout.splitlines()[2:]]
-    assert levels == ["off", "debug", "trace"]
+    assert levels == ["off", "debug", "trace", "profile"]
     assert (tmp_path / "log-cost.md").read_text() == r.stdout
     assert "[perf]" not in r.stderr  # the lines went to os.devnull
 

@@ -23,14 +23,6 @@ def lm(tmp_path_factory):
 
 
 @pytest.fixture
-def records():
-    got = []
-    perf.add_collector(got.append)
-    yield got
-    perf.remove_collector(got.append)
-
-
-@pytest.fixture
 def log_to(request):
     """Configure levels from a spec; yield the stream the lines go to; restore afterwards."""
     stream = io.StringIO()
@@ -159,8 +151,14 @@ def test_logging_off_reads_no_clock_on_the_hot_path(lm, monkeypatch):
     monkeypatch.setattr(perf, "clock", lambda: calls.append(1) or real())
     cache = lm.new_cache(8)
     lm.model.forward([1, 2, 3], cache)
+    for b in lm.model.blocks:  # event buffers left from earlier traced steps, emptied
+        if b._fused is not None:
+            b._fused.events.events[:] = 0
     lm.model.forward([4], cache)
     assert calls == []
+    # the decode step ran as fused kernels, told not to time: no counter read, so no event written
+    fused = [b._fused for b in lm.model.blocks]
+    assert all(f is not None and not f.events.events.any() for f in fused)
     # and the same forward at debug level does read it (the counter works)
     seen = []
     perf.add_collector(seen.append, level=logging.DEBUG)
@@ -169,6 +167,9 @@ def test_logging_off_reads_no_clock_on_the_hot_path(lm, monkeypatch):
     finally:
         perf.remove_collector(seen.append)
     assert len(calls) > 0 and seen
+    # and at debug the fused kernels time the block's parts from inside
+    blocks = [r for r in seen if r["name"].startswith("transformer[")]
+    assert len(blocks) == 3 and all(set(r["parts"]) == {"attn", "ffn"} for r in blocks)
 
 
 def test_collector_sees_attributes(lm, records):
@@ -214,3 +215,42 @@ def test_a_foreign_handler_gets_every_line(log_to):
     finally:
         logging.getLogger("pyml.test.inner").removeHandler(handler)
         perf.refresh()
+
+
+def test_spans_wait_for_their_step_and_flush_delivers_them(records):
+    """Ended spans are held until the top-level span ends (then records and lines are made in
+    one pass, outside the step's measured time); perf.flush() delivers them early."""
+    outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
+    with outer.debug("outer::step"):
+        with inner.trace("inner::op", "n={}", 1, layer=3):
+            pass
+        assert records == []
+        perf.flush()
+        assert [r["name"] for r in records] == ["inner::op"]
+        assert records[0]["layer"] == 3 and records[0]["details"] == "n=1"
+    assert [r["name"] for r in records] == ["inner::op", "outer::step"]
+    assert records[0]["parent"] == records[1]["id"]
+
+
+def test_records_keep_the_phase_they_ended_in(records):
+    """A record made after its context has changed still carries the phase and step it ran in."""
+    inner = perf.get("pyml.test.inner")
+    outer = perf.get("pyml.test.outer")
+    with outer.debug("outer::run"):
+        for step in (1, 2):
+            with perf.context(phase="decode", step=step), inner.trace("inner::op"):
+                pass
+    assert [(r["phase"], r["step"]) for r in records if r["name"] == "inner::op"] == [("decode", 1),
+                                                                                     ("decode", 2)]
+
+
+def test_details_are_formatted_from_their_arguments_each_time(records):
+    """Memoised details still follow their arguments (positions change every step)."""
+    inner = perf.get("pyml.test.inner")
+    for pos in (3, 4, 3):
+        with inner.trace("inner::op", "{} pos={}", (1, 64), pos):
+            pass
+    unhashable = [1, 2]
+    with inner.trace("inner::op", "{}", unhashable):
+        pass
+    assert [r["details"] for r in records] == ["[1, 64] pos=3", "[1, 64] pos=4", "[1, 64] pos=3", "[1, 2]"]

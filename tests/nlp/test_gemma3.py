@@ -346,6 +346,8 @@ def test_real_270m_greedy_continuation_is_transformers(real_gemma, chat, monkeyp
     from pyml import quant
     monkeypatch.setattr(quant, "matmul", functools.partial(quant.matmul, exact=True))
     lm, hf = real_gemma
+    for block in lm.model.blocks:  # the exact kernels are the layer-by-layer path's (fused decode: int8)
+        monkeypatch.setattr(block, "fused_decode", False)
     prompt = _greedy_prompt(lm, chat)
     ids = lm.encode(prompt)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 import pyml
 from pyml.core import perf
 from pyml.report.capture import profile
-from pyml.report.timing import measure_timing_overhead
+from pyml.report.timing import measure_decode_overhead, measure_timing_overhead
 from pyml.report import aggregate
 from pyml.report import load_run, write_reports
 from pyml.report.chrome import chrome_trace, validate_chrome_trace
@@ -52,6 +52,26 @@ def _profiled(directory, checkpoint, warmup=True, log_spec=None):
     return stream.getvalue()
 
 
+@pytest.fixture
+def log_to_stream():
+    """Configure levels from a spec into a stream; restore pyml's logging afterwards."""
+    root = logging.getLogger("pyml")
+    saved = list(root.handlers)
+    stream = io.StringIO()
+
+    def apply(spec):
+        root.handlers[:] = []
+        perf.configure(spec, stream=stream)
+        return stream
+
+    yield apply
+    root.handlers[:] = saved
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("pyml"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    perf.configure("")
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, checkpoint):
     d = tmp_path_factory.mktemp("prof")
@@ -73,6 +93,35 @@ def test_profile_directory_holds_events_and_run_info(profiled):
     assert info["timing"]["span_overhead_us"] > 0
     phases = {json.loads(line)["phase"] for line in events}
     assert {"load", "warmup", "prefill", "decode"} <= phases
+    # what recording added, measured after the run on steps that are not in the profile
+    over = info["overhead"]
+    assert over["off_ms"] > 0 and over["on_ms"] > 0 and over["steps"] == 18 and over["lines"] is True
+    assert over["pct"] == pytest.approx((over["on_ms"] / over["off_ms"] - 1) * 100)
+    assert "calibration" not in phases
+
+
+def test_the_report_states_what_the_recording_added_to_this_run(profiled, tmp_path):
+    run = load_run(profiled / "warm")
+    write_reports(run, tmp_path, formats=("md",), plots=False, log=None)
+    over = run.info["overhead"]
+    text = (tmp_path / "report.md").read_text()
+    assert f"added **{over['pct']:+.1f}%** to this run's decode steps" in text
+    assert f"{over['on_ms']:.2f} ms per step recorded, {over['off_ms']:.2f} ms not" in text
+
+
+def test_decode_overhead_measurement_leaves_logging_as_it_was(checkpoint, log_to_stream):
+    stream = log_to_stream("pyml.nn=trace,pyml=debug")
+    lm = pyml.load_model(safetensors=str(checkpoint), warmup=False)
+    perf.flush()
+    logged = stream.getvalue()
+    before = (perf.get("pyml.nn.linear").trace_on, perf.get("pyml.core.ops").trace_on, list(perf._collectors),
+              logging.getLogger("pyml.nn").level)
+    got = measure_decode_overhead(lm, steps=2, rounds=1)
+    assert got["lines"] is False and got["steps"] == 2  # the root is at debug: lines only from pyml.nn
+    assert (perf.get("pyml.nn.linear").trace_on, perf.get("pyml.core.ops").trace_on, list(perf._collectors),
+            logging.getLogger("pyml.nn").level) == before
+    perf.flush()
+    assert stream.getvalue() == logged  # the calibration steps wrote nothing where the log goes
 
 
 def test_the_saved_log_gives_the_same_records_and_tables(profiled):

@@ -1,0 +1,213 @@
+"""Timing inside compiled code: the CPU's time-stamp counter, and the event buffer kernels write.
+
+A compiled call that runs several ops (a fused decode step) cannot open Python spans around
+them. Instead it takes a runtime `trace` flag and an EventBuffer's `events` array; when the flag
+is true, each op reads the counter before and after itself and appends (op id, layer, start,
+end) to the array. With the flag false no counter is read and nothing is written: the branch is
+a compare on an argument. After the call, `EventBuffer.emit` turns the events into the same
+spans a Python call site would have opened (perf.add_ended: same names, details, attributes,
+nesting), so records, `[perf]` lines and reports cannot tell the difference.
+
+The counter is LLVM's `readcyclecounter` (x86's rdtsc): a few ns and no system call, read in
+nopython code and cached with the kernel (a C function pointer such as clock_gettime's would
+put a process address into the cache). On a CPU with an invariant TSC (`constant_tsc` and
+`nonstop_tsc` in /proc/cpuinfo) it counts at a fixed rate; that rate and the offset to
+perf_counter are measured against perf_counter (Calibration), over a baseline that grows with
+the run, so tick times land on the clock every Python span uses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pyml.core import perf
+
+
+@intrinsic
+def _read_cycle_counter(typingctx):
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
+
+
+@numba.njit(inline="always")
+def ticks():
+    """The time-stamp counter (int64 ticks), from compiled code."""
+    return _read_cycle_counter()
+
+
+@numba.njit(cache=True)
+def read_ticks():
+    """The counter read from Python (through one kernel call)."""
+    return ticks()
+
+
+@numba.njit(cache=True)
+def _ticks_per_read(n):  # the cost of one read, in ticks: n reads timed by the counter itself
+    t0 = ticks()
+    for _ in range(n):
+        ticks()  # not removed: the intrinsic has side effects as far as LLVM knows
+    return (ticks() - t0) / n
+
+
+# --- the event buffer a kernel writes ------------------------------------------------------
+# events: int64 [capacity + 1, 4]; row 0 holds the count in column 0, row 1 + i the i-th event:
+# (op id, layer, start ticks, end ticks), in the order the ops end.
+
+@numba.njit(inline="always")
+def start(trace):
+    """The counter at an op's start when tracing, else 0 (no read)."""
+    return ticks() if trace else 0
+
+
+@numba.njit(inline="always")
+def done(events, trace, op, layer, t0):
+    """Append op's event (started at t0) when tracing; returns the end time (0 when not)."""
+    if not trace:
+        return 0
+    t1 = ticks()
+    n = events[0, 0]
+    if n + 1 < events.shape[0]:  # a full buffer drops events: emit() says how many
+        events[n + 1, 0] = op
+        events[n + 1, 1] = layer
+        events[n + 1, 2] = t0
+        events[n + 1, 3] = t1
+    events[0, 0] = n + 1
+    return t1
+
+
+class Calibration:
+    """Ticks -> perf_counter seconds: seconds = t_ref + (ticks - k_ref) / rate.
+
+    The rate is measured between the first reference pair and a pair read at least 50 ms later,
+    and re-measured every 50 ms, so its error shrinks as the run goes on (the first call waits
+    20 ms for a baseline: once per process, and only when compiled code is timed). The reference
+    pair is re-read when it is more than 1 ms old, so a converted time is an extrapolation over
+    at most a few ms: its error is the pair's read jitter (~0.1 µs), not the rate's error times
+    the run's length.
+    """
+
+    def __init__(self):
+        self.k0 = self.t0 = None
+        self.rate = None
+        self.k_ref = self.t_ref = None
+        self.measured_at = 0.0
+
+    @staticmethod
+    def pair():
+        """A (ticks, perf_counter) pair read as close together as Python can."""
+        k_a = read_ticks()
+        t = time.perf_counter()
+        k_b = read_ticks()
+        return (k_a + k_b) // 2, t
+
+    def update(self):
+        if self.k0 is None:
+            self.k0, self.t0 = self.pair()
+            time.sleep(0.02)
+        now = time.perf_counter()
+        if self.rate is None or now - self.measured_at > 0.05:
+            k, t = self.pair()
+            self.rate = (k - self.k0) / (t - self.t0)
+            self.measured_at = t
+            self.k_ref, self.t_ref = k, t
+        elif now - self.t_ref > 0.001:
+            self.k_ref, self.t_ref = self.pair()
+        return self
+
+    def seconds(self, tick_values: np.ndarray) -> np.ndarray:
+        return self.t_ref + (tick_values - self.k_ref) / self.rate
+
+
+_CALIBRATION = Calibration()
+
+
+def calibration() -> Calibration:
+    """The process's calibration, brought up to date: convert all the times of one compiled call
+    with it, so that they agree with each other to the tick."""
+    return _CALIBRATION.update()
+
+
+def to_seconds(tick_values, cal: Calibration | None = None) -> tuple:
+    """Counter values as perf_counter seconds."""
+    return tuple((cal or calibration()).seconds(np.asarray(tick_values, np.int64)).tolist())
+
+
+def read_cost_ns(n: int = 100_000) -> float:
+    """What one counter read costs inside a kernel, in ns (for run.json's timing section)."""
+    _ticks_per_read(16)
+    cal = _CALIBRATION.update()
+    return _ticks_per_read(n) / cal.rate * 1e9
+
+
+class Op:
+    """How one op id of a compiled call is reported: the span a Python call site would open
+    (the same logger, name, details format and arguments, attributes).
+
+    args may hold POS, replaced by the call's position (`pos=` in rope, kv_cache, attention)."""
+
+    __slots__ = ("perf", "level", "name", "fmt", "args", "attrs", "pos_at")
+
+    def __init__(self, logger: str, name: str, fmt: str = "", *args, level: int = perf.TRACE, **attrs):
+        self.perf, self.level, self.name, self.fmt = perf.get(logger), level, name, fmt
+        self.args, self.attrs = args, attrs
+        self.pos_at = tuple(i for i, a in enumerate(args) if a is POS)
+
+    def enabled(self) -> bool:
+        return self.perf.trace_on if self.level <= perf.TRACE else self.perf.debug_on
+
+
+POS = object()
+
+
+class EventBuffer:
+    """The preallocated events of one compiled call site (a model's decode step)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.events = np.zeros((capacity + 1, 4), np.int64)
+
+    def emit(self, tables, pos: int = 0, count: int | None = None, cal: Calibration | None = None):
+        """Turn the events written since the last emit (the first `count` of them; the rest stay
+        for the next emit) into spans under the current Python span. tables[layer][op id] is
+        the Op an event stands for (a layer's table names its modules: `model.layers.3.mlp.down_proj`)."""
+        events = self.events
+        n = int(events[0, 0])
+        if n == 0:
+            return
+        if count is not None and count < n:
+            taken = events[1:count + 1].copy()
+            rest = min(n, events.shape[0] - 1)
+            events[1:rest - count + 1] = events[count + 1:rest + 1]
+            events[0, 0] = n - count
+            self._spans(tables, pos, taken, taken.shape[0], cal or calibration())
+            return
+        kept = min(n, events.shape[0] - 1)
+        events[0, 0] = 0
+        self._spans(tables, pos, events[1:kept + 1], n, cal or calibration())
+
+    @staticmethod
+    def _spans(tables, pos, rows, n, cal):
+        kept = rows.shape[0]
+        t0s, t1s = cal.seconds(rows[:, 2]), cal.seconds(rows[:, 3])
+        ended = []
+        for i in range(kept):
+            op = tables[rows[i, 1]][rows[i, 0]]
+            if not op.enabled():
+                continue
+            args = op.args
+            if op.pos_at:
+                args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
+            ended.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, float(t0s[i]), float(t1s[i])))
+        perf.add_ended(ended)
+        if n > kept:
+            perf.get("pyml.core.clock").logger.warning(
+                "%d compiled-code events did not fit the trace buffer (%d) and were dropped", n - kept, kept)

@@ -1,0 +1,394 @@
+"""The fused decode step of a transformer block: two compiled calls and one attention call per
+layer, where the layer-by-layer path (TransformerBlock, Attention, the feed-forwards) makes ~15.
+
+At T == 1 every op of a small model is a few µs of arithmetic behind ~5-15 µs of Python. So a
+block's decode step runs as
+
+    pre_attention   norm -> qkv (+ bias) -> (q/k norm) -> RoPE                     one kernel
+    attend          KV write + decode attention                         attend() below, Python
+    post_attention  o_proj (+ bias) -> (post norm) -> residual -> norm -> gate/up or up
+                    -> activation -> down (+ bias) -> (post norm) -> residual   one kernel
+
+over the same kernels the layers call (pyml.quant's KernelSets and x8 kernels, core.ops' row
+kernels) and buffers allocated once per block. The layer-by-layer path stays the reference
+(tests hold this one to it on every architecture and weight type).
+
+Kernels are made per block *shape* (which norms, which weight types and layouts, which
+activation), never per weight: a factory's closure holds only ints, and the weight kernels are
+picked at compile time by a literal type id (`_matvec`'s overload), so Numba's on-disk cache
+keys them by those ints and a second process loads them instead of compiling (a closure that
+captured the KernelSet's dispatchers would be recompiled by every process: its cache key
+pickles them differently each time). SmolLM2 needs one kernel of each kind; a Q4_K_M file, with
+Q6_K mixed in, a few.
+
+Timing: when the block's spans are on, each kernel reads the time-stamp counter around every
+op and writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py); the
+Python side then turns those into the spans the layer-by-layer path opens - the same names,
+details, attributes and nesting (attention::forward holds the qkv projection, the q/k norms,
+RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn` parts.
+With logging off no counter is read.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from pyml import quant
+from pyml.core import clock, ops, perf
+from pyml.core.jit import FASTMATH
+from pyml.nn.attention import Attention
+from pyml.nn.feed_forward import MLP, GatedMLP
+from pyml.nn.linear import Linear
+from pyml.nn.norm import LayerNorm, RMSNorm
+
+_perf = perf.get("pyml.nn.block")
+_ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
+_EMPTY = np.zeros(0, np.float32)
+
+
+# --- the weight kernels, chosen by literal type id -------------------------------------------
+
+def _matvec(kind, layout, w, tail, x, out):
+    """out [R] = W x for a weight of type `kind` (a literal), stored in the file's layout
+    (layout 0: w, tail unused) or the x8 layout (layout 1: w = groups, tail = the last R % 8 rows)."""
+
+
+@overload(_matvec, prefer_literal=True)
+def _matvec_overload(kind, layout, w, tail, x, out):
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(layout, types.IntegerLiteral):
+        return None
+    traits = quant.traits_of(kind.literal_value)
+    gemv = traits.kernels.gemv
+    if layout.literal_value == 1:
+        groups_gemv = traits.interleaved.gemv
+
+        def packed(kind, layout, w, tail, x, out):
+            groups_gemv(w, x, out)
+            if tail.shape[0]:
+                gemv(tail, x, out[8 * w.shape[0]:])
+        return packed
+
+    def stored(kind, layout, w, tail, x, out):
+        gemv(w, x, out)
+    return stored
+
+
+def _weight(lin: Linear):
+    """(kind, layout, w, tail) of a Linear as the kernels read it."""
+    data, qtype = lin.weight.data, lin.weight.qtype
+    if isinstance(data, quant.Packed):
+        return int(qtype), 1, data.groups, data.tail
+    w = quant.kernel_view(data, qtype, lin.in_features)
+    return int(qtype), 0, w, w[:0]
+
+
+def _bias(lin: Linear):
+    return _EMPTY if lin.bias is None else np.ascontiguousarray(lin.bias, dtype=np.float32)
+
+
+# --- op ids: the events the kernels write ------------------------------------------------------
+# pre_attention: the norm, then (quant, linear) per projection (one fused qkv or q, k, v), then
+# the q/k norms and RoPE; post_attention: o_proj, the norms, the feed-forward's ops, its span.
+A_NORM, A_MM, A_QNORM, A_KNORM, A_ROPE_Q, A_ROPE_K = 0, 1, 7, 8, 9, 10
+B_MM_O, B_POST_ATTN, B_NORM, B_MM_1, B_ACT, B_MM_DOWN, B_FFN, B_POST_FFN = 0, 2, 3, 4, 8, 9, 11, 12
+
+
+@numba.njit(inline="always")
+def _linear(events, trace, layer, op, kind, layout, w, tail, bias, x, out):
+    t = clock.start(trace)
+    _matvec(kind, layout, w, tail, x, out)
+    clock.done(events, trace, op, layer, t)
+    if bias.size:
+        out += bias
+    clock.done(events, trace, op + 1, layer, t)
+
+
+@numba.njit(inline="always")
+def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNorm; x, out [1, d]
+    if kind == 0:
+        ops.rms_norm_rows(x, w, eps, unit_offset, out)
+    else:
+        ops.layer_norm_rows(x, w, b, eps, out)
+
+
+@lru_cache(maxsize=None)
+def pre_attention_kernel(shape: tuple):
+    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
+    norm, unit_offset, n_proj, kq, lq, kk, lk, kv, lv, qk_norm, qk_unit, rope = shape
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                      h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+        t0 = clock.start(trace)
+        _norm(norm, unit_offset, x, nw, nb, eps, h)
+        clock.done(events, trace, A_NORM, layer, t0)
+        if n_proj == 1:
+            _linear(events, trace, layer, A_MM, kq, lq, wq, tq, bq, h[0], qkv)
+        else:
+            _linear(events, trace, layer, A_MM, kq, lq, wq, tq, bq, h[0], qkv[:nq])
+            _linear(events, trace, layer, A_MM + 2, kk, lk, wk, tk, bk, h[0], qkv[nq:nq + nkv])
+            _linear(events, trace, layer, A_MM + 4, kv, lv, wv, tv, bv, h[0], qkv[nq + nkv:])
+        if qk_norm:
+            t = clock.start(trace)
+            ops.rms_norm_rows(q2, qn, qk_eps, qk_unit, q2)
+            clock.done(events, trace, A_QNORM, layer, t)
+            t = clock.start(trace)
+            ops.rms_norm_rows(k2, kn, qk_eps, qk_unit, k2)
+            clock.done(events, trace, A_KNORM, layer, t)
+        if rope:
+            t = clock.start(trace)
+            ops.rope_rows(q3, pos, inv_freq, rope == 2)
+            clock.done(events, trace, A_ROPE_Q, layer, t)
+            t = clock.start(trace)
+            ops.rope_rows(k3, pos, inv_freq, rope == 2)
+            clock.done(events, trace, A_ROPE_K, layer, t)
+        return t0
+
+    return pre_attention
+
+
+@lru_cache(maxsize=None)
+def post_attention_kernel(shape: tuple):
+    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
+    (ko, lo, post_attn, pan_unit, norm, unit_offset, mlp, k1, l1, k2, l2, kd, ld, act, post_ffn, pfn_unit) = shape
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                       pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+        _linear(events, trace, layer, B_MM_O, ko, lo, wo, to, bo, ctx, y[0])
+        if post_attn:
+            t = clock.start(trace)
+            ops.rms_norm_rows(y, pan_w, pan_eps, pan_unit, y)
+            clock.done(events, trace, B_POST_ATTN, layer, t)
+        x += y
+        t_mid = clock.start(trace)
+        _norm(norm, unit_offset, x, nw, nb, eps, h)
+        clock.done(events, trace, B_NORM, layer, t_mid)
+        t_ffn = clock.start(trace)
+        if mlp == 0:  # down(act(up(x)))
+            _linear(events, trace, layer, B_MM_1, k1, l1, w1, t1, b1, h[0], gu[0])
+        elif mlp == 1:  # one fused gate_up
+            _linear(events, trace, layer, B_MM_1, k1, l1, w1, t1, b1, h[0], gu[0])
+        else:  # gate and up apart
+            f = a.shape[1]
+            _linear(events, trace, layer, B_MM_1, k1, l1, w1, t1, b1, h[0], gu[0, :f])
+            _linear(events, trace, layer, B_MM_1 + 2, k2, l2, w2, t2, b2, h[0], gu[0, f:])
+        t = clock.start(trace)
+        ops.act_row(gu[0], act, mlp != 0, a[0])
+        clock.done(events, trace, B_ACT, layer, t)
+        _linear(events, trace, layer, B_MM_DOWN, kd, ld, wd, td, bd, a[0], y[0])
+        clock.done(events, trace, B_FFN, layer, t_ffn)
+        if post_ffn:
+            t = clock.start(trace)
+            ops.rms_norm_rows(y, pfn_w, pfn_eps, pfn_unit, y)
+            clock.done(events, trace, B_POST_FFN, layer, t)
+        x += y
+        return t_mid, clock.start(trace)
+
+    return post_attention
+
+
+def attend(attn: Attention, cache, layer: int, pos: int, q3, k3, v3) -> np.ndarray:
+    """KV write + decode attention for one token: q3 [1, H, hd], k3, v3 [1, Hkv, hd] -> ctx [H * hd].
+    The one place the fused path calls into the attention code (its cache layout and kernels are
+    Attention's and KVCache's)."""
+    return attn.decode(q3[0], k3, v3, pos, cache, layer).reshape(-1)
+
+
+def can_fuse(block) -> bool:
+    """Whether a block is made of the layers the fused kernels implement."""
+    attn, ffn = block.attn, block.ffn
+    norms = [block.attn_norm, block.ffn_norm]
+    post = [n for n in (block.post_attn_norm, block.post_ffn_norm) if n is not None]
+    return (isinstance(attn, Attention) and isinstance(ffn, (MLP, GatedMLP))
+            and all(isinstance(n, (RMSNorm, LayerNorm)) for n in norms)
+            and all(isinstance(n, RMSNorm) for n in post)
+            and (attn.q_norm is None or isinstance(attn.q_norm, RMSNorm))
+            and (attn.rope is None or attn.rope.rotary_dim == attn.rope.head_dim))
+
+
+class FusedBlock:
+    """A TransformerBlock's decode step as two kernels (see the module doc). Made once per block,
+    after the weights are packed; holds the argument lists and scratch buffers."""
+
+    def __init__(self, block):
+        self.block = block
+        attn, ffn = block.attn, block.ffn
+        H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        nq, nkv = H * hd, Hkv * hd
+        d = block.attn_norm.weight.shape[0]
+        self.qkv = np.zeros(nq + 2 * nkv, np.float32)
+        q2, k2 = self.qkv[:nq].reshape(H, hd), self.qkv[nq:nq + nkv].reshape(Hkv, hd)
+        self.q3, self.k3 = q2.reshape(1, H, hd), k2.reshape(1, Hkv, hd)
+        self.v3 = self.qkv[nq + nkv:].reshape(1, Hkv, hd)
+        self.x, self.h, self.y = (np.zeros((1, d), np.float32) for _ in range(3))
+        self.events = clock.EventBuffer(64)
+        self._busy = threading.Lock()
+
+        projs = [attn.qkv] if isinstance(attn.qkv, Linear) else list(attn.qkv)
+        ws = [_weight(p) for p in projs]
+        while len(ws) < 3:
+            ws.append(ws[0])
+        bs = [_bias(p) for p in projs] + [_EMPTY] * (3 - len(projs))
+        rope = 0 if attn.rope is None else (2 if attn.rope.style == "interleaved" else 1)
+        qk_norm = attn.q_norm is not None
+        norm = block.attn_norm
+        pre_shape = (_norm_kind(norm), int(getattr(norm, "unit_offset", False)), len(projs),
+                     ws[0][0], ws[0][1], ws[1][0], ws[1][1], ws[2][0], ws[2][1],
+                     int(qk_norm), int(qk_norm and attn.q_norm.unit_offset), rope)
+        self.pre = pre_attention_kernel(pre_shape)
+        self.pre_args = (norm.weight, _norm_bias(norm), norm.eps,
+                         ws[0][2], ws[0][3], bs[0], ws[1][2], ws[1][3], bs[1], ws[2][2], ws[2][3], bs[2],
+                         attn.q_norm.weight if qk_norm else _EMPTY, attn.k_norm.weight if qk_norm else _EMPTY,
+                         attn.q_norm.eps if qk_norm else 0.0,
+                         _EMPTY.astype(np.float64) if attn.rope is None else attn.rope.inv_freq)
+        self.pre_bufs = (self.h, self.qkv, q2, k2, self.q3, self.k3, nq, nkv)
+
+        if isinstance(ffn, MLP):
+            mlp, ups, act = 0, [ffn.up], _ACT_IDS[ffn.act]
+        else:
+            mlp, ups = (1, [ffn.gate_up]) if ffn.fused else (2, [ffn.gate, ffn.up])
+            act = ops.GATED_ACTS[ffn.act]
+        f = ffn.down.in_features
+        self.gu = np.zeros((1, f if mlp == 0 else 2 * f), np.float32)
+        self.a = np.zeros((1, f), np.float32)
+        w1, w2 = _weight(ups[0]), _weight(ups[-1])
+        wo, wd = _weight(attn.o_proj), _weight(ffn.down)
+        pan, pfn, fnorm = block.post_attn_norm, block.post_ffn_norm, block.ffn_norm
+        post_shape = (wo[0], wo[1], int(pan is not None), int(pan is not None and pan.unit_offset),
+                      _norm_kind(fnorm), int(getattr(fnorm, "unit_offset", False)), mlp,
+                      w1[0], w1[1], w2[0], w2[1], wd[0], wd[1], act, int(pfn is not None),
+                      int(pfn is not None and pfn.unit_offset))
+        self.post = post_attention_kernel(post_shape)
+        self.post_args = (wo[2], wo[3], _bias(attn.o_proj))
+        self.post_args2 = (_EMPTY if pan is None else pan.weight, 0.0 if pan is None else pan.eps,
+                           fnorm.weight, _norm_bias(fnorm), fnorm.eps,
+                           w1[2], w1[3], _bias(ups[0]), w2[2], w2[3], _bias(ups[-1]), wd[2], wd[3], _bias(ffn.down),
+                           _EMPTY if pfn is None else pfn.weight, 0.0 if pfn is None else pfn.eps,
+                           self.y, self.h, self.gu, self.a)
+        self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
+        self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
+        self.op_loggers.add(perf.get("pyml.nn.attention"))
+
+    def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
+        # generations on several threads may share a model: they take turns in a block (its
+        # buffers are one set) and each leaves with its own copy of the output
+        with self._busy:
+            return self._step(x, pos, cache).copy()
+
+    def _step(self, x, pos, cache):
+        block, events = self.block, self.events.events
+        ops_on = any(p.trace_on for p in self.op_loggers)
+        if ops_on or _perf.debug_on:
+            return self._timed(x, pos, cache, ops_on)
+        self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, False, block.index)
+        ctx = attend(block.attn, cache, block.index, pos, self.q3, self.k3, self.v3)
+        self.x[:] = x
+        self.post(ctx, *self.post_args, self.x, *self.post_args2, events, False, block.index)
+        return self.x
+
+    def _timed(self, x, pos, cache, ops_on):
+        if not ops_on:  # debug: the block's span and its attn / ffn parts only
+            block, i, events = self.block, self.block.index, self.events.events
+            with _perf.debug(block._event, "", module=block.name, op="block", layer=i,
+                             kind=block.attn.kind) as span:
+                t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, True, i)
+                ctx = attend(block.attn, cache, i, pos, self.q3, self.k3, self.v3)
+                self.x[:] = x
+                t_mid, t_end = self.post(ctx, *self.post_args, self.x, *self.post_args2, events, True, i)
+                events[0, 0] = 0  # no op span is on: the ops' events are dropped unread
+                s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end))
+                span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
+            return self.x
+        return self._traced(x, pos, cache)
+
+    def _traced(self, x, pos, cache):
+        block, buf, i = self.block, self.events, self.block.index
+        pre_table, post_table = self.tables
+        with _perf.debug(block._event, "", module=block.name, op="block", layer=i, kind=block.attn.kind) as span:
+            t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, buf.events, True, i)
+            cal = clock.calibration()  # one conversion for the whole block: its times agree to the tick
+            attn_start = buf.events[2, 2]  # the first projection's start (event 1 is the norm)
+            buf.emit({i: pre_table}, pos, count=1, cal=cal)  # the attention norm: the block's own op
+            with perf.placeholder(*_attention_span(block, pos)) as attn_span:
+                buf.emit({i: pre_table}, pos, cal=cal)
+                ctx = attend(block.attn, cache, i, pos, self.q3, self.k3, self.v3)
+                self.x[:] = x
+                t_mid, t_end = self.post(ctx, *self.post_args, self.x, *self.post_args2, buf.events, True, i)
+                o_end = buf.events[2, 3]  # o_proj's linear::forward, the attention's last op
+                buf.emit({i: post_table}, pos, count=2, cal=cal)
+                attn_span.times(*clock.to_seconds((attn_start, o_end), cal))
+            buf.emit({i: post_table}, pos, cal=cal)
+            if span is not perf.NULL_SPAN:
+                s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end), cal)
+                span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
+        return self.x
+
+
+def _norm_kind(norm) -> int:
+    return 1 if isinstance(norm, LayerNorm) else 0
+
+
+def _norm_bias(norm):
+    return norm.bias if isinstance(norm, LayerNorm) else _EMPTY
+
+
+def _attention_span(block, pos):
+    a = block.attn
+    return ("pyml.nn.attention", perf.TRACE, "attention::forward", "layer={} {} tokens={} pos={}",
+            (block.index, a.kind, 1, pos), {"module": a.name, "op": "attention", "layer": block.index,
+                                            "kind": a.kind})
+
+
+def _linear_ops(lin: Linear) -> list:
+    """(quant::matmul, linear::forward) of a Linear at T == 1, as Linear.__call__ names them."""
+    return [clock.Op("pyml.nn.linear", lin._quant_event, "[{}x{}]x[{}x{}]", 1, lin.in_features,
+                     lin.out_features, lin.in_features, module=lin.name, op="quant_matmul"),
+            clock.Op("pyml.nn.linear", "linear::forward", "{}->{} {}", (1, lin.in_features), lin._dims,
+                     lin._type_name, module=lin.name, op="linear", dtype=lin._type_name)]
+
+
+def _norm_op(norm, shape) -> clock.Op:
+    name = "layer_norm" if isinstance(norm, LayerNorm) else "rms_norm"
+    return clock.Op("pyml.core.ops", name, "{}", shape)
+
+
+def _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f):
+    attn, ffn = block.attn, block.ffn
+    pre = [None] * 11
+    pre[A_NORM] = _norm_op(block.attn_norm, (1, d))
+    for j, lin in enumerate(projs):
+        pre[A_MM + 2 * j:A_MM + 2 * j + 2] = _linear_ops(lin)
+    if attn.q_norm is not None:
+        pre[A_QNORM], pre[A_KNORM] = _norm_op(attn.q_norm, (1, H, hd)), _norm_op(attn.k_norm, (1, Hkv, hd))
+    if attn.rope is not None:
+        for op, heads in ((A_ROPE_Q, H), (A_ROPE_K, Hkv)):
+            pre[op] = clock.Op("pyml.nn.rope", "rope", "{} pos={} {}", (1, heads, hd), clock.POS, attn.rope.style,
+                               op="rope")
+    post = [None] * 13
+    post[B_MM_O:B_MM_O + 2] = _linear_ops(attn.o_proj)
+    if block.post_attn_norm is not None:
+        post[B_POST_ATTN] = _norm_op(block.post_attn_norm, (1, d))
+    post[B_NORM] = _norm_op(block.ffn_norm, (1, d))
+    for j, lin in enumerate(ups):
+        post[B_MM_1 + 2 * j:B_MM_1 + 2 * j + 2] = _linear_ops(lin)
+    if mlp == 0:
+        act_name = {ops.gelu_tanh: ("gelu", "{} tanh"), ops.gelu_erf: ("gelu", "{} erf"),
+                    ops.silu: ("silu", "{}")}[ffn.act]
+        post[B_ACT] = clock.Op("pyml.core.ops", act_name[0], act_name[1], (1, f))
+        post[B_FFN] = clock.Op("pyml.nn.feed_forward", "feed_forward", "{} mlp", (1, d), module=ffn.name,
+                               op="feed_forward")
+    else:
+        post[B_ACT] = clock.Op("pyml.core.ops", "gated_act", "{} {}", (1, 2 * f), ffn.act)
+        post[B_FFN] = clock.Op("pyml.nn.feed_forward", "feed_forward", "{} {}", (1, d), ffn.act,
+                               module=ffn.name, op="feed_forward")
+    post[B_MM_DOWN:B_MM_DOWN + 2] = _linear_ops(ffn.down)
+    if block.post_ffn_norm is not None:
+        post[B_POST_FFN] = _norm_op(block.post_ffn_norm, (1, d))
+    return pre, post

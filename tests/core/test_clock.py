@@ -1,0 +1,103 @@
+"""The clock compiled code reads, and the events it writes turned into ordinary spans."""
+
+import io
+import logging
+import time
+
+import numba
+import numpy as np
+
+from pyml.core import clock, perf
+
+
+@numba.njit
+def _two_ops(x, events, trace):
+    """op 0 (a sum) holding op 1 (a square) then op 2 (a scale), as a fused call would."""
+    t_outer = clock.start(trace)
+    t = clock.start(trace)
+    for i in range(x.size):
+        x[i] = x[i] * x[i]
+    clock.done(events, trace, 1, 0, t)
+    t = clock.start(trace)
+    for i in range(x.size):
+        x[i] = x[i] * 0.5
+    clock.done(events, trace, 2, 0, t)
+    total = x.sum()
+    clock.done(events, trace, 0, 0, t_outer)
+    return total
+
+
+TABLE = [[clock.Op("pyml.test.fused", "fused::sum", "{} pos={}", (1, 64), clock.POS, module="m.sum", op="sum"),
+          clock.Op("pyml.test.fused", "fused::square", "{}", (1, 64), module="m.square", op="square"),
+          clock.Op("pyml.test.fused", "fused::scale", "{}", (1, 64), module="m.scale", op="scale")]]
+
+
+def test_ticks_land_on_perf_counter():
+    """Converted counter times agree with perf_counter over a sleep (calibration and offset)."""
+    cal = clock.Calibration().update()
+    k0, t0 = cal.pair()
+    time.sleep(0.03)
+    k1, t1 = cal.pair()
+    cal.update()
+    s0, s1 = cal.seconds(np.array([k0, k1]))
+    assert abs((s1 - s0) - (t1 - t0)) < 0.02 * (t1 - t0) + 2e-4
+    assert abs(s0 - t0) < 2e-3  # the same time base as every Python span
+
+
+def test_a_counter_read_is_cheap_enough_to_count():
+    cost = clock.read_cost_ns(10_000)
+    assert 0 < cost < 1000  # ns: a read, not a system call (not a speed test: 100x slack)
+
+
+def test_trace_off_reads_no_clock_and_writes_no_event():
+    buf = clock.EventBuffer(8)
+    _two_ops(np.ones(64, np.float32), buf.events, False)
+    assert buf.events[0, 0] == 0 and not buf.events[1:].any()
+
+
+def test_events_become_nested_spans_under_the_current_span(records):
+    buf = clock.EventBuffer(8)
+    outer = perf.get("pyml.test.outer")
+    with outer.debug("outer::step") as step:
+        _two_ops(np.ones(64, np.float32), buf.events, True)
+        buf.emit(TABLE, pos=7)
+        assert buf.events[0, 0] == 0  # emptied for the next call
+    names = [r["name"] for r in records]
+    assert names == ["fused::square", "fused::scale", "fused::sum", "outer::step"]  # end order
+    by_name = {r["name"]: r for r in records}
+    fused, sq, sc = by_name["fused::sum"], by_name["fused::square"], by_name["fused::scale"]
+    assert fused["parent"] == step.id and sq["parent"] == fused["id"] and sc["parent"] == fused["id"]
+    assert fused["details"] == "[1, 64] pos=7" and sq["module"] == "m.square" and sq["op"] == "square"
+    assert fused["start"] <= sq["start"] <= sc["start"]
+    assert sq["dur_ms"] + sc["dur_ms"] <= fused["dur_ms"] <= by_name["outer::step"]["dur_ms"]
+    assert by_name["outer::step"]["start"] <= fused["start"]
+
+
+def test_event_lines_read_like_python_spans(records):
+    """The [perf] lines of compiled events carry depth and module like a Python span's."""
+    stream = io.StringIO()
+    root = logging.getLogger("pyml")
+    saved = list(root.handlers)
+    root.handlers[:] = []
+    try:
+        perf.configure("trace", stream=stream)
+        buf = clock.EventBuffer(8)
+        with perf.get("pyml.test.outer").debug("outer::step"):
+            _two_ops(np.ones(64, np.float32), buf.events, True)
+            buf.emit(TABLE, pos=3)
+    finally:
+        root.handlers[:] = saved
+        for name in ("pyml", "pyml.test.fused", "pyml.test.outer"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        perf.configure("")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[perf] fused::square [1, 64] ") and " | m.square depth=2 start=" in lines[0]
+    assert " | m.sum depth=1 start=" in lines[2] and "fused::sum [1, 64] pos=3" in lines[2]
+
+
+def test_a_full_buffer_drops_events_and_says_so(records):
+    buf = clock.EventBuffer(2)
+    _two_ops(np.ones(8, np.float32), buf.events, True)
+    assert buf.events[0, 0] == 3
+    buf.emit(TABLE)
+    assert [r["name"] for r in records] == ["fused::square", "fused::scale"]

@@ -1,0 +1,142 @@
+"""The fused decode step (nn/fused.py) against the layer-by-layer path it replaces, on every weight
+type and block shape: the same kernels in the same order, so float32-close (in fact equal).
+The whole models are held to transformers by tests/nlp (their decode steps run fused)."""
+
+import numpy as np
+import pytest
+
+from pyml.core import perf
+from pyml.nn.attention import Attention
+from pyml.nn.block import TransformerBlock
+from pyml.nn.feed_forward import MLP, GatedMLP
+from pyml.nn.kv_cache import KVCache
+from pyml.nn.linear import Linear, Weight
+from pyml.nn.norm import LayerNorm, RMSNorm
+from pyml.nn.rope import RoPE
+from pyml.quant import FLOAT_TYPES, TRAITS, QuantType
+from tests.quant.helpers import make_weights
+
+K_TYPES = {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+
+
+def _linear(rng, qtype, out, inp, name, bias=False):
+    w = make_weights(rng, qtype, out, inp)
+    b = rng.standard_normal(out).astype(np.float32) * 0.1 if bias else None
+    return Linear(Weight(w, qtype, (out, inp)), b, name=name)
+
+
+def _norm_w(rng, d):
+    return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+
+def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias=False, seed=0):
+    """One block of a real family's shape with random weights of `qtype` (down_proj: `down_type`)."""
+    rng = np.random.default_rng(seed)
+    d, f = (256, 512) if qtype in K_TYPES or down_type in K_TYPES else (64, 96)
+    H, Hkv, hd = 4, 2, d // 4
+    lin = lambda out, inp, name, t=qtype: _linear(rng, t, out, inp, name, bias)  # noqa: E731
+    if separate_qkv:
+        qkv = (lin(H * hd, d, "q_proj"), lin(Hkv * hd, d, "k_proj"), lin(Hkv * hd, d, "v_proj"))
+    else:
+        qkv = lin((H + 2 * Hkv) * hd, d, "qkv_proj")
+    o = lin(d, H * hd, "o_proj")
+    down = lin(d, f, "down_proj", down_type or qtype)
+    if shape == "gpt2":
+        norm = lambda: LayerNorm(_norm_w(rng, d), 0.1 * rng.standard_normal(d).astype(np.float32), 1e-5)  # noqa
+        attn = Attention(H, Hkv, hd, qkv, o, hd ** -0.5, name="attn")
+        ffn = MLP(lin(f, d, "up_proj"), down, "gelu_tanh", name="mlp")
+        return TransformerBlock(0, norm(), attn, norm(), ffn, name="h.0")
+    gemma = shape == "gemma3"
+    norm = lambda n=d: RMSNorm(0.1 * rng.standard_normal(n).astype(np.float32) if gemma else _norm_w(rng, n),  # noqa
+                               1e-6, unit_offset=gemma)
+    attn = Attention(H, Hkv, hd, qkv, o, hd ** -0.5, rope=RoPE(hd, 10000.0, "half" if gemma else "interleaved"),
+                     q_norm=norm(hd) if gemma else None, k_norm=norm(hd) if gemma else None,
+                     window=4 if gemma else None, name="self_attn")
+    ffn = GatedMLP(lin(f, d, "gate_proj"), lin(f, d, "up_proj"), down, "gelu_tanh" if gemma else "silu", name="mlp")
+    return TransformerBlock(0, norm(), attn, norm(), ffn, norm() if gemma else None, norm() if gemma else None,
+                            name="layers.0")
+
+
+def decode_both(block, steps=3, prompt=5):
+    """Prefill (layer by layer, T > 1), then decode `steps` tokens fused and layer by layer from
+    copies of the same cache; returns both outputs and both caches."""
+    rng = np.random.default_rng(1)
+    d = block.attn_norm.weight.shape[0]
+    a = block.attn
+    cache = KVCache(1, a.n_kv_heads, a.head_dim, prompt + steps)
+    block(rng.standard_normal((prompt, d)).astype(np.float32), 0, cache)
+    other = KVCache(1, a.n_kv_heads, a.head_dim, prompt + steps)
+    other.k[0][:], other.v[0][:] = cache.k[0], cache.v[0]
+    xs = [rng.standard_normal((1, d)).astype(np.float32) for _ in range(steps)]
+    fused, ref = [], []
+    for i, x in enumerate(xs):
+        block.fused_decode = True
+        fused.append(block(x.copy(), prompt + i, cache).copy())
+        block.fused_decode = False
+        ref.append(block(x.copy(), prompt + i, other).copy())
+    assert block._fused is not None  # the fused path did run
+    return np.array(fused), np.array(ref), cache, other
+
+
+def close(got, ref):
+    scale = np.abs(ref).max()
+    assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
+
+
+@pytest.mark.parametrize("qtype", sorted(TRAITS, key=int), ids=lambda q: QuantType(q).name)
+def test_fused_decode_equals_layer_by_layer_on_every_weight_type(qtype):
+    block = make_block(qtype)
+    packed = any(lin.pack() for lin in block.linears())  # the x8 layout where the type has one
+    assert packed == (TRAITS[qtype].interleaved is not None)
+    fused, ref, cache, other = decode_both(block)
+    close(fused, ref)
+    close(cache.k[0], other.k[0])
+    close(cache.v[0], other.v[0])
+
+
+@pytest.mark.parametrize("shape, qtype, kw", [
+    ("gpt2", QuantType.F32, dict(bias=True)),                             # LayerNorm, GELU MLP, biases
+    ("llama", QuantType.Q8_0, dict(bias=True, separate_qkv=True)),       # Qwen2's q/k/v biases, apart
+    ("gemma3", QuantType.Q4_K, dict(down_type=QuantType.Q6_K)),          # sandwich norms, q/k norms, GeGLU, Q4_K_M
+    ("llama", QuantType.Q4_0, dict(down_type=QuantType.Q8_0)),           # mixed types, file layout (unpacked)
+])
+def test_fused_decode_equals_layer_by_layer_on_every_block_shape(shape, qtype, kw):
+    block = make_block(qtype, shape=shape, **kw)
+    if shape == "gemma3":
+        for lin in block.linears():
+            lin.pack()
+    fused, ref, cache, other = decode_both(block)
+    close(fused, ref)
+    close(cache.k[0], other.k[0])
+
+
+def test_fused_decode_under_trace_reports_every_op_like_the_reference():
+    """Names, details, attributes and nesting of a traced fused step are the reference step's."""
+    def traced(fused):
+        block = make_block(QuantType.Q8_0, shape="gemma3", seed=3)
+        a = block.attn
+        cache = KVCache(1, a.n_kv_heads, a.head_dim, 8)
+        block(np.ones((3, 64), np.float32), 0, cache)
+        block.fused_decode = fused
+        got = []
+        perf.add_collector(got.append)
+        try:
+            block(np.ones((1, 64), np.float32), 3, cache)
+        finally:
+            perf.remove_collector(got.append)
+        index = {r["id"]: r for r in got}
+
+        def path(r):
+            names = []
+            while r["parent"] in index:
+                r = index[r["parent"]]
+                names.append(r["name"])
+            return tuple(names)
+        keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
+        return sorted((path(r),) + tuple(str(r.get(k)) for k in keys) for r in got), got
+
+    fused, fused_recs = traced(True)
+    ref, _ = traced(False)
+    assert fused == ref
+    step = next(r for r in fused_recs if r["name"] == "transformer[0]::forward")
+    assert set(step["parts"]) == {"attn", "ffn"} and sum(step["parts"].values()) <= step["dur_ms"]
