@@ -189,6 +189,10 @@ def build_gguf(path: Path, with_tokenizer: bool = True) -> Built:
         store = f.store(model_cls.gguf_name)
         model = model_cls(config, store, rope_style=model_cls.gguf_rope_style)
         store.check_all_used(model_cls.known_unused)  # nothing in the file is silently ignored
+    except ModelFormatError as e:  # a config's own check (n_heads vs n_kv_heads, ...): name the file
+        if str(path) in str(e):
+            raise
+        raise ModelFormatError(f"{path}: {e}") from None
     except (ValueError, TypeError, ZeroDivisionError, OverflowError, KeyError, IndexError) as e:
         # metadata that passed the checks above but still cannot describe a model
         raise ModelFormatError(f"{path}: the metadata does not describe a valid {arch} model "
