@@ -44,6 +44,10 @@ class DecoderModel:
 
     arch = "decoder"
     logit_softcap: float | None = None
+    # Positions per forward pass of a long prompt. Its activations ([T, width] float32 each: the
+    # gate/up output alone is 48 MiB for SmolLM2 at 4096 tokens) are what a one-pass prefill held
+    # beyond the weights and the cache; 512 keeps the GEMMs' tiles full (llama.cpp's default ubatch).
+    ubatch: int = 512
     # tensors a file may hold that the model does not read: name regex -> why that is safe
     known_unused: dict = {}
     kv_type: str = DEFAULT_KV_TYPE  # the stored type of the caches new_cache makes (load_model's kv_type=)
@@ -67,6 +71,10 @@ class DecoderModel:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         pos = cache.length if pos is None else pos
         T = tokens.shape[0]
+        if T > self.ubatch:  # a long prompt in micro-batches, as llama.cpp's ubatch
+            parts = [self.forward(tokens[i:i + self.ubatch], cache, pos + i, all_logits)
+                     for i in range(0, T, self.ubatch)]
+            return np.concatenate(parts) if all_logits else parts[-1]
         with runtime.kernel_lock(), \
                 _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
             with span.part("embedding"):

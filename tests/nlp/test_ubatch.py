@@ -1,0 +1,34 @@
+"""A long prompt runs in micro-batches of `model.ubatch` positions: the same logits as one pass
+(each micro-batch attends to the cache the earlier ones wrote), a fraction of the activations."""
+
+import numpy as np
+import pytest
+
+from pyml.cli.standins import write_gemma3, write_llama_gguf
+from pyml.nlp.api import load_model
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        return load_model(gguf=str(write_llama_gguf(d / "m.gguf", "llama-tiny", "f32")), threads=1,
+                          kv_type="f32").model
+    return load_model(safetensors=str(write_gemma3(d, "gemma3-tiny", sliding_window=4)), threads=1,
+                      kv_type="f32").model
+
+
+def test_micro_batches_give_one_pass_logits(model):
+    tokens = np.random.default_rng(0).integers(1, 500, 37)
+    whole = model.forward(tokens, model.new_cache(64), all_logits=True)
+    saved = model.ubatch
+    try:
+        model.ubatch = 8
+        cache = model.new_cache(64)
+        parts = model.forward(tokens, cache, all_logits=True)
+        last = model.forward(tokens, model.new_cache(64))
+    finally:
+        model.ubatch = saved
+    assert cache.length == 37 and parts.shape == whole.shape
+    np.testing.assert_allclose(parts, whole, rtol=1e-4, atol=1e-4 * np.abs(whole).max())
+    np.testing.assert_allclose(last, whole[-1], rtol=1e-4, atol=1e-4 * np.abs(whole).max())
