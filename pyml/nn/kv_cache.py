@@ -101,8 +101,13 @@ class KVCache:
         overwritten positions older than its slots, and a sliding layer resuming at pos needs
         the window-1 positions before it (a PromptCache reusing a short prefix of a long
         history must prefill from 0 when this is False)."""
-        return all(pos >= end or pos == 0 or not self.is_ring(i) or pos - self.windows[i] + 1 >= end - self.slots[i]
-                   for i, end in enumerate(self.written))
+        return all(self._holds_window(i, pos) for i in range(self.n_layers))
+
+    def _holds_window(self, layer: int, pos: int) -> bool:
+        """resumable() for one layer: the others may already be further on in the same pass."""
+        end = self.written[layer]
+        return (pos >= end or pos == 0 or not self.is_ring(layer)
+                or pos - self.windows[layer] + 1 >= end - self.slots[layer])
 
     def layer(self, layer: int):
         """(keys, k_scale, values, v_scale): the arrays the attention kernels take."""
@@ -114,7 +119,7 @@ class KVCache:
         T = k.shape[0]
         if pos + T > self.max_len:
             raise PymlError(f"KV cache full: position {pos + T} exceeds its {self.max_len} slots")
-        if not self.resumable(pos):
+        if not self._holds_window(layer, pos):
             raise PymlError(f"layer {layer}'s sliding-window ring no longer holds the positions before {pos}: "
                             f"prefill from position 0")
         self.written[layer] = pos + T
