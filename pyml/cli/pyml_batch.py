@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 from pyml.cli.batch_jobs import OrderedWriter, id_key, read_jobs, resume, run_job
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, add_sampling_options, model_options, sampling_options
+from pyml.cli.options import add_model_options, add_sampling_options, model_options, profiling, sampling_options
 from pyml.core import perf, progress
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
@@ -91,7 +91,7 @@ def _batch(args, jobs: list, errors: list) -> int:
     todo = [j for j in jobs if id_key(j.id) not in done]
     writer = OrderedWriter(args.out, sorted([j.line for j in todo] + [e["line"] for e in errors]))
     tally = Tally(len(todo) + len(errors))
-    ctx = _profile(args.profile) if args.profile else nullcontext()
+    ctx = profiling(args.profile)
     with writer, ctx as prof:
         for e in errors:
             writer.add(e["line"], e)
@@ -152,11 +152,6 @@ def _ray_runner():
     from pyml.cli import ray_runner
     return ray_runner
 
-
-def _profile(directory):
-    # Deferred: the report package costs ~30 ms of a ~0.65 s import, and only --profile needs it.
-    from pyml.report.capture import profile
-    return profile(directory, report=True, argv=sys.argv)
 
 
 def main(argv=None) -> int:

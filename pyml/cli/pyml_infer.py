@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 
 from pyml.cli.main import Parser, run_command, say
 from pyml.cli.options import (add_model_options, add_prompt_options, add_sampling_options, model_options,
-                              read_prompt, sampling_options)
+                              profiling, read_prompt, sampling_options)
 from pyml.core import perf
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
@@ -38,7 +37,7 @@ def run(args) -> int:
     perf.configure(args.log)
     options = sampling_options(args)
     prompt = read_prompt(args)
-    ctx = _profile(args.profile) if args.profile else nullcontext()
+    ctx = profiling(args.profile)
     with ctx as prof:
         code = _generate(args, prompt, options, prof)
     if prof is not None:
@@ -86,11 +85,6 @@ def result_object(result: GenerationResult, lm: LanguageModel) -> dict:
             "stop_reason": result.stop_reason, "context_shifts": result.context_shifts,
             "timings": result.timings(), "load_ms": lm.load_s * 1e3, "threads": lm.runtime.threads}
 
-
-def _profile(directory):
-    # Deferred: the report package costs ~30 ms of a ~0.65 s import, and only --profile needs it.
-    from pyml.report.capture import profile
-    return profile(directory, report=True, argv=sys.argv)
 
 
 def main(argv=None) -> int:
