@@ -21,8 +21,9 @@ from pyml.nlp.loaders.hub import cache_dir
 # torchvision (which optimum-intel requires) to the release that asks for that torch; it is then
 # removed again: its compiled ops are built for PyPI's CUDA torch, and with the CPU build they
 # make `import transformers.models.llama` fail ("operator torchvision::nms does not exist").
-# Text models never need it.
-EXPORT_REQUIREMENTS = ["torch==2.13.0", "torchvision==0.28.0", "transformers>=4.51,<5.6",
+# Text models never need it. transformers stops at 5.0: optimum-intel 2.2.0 refuses to export
+# Gemma 3 with a later one ("Maximum required is 5.0").
+EXPORT_REQUIREMENTS = ["torch==2.13.0", "torchvision==0.28.0", "transformers>=4.51,<5.1",
                        "optimum-intel[openvino]==2.2.0", "accelerate", "gguf"]
 
 # GGUF weight type -> optimum-cli's compression at the matching precision (int8 per channel,
@@ -67,13 +68,13 @@ def _run(cmd, what: str):
 def export_environment() -> Path:
     """The exporter's Python, made on first use (about 2 GB of wheels from the package index)."""
     python = _python()
-    done = peer_root() / "venv" / ".complete"
-    if not done.exists():
+    done = peer_root() / "venv" / ".complete"  # holds the requirements it was made with
+    if not done.exists() or done.read_text() != "\n".join(EXPORT_REQUIREMENTS):
         _run([sys.executable, "-m", "venv", peer_root() / "venv"], "making the export environment")
         _run([python, "-m", "pip", "install", "-q", *EXPORT_REQUIREMENTS],
              "installing optimum-intel into it (once; a few minutes)")
         _run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision"], "removing torchvision")
-        done.touch()
+        done.write_text("\n".join(EXPORT_REQUIREMENTS))
     return python
 
 
