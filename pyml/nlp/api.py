@@ -119,7 +119,7 @@ class LanguageModel:
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._before_forward(len(ids))
+        self._before_forward(2 if context_shift else len(ids))  # a shift re-prefills what it keeps
         result = result if result is not None else GenerationResult(ids)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
