@@ -18,10 +18,11 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from pyml.core import isa, ops, perf, progress
+from pyml.core import isa, numba_runtime, ops, perf, progress
 from pyml.core.errors import PymlError
 
 _perf = perf.get("pyml.core.runtime")
+numba_runtime.install()  # before any kernel loads: Numba's runtime module from a file (numba_runtime.py)
 
 
 _LAUNCH_LOCK = threading.Lock()
