@@ -10,8 +10,8 @@ prefill's kernels before a prompt of more than one token), and streams `n_gen` g
 - peak RSS (VmHWM) and "model memory": the peak minus the RSS right after the imports, i.e.
   what loading and running the model cost beyond the engine's code; and where the RSS added
   since the imports sits at the end of the run (/proc/self/smaps): the model's file mappings
-  (GGUF, packed-weights cache), shared libraries' pages (pyml: LLVM's code, paged in when Numba
-  compiles its runtime module on the first kernel load), heap and anonymous memory.
+  (GGUF, packed-weights cache), shared libraries' pages (pyml: LLVM's object loader, through
+  which Numba loads each cached kernel), heap and anonymous memory.
 Engines alternate run by run (the machine is shared and noisy); the table gives medians.
 
 Then the sharing check: two pyml processes on one model, alive at once; /proc/<pid>/smaps gives
