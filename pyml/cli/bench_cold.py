@@ -2,13 +2,16 @@
 llama-cpp-python on the same file.
 
 Each run is a fresh Python process (`python -c PROBE`: nothing imported before the clock starts)
-that imports its engine, loads the model, warms up (pyml: load_model's one prefill and one
-decode step), and streams `n_gen` greedy tokens from a short prompt, then exits. Measured:
+that imports its engine, loads the model, warms up (pyml: load_model's decode step, and a
+prefill's kernels before a prompt of more than one token), and streams `n_gen` greedy tokens from a short prompt, then exits. Measured:
 - wall: spawn to exit, as a user's shell sees it (interpreter start-up included);
 - first token: spawn to the first generated token;
 - import / load / warm-up: the engine's own phases, seconds;
 - peak RSS (VmHWM) and "model memory": the peak minus the RSS right after the imports, i.e.
-  what loading and running the model cost beyond the engine's code.
+  what loading and running the model cost beyond the engine's code; and where the RSS added
+  since the imports sits at the end of the run (/proc/self/smaps): the model's file mappings
+  (GGUF, packed-weights cache), shared libraries' pages (pyml: LLVM's object loader, through
+  which Numba loads each cached kernel), heap and anonymous memory.
 Engines alternate run by run (the machine is shared and noisy); the table gives medians.
 
 Then the sharing check: two pyml processes on one model, alive at once; /proc/<pid>/smaps gives
@@ -37,18 +40,32 @@ engine, path, n_gen, spawned, hold, threads = (sys.argv[1], sys.argv[2], int(sys
 def status_kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+def resident():  # RSS in bytes by kind of mapping: the model's files, shared libraries, heap and anonymous
+    kinds, kind = {"files": 0, "libraries": 0, "heap": 0}, "heap"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                name = head[5] if len(head) > 5 else ""
+                kind = ("files" if name.endswith((".gguf", ".pyml-packed")) else
+                        "libraries" if name.startswith("/") else "heap")
+            elif head and head[0] == "Rss:":
+                kinds[kind] += int(head[1]) * 1024
+    return kinds
 t0 = time.time()
 out = {"start": t0 - spawned}
 if engine == "pyml":
     from pyml.nlp.api import load_model
     out["import"], out["rss_imports"] = time.time() - t0, status_kib("VmRSS") * 1024
+    before = resident()
     t = time.time()
     lm = load_model(gguf=path, threads=threads)
-    out["load"], out["warmup"] = lm.load_s, time.time() - t - lm.load_s
+    out["load"] = lm.load_s
     stream = (e for e in lm.stream("Hello", n_gen) if e.text or e.result)
 else:
     from llama_cpp import Llama
     out["import"], out["rss_imports"] = time.time() - t0, status_kib("VmRSS") * 1024
+    before = resident()
     t = time.time()
     llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     out["load"], out["warmup"] = time.time() - t, 0.0
@@ -56,7 +73,10 @@ else:
 for i, _ in enumerate(stream):
     if i == 0:
         out["first_token"] = time.time() - spawned
+if engine == "pyml":
+    out["warmup"] = lm.warmup_s  # load_model's decode step, and the prefill's if the prompt needed one
 out["peak"] = status_kib("VmHWM") * 1024
+out.update({f"added_{k}": v - before[k] for k, v in resident().items()})  # at the end: the peak, give or take
 print(json.dumps(out), flush=True)
 if hold:
     sys.stdin.readline()
@@ -126,7 +146,8 @@ def run(models: dict, reps: int, n_gen: int, peers: list[str], threads: int) -> 
     for name, path in models.items():  # a first load packs and compiles: not what a cold start measures
         one_shot("pyml", path, 1, threads)
     lines = ["| model | engine | wall (s) | first token (s) | import (s) | load (s) | warm-up (s) | "
-             "RSS after imports (MB) | peak RSS (MB) | model memory (MB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "RSS after imports (MB) | peak RSS (MB) | model memory (MB) | of it: model files | libraries | heap + anon |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for name, path in models.items():
         runs = {e: [] for e in engines}
@@ -137,7 +158,8 @@ def run(models: dict, reps: int, n_gen: int, peers: list[str], threads: int) -> 
         for engine, m in medians.items():
             lines.append(f"| {name} | {ENGINE_NAMES[engine]} | {m['wall']:.2f} | {m['first_token']:.2f} | "
                          f"{m['import']:.2f} | {m['load']:.3f} | {m['warmup']:.3f} | {m['rss_imports'] / 1e6:.0f} | "
-                         f"{m['peak'] / 1e6:.0f} | {m['model_memory'] / 1e6:.0f} |")
+                         f"{m['peak'] / 1e6:.0f} | {m['model_memory'] / 1e6:.0f} | {m['added_files'] / 1e6:.0f} | "
+                         f"{m['added_libraries'] / 1e6:.0f} | {m['added_heap'] / 1e6:.0f} |")
         if "llama.cpp" in medians:
             p, q = medians["pyml"], medians["llama.cpp"]
             ratios.append(f"{name}: wall {p['wall'] / q['wall']:.2f}x, model memory "

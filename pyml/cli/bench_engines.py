@@ -29,6 +29,7 @@ class PymlEngine:
 
     def __init__(self, model: BenchModel, path: Path, threads: int):
         self.lm = load_model(threads=threads, warmup=True, **{model.kind: str(path)})
+        self.lm.warm_up(prefill=True)  # pp calls the model itself: its kernels load here, not in a timed pass
         self.vocab = self.lm.model.lm_head.out_features
         self.set_context([], 2048)
 

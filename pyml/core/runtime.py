@@ -18,10 +18,11 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from pyml.core import isa, ops, perf, progress
+from pyml.core import isa, numba_runtime, ops, perf, progress
 from pyml.core.errors import PymlError
 
 _perf = perf.get("pyml.core.runtime")
+numba_runtime.install()  # before any kernel loads: Numba's runtime module from a file (numba_runtime.py)
 
 
 _LAUNCH_LOCK = threading.Lock()
@@ -101,16 +102,20 @@ class RuntimeConfig:
         threadpool_limits(n)
 
     def warmup_thread_pool(self, steps=()):
-        """Start the thread pools and run every jitted kernel once on tiny inputs.
+        """Start the thread pools and run jitted kernels once on tiny inputs.
 
-        `steps` are further callables from the layers above (pyml.quant's kernels, a model's
-        own warm-up forward pass). On a first run, when the kernels compile rather than load
-        from Numba's disk cache (about a minute), a progress bar says so.
+        `steps` are callables from the layers above (pyml.quant's kernels, a model's own warm-up
+        forward pass): they warm what they call. Without steps, every core op is warmed; with them,
+        none beyond what the steps use (each kernel loaded from Numba's cache costs resident
+        memory, 0.1-2 MB, and time: a model never calls LayerNorm's or the other activations').
+        On a first run, when the kernels compile rather than load from Numba's disk cache (about
+        a minute), a progress bar says so.
         """
         with _perf.debug("runtime::warmup", "threads={} isa={}", self.threads, isa.ISA), \
                 progress.bar(total=1 + len(steps), desc="pyml: warm-up (compiles kernels on a first run)",
                              unit="step", delay=2.0) as bar:
-            ops.warmup()
+            if not steps:
+                ops.warmup()
             a = np.ones((64, 64), np.float32)
             a @ a  # starts the BLAS threads
             bar.update()

@@ -13,6 +13,8 @@ def test_one_shot_figures_hang_together(tmp_path):
     assert 0 < m["start"] < m["first_token"] < m["wall"]
     assert m["import"] > 0 and m["load"] > 0 and m["warmup"] > 0
     assert 0 < m["rss_imports"] < m["peak"] and m["model_memory"] == m["peak"] - m["rss_imports"]
+    added = m["added_files"] + m["added_libraries"] + m["added_heap"]
+    assert m["added_files"] > 0 and abs(added - m["model_memory"]) < 0.25 * m["model_memory"], m
 
 
 def test_a_second_process_shares_the_models_pages(tmp_path, monkeypatch):

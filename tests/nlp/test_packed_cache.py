@@ -4,9 +4,11 @@ written are each handled as docs/performance.md ("Cold start") says."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import zlib
 
 import numpy as np
@@ -198,6 +200,51 @@ def test_folder_that_cannot_be_written_packs_in_memory_with_one_warning(tmp_path
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "packing in memory" in warnings[0], warnings
     assert all(_mapping_of(g) is None for g in packed_arrays(lm))
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
+
+
+@pytest.fixture
+def read_only_cache(cache, monkeypatch):
+    """The cache folder made read-only (mode 0555; for root, whom modes do not stop, the file system
+    answers as a read-only mount would: EROFS on creating a file there)."""
+    real_open = open
+
+    def refusing_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+") and os.path.dirname(os.fspath(file)) == str(cache):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def make_read_only():
+        cache.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+        monkeypatch.setattr(packed_cache, "open", refusing_open, raising=False)
+        monkeypatch.setattr(packed_cache, "_warned", set())
+
+    yield make_read_only
+    cache.chmod(0o755)
+
+
+@pytest.mark.parametrize("before", ["empty", "current", "stale"])
+def test_read_only_cache_folder(cache, tiny_q4, read_only_cache, before, caplog):
+    """A current cache file in a read-only folder is still read (no warning); with none, or a stale
+    one (which stays as it was), the model packs in memory, said in one warning line."""
+    cache.mkdir(parents=True)
+    if before != "empty":
+        load(tiny_q4)
+    if before == "stale":
+        stamp = os.stat(tiny_q4).st_mtime_ns + 10**9
+        os.utime(tiny_q4, ns=(stamp, stamp))
+    files = {f: f.read_bytes() for f in cache_files(cache)}
+    read_only_cache()
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+        load(tiny_q4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if before == "current":
+        assert warnings == [] and all(_backing_path(g) in map(str, files) for g in packed_arrays(lm))
+    else:
+        assert len(warnings) == 1 and "cannot be written" in warnings[0] and "packing in memory" in warnings[0]
+        assert all(_mapping_of(g) is None for g in packed_arrays(lm))
+    assert {f: f.read_bytes() for f in cache_files(cache)} == files  # nothing written, nothing removed
     np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
 
 
