@@ -46,6 +46,7 @@ from pyml.nn.attention import Attention
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
+from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.block")
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
@@ -117,13 +118,37 @@ def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNor
         ops.layer_norm_rows(x, w, b, eps, out)
 
 
-@lru_cache(maxsize=None)
-def pre_attention_kernel(shape: tuple):
-    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
-    norm, unit_offset, n_proj, kq, lq, kk, lk, kv, lv, qk_norm, qk_unit, rope = shape
+# --- the two halves of a block, written once ---------------------------------------------------
+# A block's shape reaches the bodies as a literal string of its ints (shape_key): the overloads
+# below turn it back into ints at compile time, so every kernel that runs a half - the timed pair
+# pre_attention / post_attention, the untimed decode_layer - shares one body, and the kernels'
+# closures hold strings only (Numba's cache keys them by value: a second process loads them).
 
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+def shape_key(shape: tuple) -> str:
+    return ",".join(str(int(v)) for v in shape)
+
+
+def _shape_of(key) -> tuple:
+    return tuple(int(v) for v in key.literal_value.split(","))
+
+
+_BODY_OPTIONS = {"fastmath": FASTMATH, "error_model": "numpy"}
+
+
+def _pre_step(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+              h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+    """norm -> qkv (+ bias) -> (q/k norm) -> RoPE for one token; `shape`: shape_key of PreShape's ints.
+    Returns the counter at its start (0 when not tracing)."""
+
+
+@overload(_pre_step, prefer_literal=True, jit_options=_BODY_OPTIONS)
+def _pre_step_overload(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                       h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+    if not isinstance(shape, types.StringLiteral):
+        return None
+    norm, unit_offset, n_proj, kq, lq, kk, lk, kv, lv, qk_norm, qk_unit, rope = _shape_of(shape)
+
+    def pre_attention(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
                       h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
         t0 = clock.start(trace)
         _norm(norm, unit_offset, x, nw, nb, eps, h)
@@ -153,13 +178,21 @@ def pre_attention_kernel(shape: tuple):
     return pre_attention
 
 
-@lru_cache(maxsize=None)
-def post_attention_kernel(shape: tuple):
-    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
-    (ko, lo, post_attn, pan_unit, norm, unit_offset, mlp, k1, l1, k2, l2, kd, ld, act, post_ffn, pfn_unit) = shape
+def _post_step(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+               pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual, in place
+    on x; `shape`: shape_key of PostShape's ints. Returns the counter at the norm and at the end."""
 
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+
+@overload(_post_step, prefer_literal=True, jit_options=_BODY_OPTIONS)
+def _post_step_overload(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                        pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+    if not isinstance(shape, types.StringLiteral):
+        return None
+    (ko, lo, post_attn, pan_unit, norm, unit_offset, mlp, k1, l1, k2, l2, kd, ld, act, post_ffn,
+     pfn_unit) = _shape_of(shape)
+
+    def post_attention(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
                        pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
         _linear(events, trace, layer, B_MM_O, ko, lo, wo, to, bo, ctx, y[0])
         if post_attn:
@@ -192,6 +225,61 @@ def post_attention_kernel(shape: tuple):
         return t_mid, clock.start(trace)
 
     return post_attention
+
+
+# --- the kernels: the timed pair, and the untimed layer ------------------------------------------
+
+@lru_cache(maxsize=None)
+def pre_attention_kernel(shape: tuple):
+    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
+    key = shape_key(shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                      h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+        return _pre_step(key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                         h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer)
+
+    return pre_attention
+
+
+@lru_cache(maxsize=None)
+def post_attention_kernel(shape: tuple):
+    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
+    key = shape_key(shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                       pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+        return _post_step(key, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                          pfn_w, pfn_eps, y, h, gu, a, events, trace, layer)
+
+    return post_attention
+
+
+@lru_cache(maxsize=None)
+def decode_layer_kernel(pre_shape: tuple, post_shape: tuple):
+    """A whole block's untimed decode step in one compiled call: pre_attention, the KV write and
+    decode attention (attention_ops.decode_into), post_attention. One call where the timed path
+    makes three and opens the attention's spans in Python between them: measured on SmolLM2
+    (see docs/performance.md), the attention's Python span was ~4 us of a ~9 us call per layer."""
+    pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_layer(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                     h, qkv, q2, k2, q3, k3, nq, nkv, v3, keys, k_scale, values, v_scale, start, scale, splits, ctx,
+                     wo, to, bo, out, pan_w, pan_eps, nw2, nb2, eps2, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                     pfn_w, pfn_eps, y, h2, gu, a, events, layer):
+        _pre_step(pre_key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                  h, qkv, q2, k2, q3, k3, nq, nkv, events, False, layer)
+        attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
+                                  ctx)
+        out[:] = x
+        _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, nw2, nb2, eps2, w1, t1, b1,
+                   w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h2, gu, a, events, False, layer)
+        return out
+
+    return decode_layer
 
 
 def attend(attn: Attention, cache, layer: int, pos: int, q3, k3, v3) -> np.ndarray:
@@ -272,6 +360,9 @@ class FusedBlock:
                            w1[2], w1[3], _bias(ups[0]), w2[2], w2[3], _bias(ups[-1]), wd[2], wd[3], _bias(ffn.down),
                            _EMPTY if pfn is None else pfn.weight, 0.0 if pfn is None else pfn.eps,
                            self.y, self.h, self.gu, self.a)
+        self.layer = decode_layer_kernel(pre_shape, post_shape)
+        self.ctx = np.zeros((H, attn.head_dim), np.float32)
+        self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
         self.op_loggers.add(perf.get("pyml.nn.attention"))
@@ -287,11 +378,12 @@ class FusedBlock:
         ops_on = any(p.trace_on for p in self.op_loggers)
         if ops_on or _perf.debug_on:
             return self._timed(x, pos, cache, ops_on)
-        self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, False, block.index)
-        ctx = attend(block.attn, cache, block.index, pos, self.q3, self.k3, self.v3)
-        self.x[:] = x
-        self.post(ctx, *self.post_args, self.x, *self.post_args2, events, False, block.index)
-        return self.x
+        i, attn = block.index, block.attn
+        cache.claim(i, pos)  # the kernel writes the position's key and value
+        start = max(0, pos + 1 - self.window) if self.window else 0
+        splits = attention_ops.decode_plan(self.ctx.size, attn.n_kv_heads, pos + 1 - start)
+        return self.layer(x, *self.pre_args, pos, *self.pre_bufs, self.v3, *cache.layer(i), start, attn.scale,
+                          splits, self.ctx, *self.post_args, self.x, *self.post_args2, events, i)
 
     def _timed(self, x, pos, cache, ops_on):
         if not ops_on:  # debug: the block's span and its attn / ffn parts only
