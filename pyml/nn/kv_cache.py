@@ -61,6 +61,7 @@ class KVCache:
             self.v_scale = [np.zeros((n_kv_heads, n, head_dim // QBLOCK), np.uint16) for n in self.slots]
         else:
             self.k_scale = self.v_scale = [_NO_SCALES] * n_layers
+        self._addresses = None
         self.length = 0  # positions filled (advanced by the model after a forward pass)
         self.written = [0] * n_layers  # per layer, the end of the positions last written
 
@@ -112,6 +113,14 @@ class KVCache:
     def layer(self, layer: int):
         """(keys, k_scale, values, v_scale): the arrays the attention kernels take."""
         return self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer]
+
+    def addresses(self) -> np.ndarray:
+        """int64 [n_layers, 4]: the data addresses of each layer's layer() arrays, for compiled code
+        that walks the layers (nn/fused.py's FusedStep); the arrays are never reallocated."""
+        if self._addresses is None:
+            self._addresses = np.array([[a.ctypes.data for a in self.layer(i)] for i in range(self.n_layers)],
+                                       np.int64)
+        return self._addresses
 
     def claim(self, layer: int, pos: int, T: int = 1) -> None:
         """Check that positions pos .. pos+T-1 may be written to the layer and note them written; the

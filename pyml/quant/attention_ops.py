@@ -392,8 +392,8 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
-    """KV write + decode attention as one compiled call, for callers that are compiled themselves
-    (nn/fused.py's decode layer): `splits` from decode_plan, 0 = on the calling thread."""
+    """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
+    (nn/fused.py's decode kernels): `splits` from decode_plan, 0 = on the calling thread."""
     if splits:
         return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out)
     return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, 1, out)
