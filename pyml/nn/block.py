@@ -27,17 +27,22 @@ class TransformerBlock:
         self.fused_decode = True
         self._fused = None
 
+    def fused(self):
+        """The block's FusedBlock (made on first use, after load has packed the weights), or None
+        when its layers are not ones the fused kernels implement."""
+        if self._fused is None:
+            if not can_fuse(self):
+                self.fused_decode = False
+                return None
+            self._fused = FusedBlock(self)
+        return self._fused
+
     def linears(self) -> list:
         """Every Linear of the block, in the order a forward pass runs them."""
         return self.attn.linears() + self.ffn.linears()
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
-        if x.shape[0] == 1 and self.fused_decode:
-            if self._fused is None:
-                if not can_fuse(self):
-                    self.fused_decode = False
-                    return self(x, pos, cache)
-                self._fused = FusedBlock(self)
+        if x.shape[0] == 1 and self.fused_decode and self.fused() is not None:
             return self._fused(x, pos, cache)
         with _perf.debug(self._event, "", module=self.name, op="block", layer=self.index,
                          kind=self.attn.kind) as span:

@@ -1,21 +1,25 @@
-"""The fused decode step of a transformer block: two compiled calls and one attention call per
-layer, where the layer-by-layer path (TransformerBlock, Attention, the feed-forwards) makes ~15.
+"""The fused decode step: a model's blocks in as few compiled calls as their shapes allow, where
+the layer-by-layer path (TransformerBlock, Attention, the feed-forwards) makes ~15 per block.
 
 At T == 1 every op of a small model is a few µs of arithmetic behind ~5-15 µs of Python. So a
 block's decode step runs as
 
-    pre_attention   norm -> qkv (+ bias) -> (q/k norm) -> RoPE                     one kernel
-    attend          KV write + decode attention                         attend() below, Python
+    pre_attention   norm -> qkv (+ bias) -> (q/k norm) -> RoPE
+    attention       KV write + decode attention (attention_ops.decode_into)
     post_attention  o_proj (+ bias) -> (post norm) -> residual -> norm -> gate/up or up
-                    -> activation -> down (+ bias) -> (post norm) -> residual   one kernel
+                    -> activation -> down (+ bias) -> (post norm) -> residual
 
 over the same kernels the layers call (pyml.quant's KernelSets and x8 kernels, core.ops' row
-kernels) and buffers allocated once per block. The layer-by-layer path stays the reference
-(tests hold this one to it on every architecture and weight type).
+kernels) and buffers allocated once per block. Untimed, the three are one compiled call per
+block (decode_layer), and FusedStep runs each stretch of like blocks (SmolLM2: all 30) as one
+call (decode_layers: every layer's arrays reached by address from the first one's). With spans
+on, pre_attention and post_attention are two calls with the attention between them in Python,
+opening its spans. The layer-by-layer path stays the reference (tests hold this one to it on
+every architecture and weight type).
 
 Kernels are made per block *shape* (which norms, which weight types and layouts, which
-activation), never per weight: a factory's closure holds only ints, and the weight kernels are
-picked at compile time by a literal type id (`_matvec`'s overload), so Numba's on-disk cache
+activation), never per weight: a factory's closure holds only the shape's ints (shape_key), and
+the weight kernels are picked at compile time by a literal type id (`_matvec`'s overload), so Numba's on-disk cache
 keys them by those ints and a second process loads them instead of compiling (a closure that
 captured the KernelSet's dispatchers would be recompiled by every process: its cache key
 pickles them differently each time). SmolLM2 needs one kernel of each kind; a Q4_K_M file, with
@@ -37,7 +41,7 @@ from functools import lru_cache
 import numba
 import numpy as np
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from pyml import quant
 from pyml.core import clock, ops, perf
@@ -46,6 +50,7 @@ from pyml.nn.attention import Attention
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
+from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.block")
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
@@ -117,13 +122,37 @@ def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNor
         ops.layer_norm_rows(x, w, b, eps, out)
 
 
-@lru_cache(maxsize=None)
-def pre_attention_kernel(shape: tuple):
-    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
-    norm, unit_offset, n_proj, kq, lq, kk, lk, kv, lv, qk_norm, qk_unit, rope = shape
+# --- the two halves of a block, written once ---------------------------------------------------
+# A block's shape reaches the bodies as a literal string of its ints (shape_key): the overloads
+# below turn it back into ints at compile time, so every kernel that runs a half - the timed pair
+# pre_attention / post_attention, the untimed decode_layer - shares one body, and the kernels'
+# closures hold strings only (Numba's cache keys them by value: a second process loads them).
 
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+def shape_key(shape: tuple) -> str:
+    return ",".join(str(int(v)) for v in shape)
+
+
+def _shape_of(key) -> tuple:
+    return tuple(int(v) for v in key.literal_value.split(","))
+
+
+_BODY_OPTIONS = {"fastmath": FASTMATH, "error_model": "numpy"}
+
+
+def _pre_step(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+              h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+    """norm -> qkv (+ bias) -> (q/k norm) -> RoPE for one token; `shape`: shape_key of PreShape's ints.
+    Returns the counter at its start (0 when not tracing)."""
+
+
+@overload(_pre_step, prefer_literal=True, jit_options=_BODY_OPTIONS)
+def _pre_step_overload(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                       h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+    if not isinstance(shape, types.StringLiteral):
+        return None
+    norm, unit_offset, n_proj, kq, lq, kk, lk, kv, lv, qk_norm, qk_unit, rope = _shape_of(shape)
+
+    def pre_attention(shape, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
                       h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
         t0 = clock.start(trace)
         _norm(norm, unit_offset, x, nw, nb, eps, h)
@@ -153,13 +182,21 @@ def pre_attention_kernel(shape: tuple):
     return pre_attention
 
 
-@lru_cache(maxsize=None)
-def post_attention_kernel(shape: tuple):
-    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
-    (ko, lo, post_attn, pan_unit, norm, unit_offset, mlp, k1, l1, k2, l2, kd, ld, act, post_ffn, pfn_unit) = shape
+def _post_step(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+               pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual, in place
+    on x; `shape`: shape_key of PostShape's ints. Returns the counter at the norm and at the end."""
 
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+
+@overload(_post_step, prefer_literal=True, jit_options=_BODY_OPTIONS)
+def _post_step_overload(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                        pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+    if not isinstance(shape, types.StringLiteral):
+        return None
+    (ko, lo, post_attn, pan_unit, norm, unit_offset, mlp, k1, l1, k2, l2, kd, ld, act, post_ffn,
+     pfn_unit) = _shape_of(shape)
+
+    def post_attention(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
                        pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
         _linear(events, trace, layer, B_MM_O, ko, lo, wo, to, bo, ctx, y[0])
         if post_attn:
@@ -192,6 +229,119 @@ def post_attention_kernel(shape: tuple):
         return t_mid, clock.start(trace)
 
     return post_attention
+
+
+# --- the kernels: the timed pair, and the untimed layer ------------------------------------------
+
+@lru_cache(maxsize=None)
+def pre_attention_kernel(shape: tuple):
+    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
+    key = shape_key(shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                      h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
+        return _pre_step(key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                         h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer)
+
+    return pre_attention
+
+
+@lru_cache(maxsize=None)
+def post_attention_kernel(shape: tuple):
+    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
+    key = shape_key(shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                       pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
+        return _post_step(key, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                          pfn_w, pfn_eps, y, h, gu, a, events, trace, layer)
+
+    return post_attention
+
+
+@lru_cache(maxsize=None)
+def decode_layer_kernel(pre_shape: tuple, post_shape: tuple):
+    """A whole block's untimed decode step in one compiled call: pre_attention, the KV write and
+    decode attention (attention_ops.decode_into), post_attention. One call where the timed path
+    makes three and opens the attention's spans in Python between them: measured on SmolLM2
+    (see docs/performance.md), the attention's Python span was ~4 us of a ~9 us call per layer."""
+    pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_layer(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                     h, qkv, q2, k2, q3, k3, nq, nkv, v3, keys, k_scale, values, v_scale, start, scale, splits, ctx,
+                     wo, to, bo, out, pan_w, pan_eps, nw2, nb2, eps2, w1, t1, b1, w2, t2, b2, wd, td, bd,
+                     pfn_w, pfn_eps, y, h2, gu, a, events, layer):
+        _pre_step(pre_key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                  h, qkv, q2, k2, q3, k3, nq, nkv, events, False, layer)
+        attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
+                                      ctx)
+        out[:] = x
+        _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, nw2, nb2, eps2, w1, t1, b1,
+                   w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h2, gu, a, events, False, layer)
+        return out
+
+    return decode_layer
+
+
+@intrinsic
+def _rebased(typingctx, arrays, addresses):
+    """The tuple `arrays` with its arrays' data pointers replaced, in order, by `addresses` (int64
+    [n arrays]): the same types, shapes and strides over another layer's memory. What lets one
+    compiled call walk many layers without Numba unboxing every layer's ~40 arrays (~60 ns
+    each): the caller checks that those layers' arrays agree in all but address (FusedStep)."""
+    if not isinstance(arrays, types.BaseTuple) or not isinstance(addresses, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tup, table = args[0], context.make_array(sig.args[1])(context, builder, args[1])
+        k = 0
+        for i, ty in enumerate(sig.args[0]):
+            if isinstance(ty, types.Array):
+                arr = context.make_array(ty)(context, builder, builder.extract_value(tup, i))
+                at = builder.load(builder.gep(table.data, [context.get_constant(types.intp, k)]))
+                arr.data = builder.inttoptr(at, arr.data.type)
+                tup = builder.insert_value(tup, arr._getvalue(), i)
+                k += 1
+        context.nrt.incref(builder, sig.args[0], tup)  # a new reference: the template's owners
+        return tup
+
+    return arrays(arrays, addresses), codegen
+
+
+def _addresses(values) -> list:
+    """The data addresses of the arrays among `values`, in order (what _rebased reads)."""
+    return [v.ctypes.data for v in values if isinstance(v, np.ndarray)]
+
+
+@lru_cache(maxsize=None)
+def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
+    """decode_layer over consecutive blocks of one shape, in one compiled call: each layer's
+    weights and cache arrays are the first layer's, rebased to its own addresses (pre_at, post_at,
+    kv_at: int64 [layers, arrays]); the scratch buffers are shared, the layers running in turn."""
+    pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_layers(x, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, start, pos, scale, splits, ctx, out,
+                      events):
+        h, qkv, q2, k2, q3, k3, nq, nkv, v3, y, gu, a = bufs
+        out[:] = x
+        for layer in range(pre_at.shape[0]):
+            nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq = _rebased(pre_w, pre_at[layer])
+            _pre_step(pre_key, out, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
+                      h, qkv, q2, k2, q3, k3, nq, nkv, events, False, layer)
+            keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
+            attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
+                                      ctx)
+            (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
+             pfn_eps) = _rebased(post_w, post_at[layer])
+            _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1,
+                       w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h, gu, a, events, False, layer)
+        return out
+
+    return decode_layers
 
 
 def attend(attn: Attention, cache, layer: int, pos: int, q3, k3, v3) -> np.ndarray:
@@ -272,6 +422,11 @@ class FusedBlock:
                            w1[2], w1[3], _bias(ups[0]), w2[2], w2[3], _bias(ups[-1]), wd[2], wd[3], _bias(ffn.down),
                            _EMPTY if pfn is None else pfn.weight, 0.0 if pfn is None else pfn.eps,
                            self.y, self.h, self.gu, self.a)
+        self.shapes = (pre_shape, post_shape)
+        self.layer = decode_layer_kernel(pre_shape, post_shape)
+        self.ctx = np.zeros((H, attn.head_dim), np.float32)
+        self.step_bufs = (self.h, self.qkv, q2, k2, self.q3, self.k3, nq, nkv, self.v3, self.y, self.gu, self.a)
+        self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
         self.op_loggers.add(perf.get("pyml.nn.attention"))
@@ -287,11 +442,12 @@ class FusedBlock:
         ops_on = any(p.trace_on for p in self.op_loggers)
         if ops_on or _perf.debug_on:
             return self._timed(x, pos, cache, ops_on)
-        self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, False, block.index)
-        ctx = attend(block.attn, cache, block.index, pos, self.q3, self.k3, self.v3)
-        self.x[:] = x
-        self.post(ctx, *self.post_args, self.x, *self.post_args2, events, False, block.index)
-        return self.x
+        i, attn = block.index, block.attn
+        cache.claim(i, pos)  # the kernel writes the position's key and value
+        start = max(0, pos + 1 - self.window) if self.window else 0
+        splits = attention_ops.decode_plan(self.ctx.size, attn.n_kv_heads, pos + 1 - start)
+        return self.layer(x, *self.pre_args, pos, *self.pre_bufs, self.v3, *cache.layer(i), start, attn.scale,
+                          splits, self.ctx, *self.post_args, self.x, *self.post_args2, events, i)
 
     def _timed(self, x, pos, cache, ops_on):
         if not ops_on:  # debug: the block's span and its attn / ffn parts only
@@ -329,6 +485,64 @@ class FusedBlock:
                 s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end), cal)
                 span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
         return self.x
+
+
+    def post_weights(self) -> tuple:
+        """post_attention's weights and constants: post_args and post_args2 without the buffers."""
+        return self.post_args + self.post_args2[:-4]
+
+    def signature(self) -> tuple:
+        """What blocks walked by one decode_layers call must share: the kernel shapes, the window,
+        and every weight array's type, shape and strides (its address aside) and every constant."""
+        def describe(v):
+            if isinstance(v, np.ndarray):
+                return v.dtype.str, v.shape, v.strides, v.flags.writeable, v.flags.aligned
+            return v
+        attn = self.block.attn
+        return (self.shapes, self.window, float(attn.scale),
+                tuple(describe(v) for v in self.pre_args + self.post_weights()))
+
+
+class FusedStep:
+    """A decode step through all of a model's blocks: each run of consecutive blocks of one
+    signature (SmolLM2: all 30; Gemma 3: its sliding and global layers apart) is one
+    decode_layers call, where FusedBlock makes one per block. What that leaves out per block - a
+    Python call chain, ~60 arguments unboxed, a lock, a copy - was ~7 us of SmolLM2's ~100 us
+    layers. Spans on, or a block set to the reference path, and the blocks run one by one."""
+
+    def __init__(self, blocks, fused):
+        self.blocks, self.fused = blocks, fused
+        self.op_loggers = set().union(*(f.op_loggers for f in fused))
+        self.runs = []  # (first FusedBlock, its kernel, layer indices, pre_at, post_at)
+        i = 0
+        while i < len(fused):
+            j = i + 1
+            while j < len(fused) and fused[j].signature() == fused[i].signature():
+                j += 1
+            first = fused[i]
+            self.runs.append((first, decode_layers_kernel(*first.shapes), range(i, j),
+                              np.array([_addresses(f.pre_args) for f in fused[i:j]], np.int64),
+                              np.array([_addresses(f.post_weights()) for f in fused[i:j]], np.int64)))
+            i = j
+
+    def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
+        if _perf.debug_on or any(p.trace_on for p in self.op_loggers) or \
+                not all(b.fused_decode for b in self.blocks):
+            for block in self.blocks:
+                x = block(x, pos, cache)
+            return x
+        kv_at = cache.addresses()
+        for first, kernel, layers, pre_at, post_at in self.runs:
+            for i in layers:
+                cache.claim(i, pos)  # the kernel writes the position's keys and values
+            start = max(0, pos + 1 - first.window) if first.window else 0
+            attn = first.block.attn
+            splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start)
+            with first._busy:  # a model shared by threads: its buffers are one set
+                x = kernel(x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
+                           cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], start, pos, attn.scale, splits,
+                           first.ctx, first.x, first.events.events).copy()
+        return x
 
 
 def _norm_kind(norm) -> int:

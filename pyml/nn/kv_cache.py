@@ -61,6 +61,7 @@ class KVCache:
             self.v_scale = [np.zeros((n_kv_heads, n, head_dim // QBLOCK), np.uint16) for n in self.slots]
         else:
             self.k_scale = self.v_scale = [_NO_SCALES] * n_layers
+        self._addresses = None
         self.length = 0  # positions filled (advanced by the model after a forward pass)
         self.written = [0] * n_layers  # per layer, the end of the positions last written
 
@@ -113,16 +114,29 @@ class KVCache:
         """(keys, k_scale, values, v_scale): the arrays the attention kernels take."""
         return self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer]
 
-    def update(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray):
-        """Write k, v [T, n_kv_heads, head_dim] float32 at positions pos .. pos+T-1, converted to the
-        stored type (a ring layer keeps the last of them when T exceeds its slots)."""
-        T = k.shape[0]
+    def addresses(self) -> np.ndarray:
+        """int64 [n_layers, 4]: the data addresses of each layer's layer() arrays, for compiled code
+        that walks the layers (nn/fused.py's FusedStep); the arrays are never reallocated."""
+        if self._addresses is None:
+            self._addresses = np.array([[a.ctypes.data for a in self.layer(i)] for i in range(self.n_layers)],
+                                       np.int64)
+        return self._addresses
+
+    def claim(self, layer: int, pos: int, T: int = 1) -> None:
+        """Check that positions pos .. pos+T-1 may be written to the layer and note them written; the
+        caller writes them (update() does; a fused decode step inside its attention kernel)."""
         if pos + T > self.max_len:
             raise PymlError(f"KV cache full: position {pos + T} exceeds its {self.max_len} slots")
         if not self._holds_window(layer, pos):
             raise PymlError(f"layer {layer}'s sliding-window ring no longer holds the positions before {pos}: "
                             f"prefill from position 0")
         self.written[layer] = pos + T
+
+    def update(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray):
+        """Write k, v [T, n_kv_heads, head_dim] float32 at positions pos .. pos+T-1, converted to the
+        stored type (a ring layer keeps the last of them when T exceeds its slots)."""
+        T = k.shape[0]
+        self.claim(layer, pos, T)
         with _perf.trace("kv_cache::update", "layer={} pos={} {}", layer, pos, self.kv_type, layer=layer,
                          op="kv_cache"):
             skip = max(0, T - self.slots[layer])

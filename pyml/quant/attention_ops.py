@@ -390,6 +390,15 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
     return _decode_merge(n_kv, 1, group, m, l, acc, out)
 
 
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
+    """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
+    (nn/fused.py's decode kernels): `splits` from decode_plan, 0 = on the calling thread."""
+    if splits:
+        return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out)
+    return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, 1, out)
+
+
 # --- prefill: tiles of queries x the key tiles they see ---------------------------------
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -435,6 +444,12 @@ def decode_splits(n_kv: int, span: int) -> int:
     return max(1, min(threads // math.gcd(n_kv, threads), span // CHUNK))
 
 
+def decode_plan(q_size: int, n_kv: int, span: int) -> int:
+    """How a decode step over `span` positions runs: 0 on the calling thread (too little work to pay
+    for waking the others), else the number of parts the span is cut into (decode_splits)."""
+    return decode_splits(n_kv, span) if q_size * span >= PARALLEL_MIN_WORK else 0
+
+
 def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
                   v_scale: np.ndarray, start: int, end: int, scale: float, out: np.ndarray,
                   window: int = 0, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
@@ -454,9 +469,10 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: 
         shape = (1, values.shape[0], q.shape[1])
         k = _NOTHING if k is None else np.ascontiguousarray(k, np.float32).reshape(shape)
         v = _NOTHING if v is None else np.ascontiguousarray(v, np.float32).reshape(shape)
-        if q.size * span >= PARALLEL_MIN_WORK:
+        splits = decode_plan(q.size, values.shape[0], span)
+        if splits:
             return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale),
-                                    decode_splits(values.shape[0], span), out)
+                                    splits, out)
         return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale), 1,
                               out)
 

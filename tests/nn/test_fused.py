@@ -9,6 +9,7 @@ from pyml.core import perf
 from pyml.nn.attention import Attention
 from pyml.nn.block import TransformerBlock
 from pyml.nn.feed_forward import MLP, GatedMLP
+from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear, Weight
 from pyml.nn.norm import LayerNorm, RMSNorm
@@ -140,3 +141,45 @@ def test_fused_decode_under_trace_reports_every_op_like_the_reference():
     assert fused == ref
     step = next(r for r in fused_recs if r["name"] == "transformer[0]::forward")
     assert set(step["parts"]) == {"attn", "ffn"} and sum(step["parts"].values()) <= step["dur_ms"]
+
+
+@pytest.mark.parametrize("shape, qtype, kw", [
+    ("llama", QuantType.Q4_0, {}),                                   # one run over every block
+    ("gemma3", QuantType.Q4_K, dict(down_type=QuantType.Q6_K)),      # a global layer between sliding ones
+    ("gpt2", QuantType.F32, dict(bias=True)),                        # file layout, biases, LayerNorm
+])
+def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
+    """FusedStep walks runs of like blocks in one call each, every layer's weights and cache arrays
+    reached by address from the first one's: held to the layer-by-layer path block by block."""
+    blocks = [make_block(qtype, shape=shape, seed=seed, **kw) for seed in range(4)]
+    for i, block in enumerate(blocks):
+        block.index = i
+        for lin in block.linears():
+            lin.pack()
+    if shape == "gemma3":
+        blocks[2].attn.window = None  # Gemma 3's global layer: a run of its own
+    step = FusedStep(blocks, [b.fused() for b in blocks])
+    assert len(step.runs) == (3 if shape == "gemma3" else 1)
+    a, prompt, steps = blocks[0].attn, 5, 3
+    d = blocks[0].attn_norm.weight.shape[0]
+    windows = [b.attn.window for b in blocks]
+    cache, other = (KVCache(4, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((prompt, d)).astype(np.float32)
+    for block in blocks:
+        x = block(x, 0, cache)
+    for i in range(4):
+        other.k[i][:], other.v[i][:] = cache.k[i], cache.v[i]
+        other.written[i] = cache.written[i]
+    for t in range(steps):
+        x = rng.standard_normal((1, d)).astype(np.float32)
+        got = step(x.copy(), prompt + t, cache)
+        ref = x.copy()
+        for block in blocks:
+            block.fused_decode = False
+            ref = block(ref, prompt + t, other)
+            block.fused_decode = True
+        close(got, ref)
+    for i in range(4):
+        close(cache.k[i], other.k[i])
+        close(cache.v[i], other.v[i])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
+from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import Packed
 
@@ -80,8 +81,12 @@ class DecoderModel:
             with span.part("embedding"):
                 x = self.embed(tokens, pos)
             with span.part("layers"):
-                for block in self.blocks:
-                    x = block(x, pos, cache)
+                step = self._fused_step() if T == 1 else None
+                if step is not None:  # a decode step: a compiled call per run of like blocks
+                    x = step(x, pos, cache)
+                else:
+                    for block in self.blocks:
+                        x = block(x, pos, cache)
             with span.part("norm"):
                 x = self.final_norm(x if all_logits else x[-1:])
             with span.part("projection"):
@@ -90,6 +95,17 @@ class DecoderModel:
                     logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
         cache.length = pos + T
         return logits if all_logits else logits[0]
+
+    def _fused_step(self):
+        """The blocks' FusedStep, made on the first decode step (after load has packed the weights);
+        None when a block is not one the fused kernels implement."""
+        step = self.__dict__.get("_step")
+        if step is None:
+            fused = [block.fused() for block in self.blocks]
+            ordered = all(block.index == i for i, block in enumerate(self.blocks))
+            step = FusedStep(self.blocks, fused) if ordered and all(f is not None for f in fused) else False
+            self._step = step
+        return step or None
 
     def linears(self) -> list:
         """Every Linear of a forward pass: the blocks' projections, then the head."""
