@@ -150,6 +150,36 @@ def load_i8x16_i16(typingctx, ary, idx):
 
 
 @intrinsic
+def load_i32x8(typingctx, ary, idx):
+    """8 int32 values from an int32 array."""
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig.args[0], args[0], args[1], I32x8.llvm(), align=4)
+    return I32x8(ary, idx), codegen
+
+
+@intrinsic
+def store_i32x8(typingctx, ary, idx, v):
+    """Store 8 int32 lanes into an int32 array at idx."""
+    if not _is_vec(v, I32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], I32x8.llvm()), align=4)
+        return context.get_dummy_value()
+    return types.none(ary, idx, v), codegen
+
+
+@intrinsic
+def load_i32_bcast(typingctx, ary, idx):
+    """The int32 at idx of an int32 array in all 8 lanes (a memory operand with {1to8} on AVX-512:
+    no scalar register and no vpbroadcastd from one, which Zen 4 runs as 2 uops)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I32, 1), align=4)
+        return builder.shuffle_vector(v, v, _mask([0] * 8))
+    return I32x8(ary, idx), codegen
+
+
+@intrinsic
 def store_f32x8(typingctx, ary, idx, v):
     def codegen(context, builder, sig, args):
         builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], F32x8.llvm()), align=4)
