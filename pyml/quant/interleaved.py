@@ -59,6 +59,7 @@ from numba import prange
 
 from pyml.core import derived
 from pyml.core.mapping import release_pages
+from pyml.core.isa import ZMM
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
@@ -66,6 +67,10 @@ from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i
                              load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
                              splat_u8, store_f32x8, store_i32x8, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
                              zeros_i32x8)
+from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_fp16x8c_pair, load_i8x4_bcast16,
+                                load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16, load_u8x32_pair, mul16,
+                                nibbles_hi64, nibbles_lo64, store_f32x16, sub_i32x16, to_f32x16, zeros_f32x16,
+                                zeros_i32x16)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -476,6 +481,99 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
         store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
 
 
+# --- T > 1 on 512-bit vectors: two groups, 16 rows per instruction (simd512.py) --------------------
+
+ZMM_KINDS = (Q4_0, Q4_1, Q8_0)  # the types whose GEMM runs on 512-bit vectors on the avx512_vnni path
+
+
+@numba.njit
+def _codes16(kind, w0, w1, o):
+    """_codes of superblock o of two groups: lanes 0-31 of each vector group w0's, 32-63 group w1's."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        c = o + 16
+        return (load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32), load_u8x32_pair(w0, w1, c + 64),
+                load_u8x32_pair(w0, w1, c + 96), load_u8x32_pair(w0, w1, c + 128), load_u8x32_pair(w0, w1, c + 160),
+                load_u8x32_pair(w0, w1, c + 192), load_u8x32_pair(w0, w1, c + 224))
+    c = o + (32 if kind == Q4_1 else 16)
+    v0, v1 = load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32)
+    v2, v3 = load_u8x32_pair(w0, w1, c + 64), load_u8x32_pair(w0, w1, c + 96)
+    return (nibbles_lo64(v0), nibbles_hi64(v0), nibbles_lo64(v1), nibbles_hi64(v1),
+            nibbles_lo64(v2), nibbles_hi64(v2), nibbles_lo64(v3), nibbles_hi64(v3))
+
+
+@numba.njit
+def _dot16(kind, v, y, yo):
+    """_dot_vnni on 16 rows: I32x16, lane r = row r's integer dot (Q8_0: before its correction)."""
+    numba.literally(kind)
+    acc, acc2 = zeros_i32x16(), zeros_i32x16()
+    if kind == Q8_0:
+        for n in range(0, 8, 2):
+            acc = dpbusd16(acc, load_u8x4_bcast16(y, yo + 4 * n), as_i8x64(v[n]))
+            acc2 = dpbusd16(acc2, load_u8x4_bcast16(y, yo + 4 * n + 4), as_i8x64(v[n + 1]))
+    else:
+        for n in range(0, 8, 2):
+            acc = dpbusd16(acc, v[n], load_i8x4_bcast16(y, yo + 2 * n))
+            acc2 = dpbusd16(acc2, v[n + 1], load_i8x4_bcast16(y, yo + 16 + 2 * n))
+    return add_i32x16(acc, acc2)
+
+
+@numba.njit
+def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
+    """_block on 16 rows (corr: the two groups' _corrections side by side, Q8_0)."""
+    numba.literally(kind)
+    scale = mul16(load_fp16x8c_pair(w0, w1, o), f32x16(yd))
+    i = _dot16(kind, v, y, 32 * b)
+    if kind == Q8_0:
+        i = sub_i32x16(i, corr)
+    elif kind == Q4_0:
+        i = sub_i32x16(i, load_i32_bcast16(yoff, b))
+    acc = fma16(scale, to_f32x16(i), acc)
+    if kind == Q4_1:
+        acc = fma16(load_fp16x8c_pair(w0, w1, o + 16), f32x16(ys), acc)
+    return acc
+
+
+@numba.njit
+def _pair_corrections(kind, t0, t1, b):  # I32x16: rows b of two _correction_tables (zeros where empty)
+    numba.literally(kind)
+    if kind == Q8_0:
+        return load_i32x8_pair(t0, t1, 8 * b)
+    return zeros_i32x16()
+
+
+@numba.njit
+def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
+    """Rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1): _gemm_group on 16 rows."""
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    T, nb = xd.shape
+    t0, t1 = _correction_table(kind, w0, nb), _correction_table(kind, w1, nb)
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
+        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        for b in range(nb):
+            o = sb * b
+            v = _codes16(kind, w0, w1, o)
+            corr = _pair_corrections(kind, t0, t1, b)
+            a0 = _block16(kind, v, corr, w0, w1, o, y0, b, xd[t, b], f0, xs[t, b], a0)
+            a1 = _block16(kind, v, corr, w0, w1, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
+            a2 = _block16(kind, v, corr, w0, w1, o, y2, b, xd[t + 2, b], f2, xs[t + 2, b], a2)
+            a3 = _block16(kind, v, corr, w0, w1, o, y3, b, xd[t + 3, b], f3, xs[t + 3, b], a3)
+        store_f32x16(out[t], 8 * g, a0)
+        store_f32x16(out[t + 1], 8 * g, a1)
+        store_f32x16(out[t + 2], 8 * g, a2)
+        store_f32x16(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        acc = zeros_f32x16()
+        for b in range(nb):
+            o = sb * b
+            acc = _block16(kind, _codes16(kind, w0, w1, o), _pair_corrections(kind, t0, t1, b), w0, w1, o, xq[t], b,
+                           xd[t, b], xoff[t], xs[t, b], acc)
+        store_f32x16(out[t], 8 * g, acc)
+
+
 # --- the kernels of one type ------------------------------------------------------------------
 
 class InterleavedKernels(NamedTuple):
@@ -510,7 +608,14 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
         for t in range(T):
             _offset_sums(kind, xq[t], xoff[t])
         y = offset_activation(kind, xq)
-        for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
+        G = groups.shape[0]
+        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0):  # ZMM_KINDS
+            for p in prange(G // 2):
+                _gemm_pair(kind, groups[2 * p], groups[2 * p + 1], y, xd, xs, xoff, out, 2 * p)
+            if G % 2:
+                _gemm_group(kind, groups[G - 1], y, xd, xs, xoff, out, G - 1)
+            return out
+        for g in prange(G):  # a group's weights stay in L1/L2 while the activations stream by
             if kind == Q4_K:
                 _gemm_group_k(groups[g], xq, xd, xs, out, g)
             else:

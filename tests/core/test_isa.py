@@ -39,7 +39,7 @@ _PROBE = textwrap.dedent("""
     from pyml.quant import QuantType
     rng = np.random.default_rng(0)
     errors, digest = {}, hashlib.sha1()
-    for qtype in (QuantType.Q4_0, QuantType.Q8_0):
+    for qtype in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0):
         w = rng.standard_normal((24, 256)).astype(np.float32)
         raw = gguf.quants.quantize(w, qtype)
         ref_w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
