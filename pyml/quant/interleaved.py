@@ -45,6 +45,14 @@ The integer dot of a superblock with an activation block y (int8 [32], activatio
             each widened to 32 bits (a single one reaches 2*127*127 = 32258).
     Q4_0, Q5_0, Q8_0  value = d (code - o), o = 8, 16, 0:  y . w_r = d_r d_y (dot_r - o sum(y))
     Q4_1, Q5_1        value = d code + m:    y . w_r = d_r d_y dot_r + m_r s_y   (s_y = d_y sum(y))
+
+On VNNI the dots are vpdpbusd, one per code vector and token, in two chains of 4 per token (a
+tile's 4 tokens then give the 8 independent chains the instruction's latency x 2 pipes needs). On
+the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q8_0 and Q4_K runs two groups side by side on
+512-bit vectors (simd512.py: lanes 0-7 group g, 8-15 group g + 1, each half loaded from its own
+group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
+twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
+the vpdpbusd peak; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -67,10 +75,10 @@ from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i
                              load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
                              splat_u8, store_f32x8, store_i32x8, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
                              zeros_i32x8)
-from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_fp16x8c_pair, load_i8x4_bcast16,
-                                load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16, load_u8x32_pair, mul16,
-                                nibbles_hi64, nibbles_lo64, store_f32x16, sub_i32x16, to_f32x16, zeros_f32x16,
-                                zeros_i32x16)
+from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
+                                load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
+                                load_u8x8_f32_pair, load_u8x32_pair, mul16, nibbles_hi64, nibbles_lo64, store_f32x16,
+                                sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -483,7 +491,7 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
 
 # --- T > 1 on 512-bit vectors: two groups, 16 rows per instruction (simd512.py) --------------------
 
-ZMM_KINDS = (Q4_0, Q4_1, Q8_0)  # the types whose GEMM runs on 512-bit vectors on the avx512_vnni path
+ZMM_KINDS = (Q4_0, Q4_1, Q8_0, Q4_K)  # the types whose GEMM runs on 512-bit vectors on the avx512_vnni path
 
 
 @numba.njit
@@ -574,6 +582,55 @@ def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
         store_f32x16(out[t], 8 * g, acc)
 
 
+@numba.njit
+def _k_codes16(w0, w1, c, half):
+    """_k_codes of two groups (16 rows)."""
+    numba.literally(half)
+    v0, v1 = load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 128)
+    v2, v3 = load_u8x32_pair(w0, w1, c + 32), load_u8x32_pair(w0, w1, c + 160)
+    v4, v5 = load_u8x32_pair(w0, w1, c + 64), load_u8x32_pair(w0, w1, c + 192)
+    v6, v7 = load_u8x32_pair(w0, w1, c + 96), load_u8x32_pair(w0, w1, c + 224)
+    if half == 0:
+        return (nibbles_lo64(v0), nibbles_lo64(v1), nibbles_lo64(v2), nibbles_lo64(v3),
+                nibbles_lo64(v4), nibbles_lo64(v5), nibbles_lo64(v6), nibbles_lo64(v7))
+    return (nibbles_hi64(v0), nibbles_hi64(v1), nibbles_hi64(v2), nibbles_hi64(v3),
+            nibbles_hi64(v4), nibbles_hi64(v5), nibbles_hi64(v6), nibbles_hi64(v7))
+
+
+@numba.njit
+def _k_block16(v, w0, w1, o, j, y, u, yd, ys, acc):
+    """_k_block on 16 rows."""
+    scale = mul16(mul16(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)), f32x16(yd))
+    acc = fma16(scale, to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
+    return fnma16(mul16(load_fp16x8c_pair(w0, w1, o + 16), load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)), f32x16(ys),
+                  acc)
+
+
+@numba.njit
+def _gemm_pair_k(w0, w1, xq, xd, xs, out, g):
+    """Q4_K: rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1)."""
+    T, n = xd.shape
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        for u in range(n):
+            s, j = u // 8, u % 8
+            o = Q4_K_SUPERBLOCK * s
+            c = o + 160 + 256 * (j // 2)
+            v = _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
+            a0 = _k_block16(v, w0, w1, o, j, y0, u, xd[t, u], xs[t, u], a0)
+            a1 = _k_block16(v, w0, w1, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block16(v, w0, w1, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block16(v, w0, w1, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+        store_f32x16(out[t], 8 * g, a0)
+        store_f32x16(out[t + 1], 8 * g, a1)
+        store_f32x16(out[t + 2], 8 * g, a2)
+        store_f32x16(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq[t], xd[t], xs[t]))
+        store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq[t], xd[t], xs[t]))
+
+
 # --- the kernels of one type ------------------------------------------------------------------
 
 class InterleavedKernels(NamedTuple):
@@ -609,11 +666,17 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
             _offset_sums(kind, xq[t], xoff[t])
         y = offset_activation(kind, xq)
         G = groups.shape[0]
-        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0):  # ZMM_KINDS
+        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0 or kind == Q4_K):  # ZMM_KINDS
             for p in prange(G // 2):
-                _gemm_pair(kind, groups[2 * p], groups[2 * p + 1], y, xd, xs, xoff, out, 2 * p)
+                if kind == Q4_K:
+                    _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, out, 2 * p)
+                else:
+                    _gemm_pair(kind, groups[2 * p], groups[2 * p + 1], y, xd, xs, xoff, out, 2 * p)
             if G % 2:
-                _gemm_group(kind, groups[G - 1], y, xd, xs, xoff, out, G - 1)
+                if kind == Q4_K:
+                    _gemm_group_k(groups[G - 1], xq, xd, xs, out, G - 1)
+                else:
+                    _gemm_group(kind, groups[G - 1], y, xd, xs, xoff, out, G - 1)
             return out
         for g in prange(G):  # a group's weights stay in L1/L2 while the activations stream by
             if kind == Q4_K:

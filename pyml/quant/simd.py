@@ -150,6 +150,18 @@ def load_i8x16_i16(typingctx, ary, idx):
 
 
 @intrinsic
+def store_i8x32(typingctx, ary, idx, v):
+    """Store 32 byte lanes (I8x32) into a uint8/int8 array at idx."""
+    if not _is_vec(v, I8x32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], I8x32.llvm()), align=1)
+        return context.get_dummy_value()
+    return types.none(ary, idx, v), codegen
+
+
+@intrinsic
 def load_i32x8(typingctx, ary, idx):
     """8 int32 values from an int32 array."""
     def codegen(context, builder, sig, args):

@@ -68,6 +68,17 @@ def load_i32x8_pair(typingctx, a, b, idx):
     return I32x16(a, b, idx), codegen
 
 
+@intrinsic
+def load_u8x8_f32_pair(typingctx, a, b, idx):
+    """8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales of a group)."""
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I8, 8)
+        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
+        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
+        return builder.uitofp(builder.zext(_pair(builder, lo, hi), ir.VectorType(_I32, 16)), F32x16.llvm())
+    return F32x16(a, b, idx), codegen
+
+
 def _bcast4(vec: Vec, doc: str):
     @intrinsic
     def fn(typingctx, ary, idx):
@@ -172,5 +183,7 @@ add_i32x16 = _op(lambda b, x, y: b.add(x, y), I32x16, (I32x16, I32x16), "a + b, 
 sub_i32x16 = _op(lambda b, x, y: b.sub(x, y), I32x16, (I32x16, I32x16), "a - b, lane-wise.")
 to_f32x16 = _op(lambda b, v: b.sitofp(v, F32x16.llvm()), F32x16, (I32x16,), "I32x16 -> F32x16.")
 mul16 = _op(lambda b, x, y: b.fmul(x, y), F32x16, (F32x16, F32x16), "a * b, lane-wise.")
+fnma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [b.fneg(x), y, z]), F32x16,
+             (F32x16, F32x16, F32x16), "c - a * b, fused, lane-wise.")
 fma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [x, y, z]), F32x16,
             (F32x16, F32x16, F32x16), "a * b + c, fused, lane-wise.")
