@@ -382,7 +382,7 @@ def offset_activation(kind, xq):
 
 
 @numba.njit
-def _offset_sums(kind, xq, out):  # xq [nb*32] int8 -> out int32 [nb]: the code offset o (module doc) x each block's code sum
+def _offset_sums(kind, xq, out):  # xq [nb*32] int8 -> out int32 [nb]: code offset o (module doc) x block code sums
     numba.literally(kind)
     offset = 8 if kind == Q4_0 else 16 if kind == Q5_0 else 0
     for b in range(out.size):

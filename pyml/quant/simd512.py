@@ -23,7 +23,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, _vec_ptr
+from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, vector_store
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
@@ -91,7 +91,7 @@ def _bcast4(vec: Vec, doc: str):
 
 
 load_i8x4_bcast16 = _bcast4(I8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, signed (vpbroadcastd zmm).")
-load_u8x4_bcast16 = _bcast4(U8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, unsigned (vpdpbusd's first operand).")
+load_u8x4_bcast16 = _bcast4(U8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, unsigned (vpdpbusd's a).")
 
 
 @intrinsic
@@ -114,16 +114,7 @@ def f32x16(typingctx, s):
     return F32x16(s), codegen
 
 
-@intrinsic
-def store_f32x16(typingctx, ary, idx, v):
-    """Store 16 float lanes into a float32 array at idx."""
-    if not _is_vec(v, F32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], F32x16.llvm()), align=4)
-        return context.get_dummy_value()
-    return types.none(ary, idx, v), codegen
+store_f32x16 = vector_store(F32x16, 4, "Store 16 float lanes into a float32 array at idx.")
 
 
 def _zeros(vec: Vec):
