@@ -7,7 +7,12 @@ and token ids for every engine, in one process run. `-p`, `-n` and `-d` take lis
 runs each test on top of a 4096-token context already in the cache (`tg128@d4096`). It also
 measures the machine's read bandwidth and reports each engine's decode as a share of the limit
 it sets:
-    limit tok/s = bandwidth / (bytes of weights + bytes of cached keys and values read per token).
+    limit tok/s = bandwidth / (bytes of weights + bytes of cached keys and values read per token),
+and each prompt's linear layers as achieved GOP/s and a share of the compute peak one core measures
+for the ISA path in use (kernel_bench's chains: int8 dot for quantized weights, float32 FMA for float
+ones), times the thread count:
+    GOP/s = tok/s x 2 x parameters of the linear layers (the LM head, run for the last token only, and
+    attention not counted).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pyml import quant
 from pyml.cli import bench_cold
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, MODELS
+from pyml.cli.kernel_bench import compute_peaks
 from pyml.cli.main import Parser, run_command
 from pyml.core import ops, perf
 from pyml.core.errors import PymlError
@@ -104,6 +110,19 @@ def add_limit(row, test, info, model_bytes):
     row.pct_limit = 100 * row.tok_s / limit
 
 
+FLOAT_QUANTS = ("F32", "F16", "BF16")
+
+
+def add_compute_share(row, test, info):
+    """pp rows: the linear layers' GOP/s and their share of the compute peak of `row.threads` cores."""
+    params = info.get("params_m", {}).get(row.model)
+    if test.kind != "pp" or not params or "peaks" not in info:
+        return
+    row.gops = row.tok_s * 2 * params * 1e6 / 1e9
+    peak = info["peaks"]["fp32_gflops" if row.quant in FLOAT_QUANTS else "int8_gops"] * row.threads
+    row.pct_limit = 100 * row.gops / peak
+
+
 @dataclass
 class Row:
     model: str
@@ -117,7 +136,8 @@ class Row:
     std: float
     runs: list = field(default_factory=list)
     ratio: dict = field(default_factory=dict)     # pyml / peer, on pyml rows
-    pct_limit: float | None = None                # tg: share of the bandwidth limit
+    pct_limit: float | None = None                # tg: share of the bandwidth limit; pp: of the compute peak
+    gops: float | None = None                     # pp: the linear layers' GOP/s
 
 
 @dataclass(frozen=True)
@@ -164,6 +184,9 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
         numba.set_num_threads(max(threads_list))
         info["bandwidth_gbs"] = read_bandwidth() / 1e9
         bar.set_description(f"read bandwidth {info['bandwidth_gbs']:.1f} GB/s")
+        if any(t.kind == "pp" for t in tests):
+            fp32, int8 = compute_peaks(rounds=3, n=1_000_000)  # one thread: the per-core peak
+            info["peaks"] = {"fp32_gflops": fp32, "int8_gops": int8}
     work = [(m, t, e) for m in models for t in threads_list for e in ["pyml", *peers]]
     bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="run")
     bytes_per_token = {}
@@ -197,6 +220,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
                           statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
                 add_limit(row, test, info, bytes_per_token.get(name))
+                add_compute_share(row, test, info)
                 rows.append(row)
         engine.close()
         del engine
@@ -226,7 +250,7 @@ def _peer_versions() -> dict:
 
 def markdown(rows, info, peers) -> str:
     head = ["model", "size (MiB)", "params (M)", "quant", "backend", "threads", "test", "t/s",
-            "% of bw limit"] + [f"pyml/{p}" for p in peers]
+            "% of limit"] + [f"pyml/{p}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for r in rows:
         cells = [r.model, f"{r.size_mib:.0f}", f"{r.params_m:.0f}", r.quant, r.backend, str(r.threads), r.test,
@@ -242,6 +266,13 @@ def markdown(rows, info, peers) -> str:
                  f"Numba {machine.get('numba', '?')}"
                  + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items()) + ".")
     lines.append("")
+    if "peaks" in info:
+        lines.append(f"Compute peak per core ({machine.get('isa', '?')}): int8 {info['peaks']['int8_gops']:.0f} "
+                     f"GOP/s, float32 {info['peaks']['fp32_gflops']:.0f} GFLOP/s. A pp row's % is its linear "
+                     "layers' rate (2 x their parameters per token) over the peak x threads: "
+                     + ", ".join(f"{r.backend} {r.model} {r.test} {r.gops:.0f} GOP/s" for r in rows if r.gops)
+                     + ".")
+        lines.append("")
     lines.append(f"Read bandwidth (all threads): {info['bandwidth_gbs']:.1f} GB/s. Bandwidth limit of decode, "
                  "tok/s = bandwidth / bytes of weights per token:")
     for name, b in info["bytes_per_token"].items():

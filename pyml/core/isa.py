@@ -1,7 +1,8 @@
 """The instruction set the kernels are compiled for, chosen from the host CPU at run time.
 
 Paths, best first (each implies the ones after it):
-    avx512_vnni   AVX-512 VL + VNNI: vpdpbusd on 256-bit vectors (u8 x i8 dot of 4, into i32)
+    avx512_vnni   AVX-512 VL/BW + VNNI: vpdpbusd (u8 x i8 dot of 4, into i32) on 256-bit vectors, and
+                  on 512-bit ones in the x8 GEMM (16 rows per instruction: quant/simd512.py)
     avx_vnni      AVX-VNNI: the same vpdpbusd, VEX-encoded (Alder Lake and later)
     avx2          AVX2 + FMA: vpmaddubsw / vpmaddwd, ggml's AVX2 recipe
     portable      plain LLVM vector IR: the same results on any CPU, slower
@@ -29,7 +30,7 @@ def host_features() -> set:
 def supported(features: set) -> tuple:
     """The paths a CPU with `features` can run, best first."""
     has = {
-        "avx512_vnni": {"avx512vnni", "avx512vl", "avx2", "fma"} <= features,
+        "avx512_vnni": {"avx512vnni", "avx512vl", "avx512bw", "avx2", "fma"} <= features,
         "avx_vnni": {"avxvnni", "avx2", "fma"} <= features,
         "avx2": {"avx2", "fma"} <= features,
         "portable": True,
@@ -54,3 +55,4 @@ HOST_FEATURES = host_features()
 ISA, ISA_WARNING = choose(HOST_FEATURES, os.environ.get("PYML_ISA"))
 VNNI = ISA in ("avx512_vnni", "avx_vnni")
 AVX2 = ISA != "portable"
+ZMM = ISA == "avx512_vnni"  # 512-bit vectors in the x8 GEMM

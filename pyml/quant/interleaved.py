@@ -45,6 +45,14 @@ The integer dot of a superblock with an activation block y (int8 [32], activatio
             each widened to 32 bits (a single one reaches 2*127*127 = 32258).
     Q4_0, Q5_0, Q8_0  value = d (code - o), o = 8, 16, 0:  y . w_r = d_r d_y (dot_r - o sum(y))
     Q4_1, Q5_1        value = d code + m:    y . w_r = d_r d_y dot_r + m_r s_y   (s_y = d_y sum(y))
+
+On VNNI the dots are vpdpbusd, one per code vector and token, in two chains of 4 per token (a
+tile's 4 tokens then give the 8 independent chains the instruction's latency x 2 pipes needs). On
+the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q8_0 and Q4_K runs two groups side by side on
+512-bit vectors (simd512.py: lanes 0-7 group g, 8-15 group g + 1, each half loaded from its own
+group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
+twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
+the vpdpbusd peak; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -59,12 +67,18 @@ from numba import prange
 
 from pyml.core import derived
 from pyml.core.mapping import release_pages
+from pyml.core.isa import ZMM
 from pyml.quant.activation import quantize_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
-                             fnma, load_fp16x8c, load_i8x4_bcast, load_u8x4_bcast, load_u8x8_f32, load_u8x32,
-                             maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, splat_u8, store_f32x8,
-                             sub_i32, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8, zeros_i32x8)
+                             fnma, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
+                             load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
+                             splat_u8, store_f32x8, store_i32x8, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
+                             zeros_i32x8)
+from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
+                                load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
+                                load_u8x8_f32_pair, load_u8x32_pair, mul16, nibbles_hi64, nibbles_lo64, store_f32x16,
+                                sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -242,11 +256,38 @@ def _q8(v, y, yo):  # sum_pairs of one vector of signed codes (as bytes) against
 
 
 @numba.njit
-def _dot(kind, v, y, yo):
-    """I32x8, lane r = sum_j code_rj * y[yo + j] for the code vectors v of a superblock."""
+def _corrections(kind, v):
+    """What _dot takes off a Q8_0 dot on VNNI (its activations come offset by 128): 128 x each row's
+    code sum in the superblock, I32x8; zeros for the other kinds and paths. It depends on the weights
+    alone, so a GEMM computes it once per superblock and call (_correction_table), not per token tile."""
+    numba.literally(kind)
+    corr = zeros_i32x8()
+    if kind == Q8_0 and HAVE_VNNI:
+        c128 = splat_u8(128)
+        for n in range(8):
+            corr = dpbusd(corr, c128, as_i8(v[n]))
+    return corr
+
+
+@numba.njit
+def _correction_table(kind, w, nb):
+    """int32 [nb * 8]: _corrections of the group's nb superblocks (Q8_0 on VNNI; empty otherwise)."""
+    numba.literally(kind)
+    if not (kind == Q8_0 and HAVE_VNNI):
+        return np.empty(0, np.int32)
+    table = np.empty(8 * nb, np.int32)
+    for b in range(nb):
+        store_i32x8(table, 8 * b, _corrections(kind, _codes(kind, w, _sb_size(kind) * b)))
+    return table
+
+
+@numba.njit
+def _dot(kind, v, y, yo, corr):
+    """I32x8, lane r = sum_j code_rj * y[yo + j] for the code vectors v of a superblock (corr:
+    _corrections(kind, v))."""
     numba.literally(kind)
     if HAVE_VNNI:  # one vpdpbusd per code vector, into 32-bit lanes: no 16-bit stage, no vpmaddwd
-        return _dot_vnni(kind, v, y, yo)
+        return sub_lanes_i32(_dot_vnni(kind, v, y, yo), corr)
     if kind == Q8_0:
         s = add_i32(add_i32(_q8(v[0], y, yo), _q8(v[1], y, yo + 4)), add_i32(_q8(v[2], y, yo + 8), _q8(v[3], y, yo + 12)))
         return add_i32(s, add_i32(add_i32(_q8(v[4], y, yo + 16), _q8(v[5], y, yo + 20)),
@@ -273,30 +314,33 @@ def _dot_vnni(kind, v, y, yo):
         # Signed codes: vpdpbusd multiplies unsigned by signed bytes, so the activation comes offset
         # by 128 (y here is offset_activation's uint8 copy) and 128 x each row's code sum comes off:
         # one vpdpbusd per code vector and token instead of vpsignb + vpdpbusd; the code sums
-        # depend on the weights only, and LLVM computes them once for the tokens of a GEMM tile.
-        # 1 thread, T = 128, SmolLM2's shapes: 184-192 GFLOP/s against 142-154, the same integers.
-        corr, c128 = zeros_i32x8(), splat_u8(128)
-        for n in range(8):  # unrolled by LLVM: the trip count is constant
-            q = as_i8(v[n])
-            acc = dpbusd(acc, load_u8x4_bcast(y, yo + 4 * n), q)
-            corr = dpbusd(corr, c128, q)
-        return sub_lanes_i32(acc, corr)
-    # code vector n holds values 16 * (n % 2) + 4 * (n // 2) + i (module doc)
-    for n in range(8):
-        acc = dpbusd(acc, v[n], load_i8x4_bcast(y, yo + 16 * (n % 2) + 4 * (n // 2)))
-    return acc
+        # (_corrections) depend on the weights only. 1 thread, T = 128, SmolLM2's shapes: 184-192
+        # GFLOP/s against 142-154, the same integers.
+        # Two chains of 4 dependent vpdpbusd per token, not one of 8: the 4 tokens of a tile then
+        # give 8 independent chains, as the instruction's latency x 2 pipes needs (41% -> 50% of
+        # the peak, 1 thread, SmolLM2's shapes).
+        acc2 = zeros_i32x8()
+        for n in range(0, 8, 2):  # unrolled by LLVM: the trip count is constant
+            acc = dpbusd(acc, load_u8x4_bcast(y, yo + 4 * n), as_i8(v[n]))
+            acc2 = dpbusd(acc2, load_u8x4_bcast(y, yo + 4 * n + 4), as_i8(v[n + 1]))
+        return add_i32(acc, acc2)
+    # code vector n holds values 16 * (n % 2) + 4 * (n // 2) + i (module doc); two chains of 4
+    acc2 = zeros_i32x8()
+    for n in range(0, 8, 2):
+        acc = dpbusd(acc, v[n], load_i8x4_bcast(y, yo + 2 * n))
+        acc2 = dpbusd(acc2, v[n + 1], load_i8x4_bcast(y, yo + 16 + 2 * n))
+    return add_i32(acc, acc2)
 
 
 @numba.njit
-def _block(kind, v, w, o, y, b, yd, ysum, ys, acc):
-    """acc + the 8 rows' dot with activation block b (y int8, scale yd, code sum ysum, float sum ys)."""
+def _block(kind, v, corr, w, o, y, b, yd, yoff, ys, acc):
+    """acc + the 8 rows' dot with activation block b (y int8, scale yd, float sum ys; yoff int32
+    [nb]: the code offset o (module doc) x each block's code sum, loaded as a broadcast memory operand)."""
     numba.literally(kind)
     scale = mul(load_fp16x8c(w, o), f32x8(yd))
-    i = _dot(kind, v, y, 32 * b)
-    if kind == Q4_0:
-        i = sub_i32(i, 8 * ysum)
-    elif kind == Q5_0:
-        i = sub_i32(i, 16 * ysum)
+    i = _dot(kind, v, y, 32 * b, corr)
+    if kind == Q4_0 or kind == Q5_0:
+        i = sub_lanes_i32(i, load_i32_bcast(yoff, b))
     acc = fma(scale, to_f32(i), acc)
     if kind == Q4_1 or kind == Q5_1:
         acc = fma(load_fp16x8c(w, o + 16), f32x8(ys), acc)
@@ -323,7 +367,7 @@ def _k_codes(w, c, half):
 def _k_block(v, w, o, j, y, u, yd, ys, acc):
     """Q4_K: acc + the 8 rows' group j of the superblock at o, dotted with activation block u."""
     scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
-    acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u)), acc)  # 4-bit codes without offset: Q4_0's dot
+    acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)  # 4-bit codes, no offset: Q4_0's dot
     return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
 
 
@@ -338,20 +382,20 @@ def offset_activation(kind, xq):
 
 
 @numba.njit
-def _code_sums(xq, nb):  # xq [nb*32] int8 -> int32 [nb]: each activation block's code sum
-    s = np.empty(nb, np.int32)
-    for b in range(nb):
+def _offset_sums(kind, xq, out):  # xq [nb*32] int8 -> out int32 [nb]: code offset o (module doc) x block code sums
+    numba.literally(kind)
+    offset = 8 if kind == Q4_0 else 16 if kind == Q5_0 else 0
+    for b in range(out.size):
         acc = 0
         for j in range(32):
             acc += xq[32 * b + j]
-        s[b] = acc
-    return s
+        out[b] = offset * acc
 
 
 # --- T == 1 --------------------------------------------------------------------------------
 
 @numba.njit
-def _gemv_group(kind, w, xq, xd, xs, xsum):  # F32x8: group w [nb * 8 * ts] . x, lane r = row r
+def _gemv_group(kind, w, xq, xd, xs, xoff):  # F32x8: group w [nb * 8 * ts] . x, lane r = row r
     numba.literally(kind)
     sb = _sb_size(kind)
     acc = zeros_f32x8()
@@ -359,7 +403,8 @@ def _gemv_group(kind, w, xq, xd, xs, xsum):  # F32x8: group w [nb * 8 * ts] . x,
         o = sb * b
         prefetch(w, o + 1024)  # the streams of both threads stay ahead of their loads
         prefetch(w, o + 1088)
-        acc = _block(kind, _codes(kind, w, o), w, o, xq, b, xd[b], xsum[b], xs[b], acc)
+        v = _codes(kind, w, o)
+        acc = _block(kind, v, _corrections(kind, v), w, o, xq, b, xd[b], xoff, xs[b], acc)
     return acc
 
 
@@ -382,21 +427,32 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
 # --- T > 1 ---------------------------------------------------------------------------------
 
 @numba.njit
-def _gemm_group(kind, w, xq, xd, xs, xsum, out, g):
+def _table_row(kind, table, b):  # I32x8: row b of a _correction_table (zeros where it is empty)
+    numba.literally(kind)
+    if kind == Q8_0 and HAVE_VNNI:
+        return load_i32x8(table, 8 * b)
+    return zeros_i32x8()
+
+
+@numba.njit
+def _gemm_group(kind, w, xq, xd, xs, xoff, out, g):
     """Rows 8g..8g+7 of out [T, R]: 4 activation rows at a time, each superblock unpacked once for them."""
     numba.literally(kind)
     sb = _sb_size(kind)
     T, nb = xd.shape
+    table = _correction_table(kind, w, nb)
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
         a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         for b in range(nb):
             o = sb * b
             v = _codes(kind, w, o)
-            a0 = _block(kind, v, w, o, y0, b, xd[t, b], xsum[t, b], xs[t, b], a0)
-            a1 = _block(kind, v, w, o, y1, b, xd[t + 1, b], xsum[t + 1, b], xs[t + 1, b], a1)
-            a2 = _block(kind, v, w, o, y2, b, xd[t + 2, b], xsum[t + 2, b], xs[t + 2, b], a2)
-            a3 = _block(kind, v, w, o, y3, b, xd[t + 3, b], xsum[t + 3, b], xs[t + 3, b], a3)
+            corr = _table_row(kind, table, b)
+            a0 = _block(kind, v, corr, w, o, y0, b, xd[t, b], f0, xs[t, b], a0)
+            a1 = _block(kind, v, corr, w, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
+            a2 = _block(kind, v, corr, w, o, y2, b, xd[t + 2, b], f2, xs[t + 2, b], a2)
+            a3 = _block(kind, v, corr, w, o, y3, b, xd[t + 3, b], f3, xs[t + 3, b], a3)
         store_f32x8(out[t], 8 * g, a0)
         store_f32x8(out[t + 1], 8 * g, a1)
         store_f32x8(out[t + 2], 8 * g, a2)
@@ -405,7 +461,8 @@ def _gemm_group(kind, w, xq, xd, xs, xsum, out, g):
         acc = zeros_f32x8()
         for b in range(nb):
             o = sb * b
-            acc = _block(kind, _codes(kind, w, o), w, o, xq[t], b, xd[t, b], xsum[t, b], xs[t, b], acc)
+            acc = _block(kind, _codes(kind, w, o), _table_row(kind, table, b), w, o, xq[t], b, xd[t, b], xoff[t],
+                         xs[t, b], acc)
         store_f32x8(out[t], 8 * g, acc)
 
 
@@ -432,6 +489,148 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
         store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
 
 
+# --- T > 1 on 512-bit vectors: two groups, 16 rows per instruction (simd512.py) --------------------
+
+ZMM_KINDS = (Q4_0, Q4_1, Q8_0, Q4_K)  # the types whose GEMM runs on 512-bit vectors on the avx512_vnni path
+
+
+@numba.njit
+def _codes16(kind, w0, w1, o):
+    """_codes of superblock o of two groups: lanes 0-31 of each vector group w0's, 32-63 group w1's."""
+    numba.literally(kind)
+    if kind == Q8_0:
+        c = o + 16
+        return (load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32), load_u8x32_pair(w0, w1, c + 64),
+                load_u8x32_pair(w0, w1, c + 96), load_u8x32_pair(w0, w1, c + 128), load_u8x32_pair(w0, w1, c + 160),
+                load_u8x32_pair(w0, w1, c + 192), load_u8x32_pair(w0, w1, c + 224))
+    c = o + (32 if kind == Q4_1 else 16)
+    v0, v1 = load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32)
+    v2, v3 = load_u8x32_pair(w0, w1, c + 64), load_u8x32_pair(w0, w1, c + 96)
+    return (nibbles_lo64(v0), nibbles_hi64(v0), nibbles_lo64(v1), nibbles_hi64(v1),
+            nibbles_lo64(v2), nibbles_hi64(v2), nibbles_lo64(v3), nibbles_hi64(v3))
+
+
+@numba.njit
+def _dot16(kind, v, y, yo):
+    """_dot_vnni on 16 rows: I32x16, lane r = row r's integer dot (Q8_0: before its correction)."""
+    numba.literally(kind)
+    acc, acc2 = zeros_i32x16(), zeros_i32x16()
+    if kind == Q8_0:
+        for n in range(0, 8, 2):
+            acc = dpbusd16(acc, load_u8x4_bcast16(y, yo + 4 * n), as_i8x64(v[n]))
+            acc2 = dpbusd16(acc2, load_u8x4_bcast16(y, yo + 4 * n + 4), as_i8x64(v[n + 1]))
+    else:
+        for n in range(0, 8, 2):
+            acc = dpbusd16(acc, v[n], load_i8x4_bcast16(y, yo + 2 * n))
+            acc2 = dpbusd16(acc2, v[n + 1], load_i8x4_bcast16(y, yo + 16 + 2 * n))
+    return add_i32x16(acc, acc2)
+
+
+@numba.njit
+def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
+    """_block on 16 rows (corr: the two groups' _corrections side by side, Q8_0)."""
+    numba.literally(kind)
+    scale = mul16(load_fp16x8c_pair(w0, w1, o), f32x16(yd))
+    i = _dot16(kind, v, y, 32 * b)
+    if kind == Q8_0:
+        i = sub_i32x16(i, corr)
+    elif kind == Q4_0:
+        i = sub_i32x16(i, load_i32_bcast16(yoff, b))
+    acc = fma16(scale, to_f32x16(i), acc)
+    if kind == Q4_1:
+        acc = fma16(load_fp16x8c_pair(w0, w1, o + 16), f32x16(ys), acc)
+    return acc
+
+
+@numba.njit
+def _pair_corrections(kind, t0, t1, b):  # I32x16: rows b of two _correction_tables (zeros where empty)
+    numba.literally(kind)
+    if kind == Q8_0:
+        return load_i32x8_pair(t0, t1, 8 * b)
+    return zeros_i32x16()
+
+
+@numba.njit
+def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
+    """Rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1): _gemm_group on 16 rows."""
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    T, nb = xd.shape
+    t0, t1 = _correction_table(kind, w0, nb), _correction_table(kind, w1, nb)
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
+        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        for b in range(nb):
+            o = sb * b
+            v = _codes16(kind, w0, w1, o)
+            corr = _pair_corrections(kind, t0, t1, b)
+            a0 = _block16(kind, v, corr, w0, w1, o, y0, b, xd[t, b], f0, xs[t, b], a0)
+            a1 = _block16(kind, v, corr, w0, w1, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
+            a2 = _block16(kind, v, corr, w0, w1, o, y2, b, xd[t + 2, b], f2, xs[t + 2, b], a2)
+            a3 = _block16(kind, v, corr, w0, w1, o, y3, b, xd[t + 3, b], f3, xs[t + 3, b], a3)
+        store_f32x16(out[t], 8 * g, a0)
+        store_f32x16(out[t + 1], 8 * g, a1)
+        store_f32x16(out[t + 2], 8 * g, a2)
+        store_f32x16(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        acc = zeros_f32x16()
+        for b in range(nb):
+            o = sb * b
+            acc = _block16(kind, _codes16(kind, w0, w1, o), _pair_corrections(kind, t0, t1, b), w0, w1, o, xq[t], b,
+                           xd[t, b], xoff[t], xs[t, b], acc)
+        store_f32x16(out[t], 8 * g, acc)
+
+
+@numba.njit
+def _k_codes16(w0, w1, c, half):
+    """_k_codes of two groups (16 rows)."""
+    numba.literally(half)
+    v0, v1 = load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 128)
+    v2, v3 = load_u8x32_pair(w0, w1, c + 32), load_u8x32_pair(w0, w1, c + 160)
+    v4, v5 = load_u8x32_pair(w0, w1, c + 64), load_u8x32_pair(w0, w1, c + 192)
+    v6, v7 = load_u8x32_pair(w0, w1, c + 96), load_u8x32_pair(w0, w1, c + 224)
+    if half == 0:
+        return (nibbles_lo64(v0), nibbles_lo64(v1), nibbles_lo64(v2), nibbles_lo64(v3),
+                nibbles_lo64(v4), nibbles_lo64(v5), nibbles_lo64(v6), nibbles_lo64(v7))
+    return (nibbles_hi64(v0), nibbles_hi64(v1), nibbles_hi64(v2), nibbles_hi64(v3),
+            nibbles_hi64(v4), nibbles_hi64(v5), nibbles_hi64(v6), nibbles_hi64(v7))
+
+
+@numba.njit
+def _k_block16(v, w0, w1, o, j, y, u, yd, ys, acc):
+    """_k_block on 16 rows."""
+    scale = mul16(mul16(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)), f32x16(yd))
+    acc = fma16(scale, to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
+    return fnma16(mul16(load_fp16x8c_pair(w0, w1, o + 16), load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)), f32x16(ys),
+                  acc)
+
+
+@numba.njit
+def _gemm_pair_k(w0, w1, xq, xd, xs, out, g):
+    """Q4_K: rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1)."""
+    T, n = xd.shape
+    for t in range(0, T - 3, 4):
+        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
+        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        for u in range(n):
+            s, j = u // 8, u % 8
+            o = Q4_K_SUPERBLOCK * s
+            c = o + 160 + 256 * (j // 2)
+            v = _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
+            a0 = _k_block16(v, w0, w1, o, j, y0, u, xd[t, u], xs[t, u], a0)
+            a1 = _k_block16(v, w0, w1, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block16(v, w0, w1, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block16(v, w0, w1, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+        store_f32x16(out[t], 8 * g, a0)
+        store_f32x16(out[t + 1], 8 * g, a1)
+        store_f32x16(out[t + 2], 8 * g, a2)
+        store_f32x16(out[t + 3], 8 * g, a3)
+    for t in range(T - T % 4, T):
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq[t], xd[t], xs[t]))
+        store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq[t], xd[t], xs[t]))
+
+
 # --- the kernels of one type ------------------------------------------------------------------
 
 class InterleavedKernels(NamedTuple):
@@ -448,28 +647,42 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv(groups, x, out):
         xq, xd, xs, _ = quantize_q8(x)
-        xsum = _code_sums(xq, xd.size)
+        xoff = np.empty(xd.size, np.int32)
+        _offset_sums(kind, xq, xoff)
         y = offset_activation(kind, xq)
         for g in prange(groups.shape[0]):
             if kind == Q4_K:
                 store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
             else:
-                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], y, xd, xs, xsum))
+                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], y, xd, xs, xoff))
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(groups, x, out):
         xq, xd, xs, _ = quantize_rows_q8(x)
         T, nb = xd.shape
-        xsum = np.empty((T, nb), np.int32)
+        xoff = np.empty((T, nb), np.int32)
         for t in range(T):
-            xsum[t] = _code_sums(xq[t], nb)
+            _offset_sums(kind, xq[t], xoff[t])
         y = offset_activation(kind, xq)
-        for g in prange(groups.shape[0]):  # a group's weights stay in L1/L2 while the activations stream by
+        G = groups.shape[0]
+        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0 or kind == Q4_K):  # ZMM_KINDS
+            for p in prange(G // 2):
+                if kind == Q4_K:
+                    _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, out, 2 * p)
+                else:
+                    _gemm_pair(kind, groups[2 * p], groups[2 * p + 1], y, xd, xs, xoff, out, 2 * p)
+            if G % 2:
+                if kind == Q4_K:
+                    _gemm_group_k(groups[G - 1], xq, xd, xs, out, G - 1)
+                else:
+                    _gemm_group(kind, groups[G - 1], y, xd, xs, xoff, out, G - 1)
+            return out
+        for g in prange(G):  # a group's weights stay in L1/L2 while the activations stream by
             if kind == Q4_K:
                 _gemm_group_k(groups[g], xq, xd, xs, out, g)
             else:
-                _gemm_group(kind, groups[g], y, xd, xs, xsum, out, g)
+                _gemm_group(kind, groups[g], y, xd, xs, xoff, out, g)
         return out
 
     return InterleavedKernels(gemv, gemm)

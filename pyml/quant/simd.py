@@ -119,10 +119,29 @@ def _vector_load(vec: Vec, align: int, doc: str):
     return fn
 
 
+def vector_store(vec: Vec, align: int, doc: str):
+    """An intrinsic storing one `vec` value into an array at an element index."""
+    @intrinsic
+    def fn(typingctx, ary, idx, v):
+        if not _is_vec(v, vec):
+            return None
+
+        def codegen(context, builder, sig, args):
+            builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], vec.llvm()), align=align)
+            return context.get_dummy_value()
+        return types.none(ary, idx, v), codegen
+    fn.__doc__ = doc
+    return fn
+
+
 load_u8x32 = _vector_load(U8x32, 1, "32 bytes from a uint8/int8 array as unsigned lanes.")
 load_i8x32 = _vector_load(I8x32, 1, "32 bytes from a uint8/int8 array as signed lanes.")
 load_i16x16 = _vector_load(I16x16, 2, "16 int16 values from an int16 array.")
 load_f32x8 = _vector_load(F32x8, 4, "8 float32 values from a float32 array.")
+load_i32x8 = _vector_load(I32x8, 4, "8 int32 values from an int32 array.")
+store_i8x32 = vector_store(I8x32, 1, "Store 32 byte lanes (I8x32) into a uint8/int8 array at idx.")
+store_i32x8 = vector_store(I32x8, 4, "Store 8 int32 lanes into an int32 array at idx.")
+store_f32x8 = vector_store(F32x8, 4, "Store 8 float lanes into a float32 array at idx.")
 
 
 @intrinsic
@@ -150,11 +169,13 @@ def load_i8x16_i16(typingctx, ary, idx):
 
 
 @intrinsic
-def store_f32x8(typingctx, ary, idx, v):
+def load_i32_bcast(typingctx, ary, idx):
+    """The int32 at idx of an int32 array in all 8 lanes (a memory operand with {1to8} on AVX-512:
+    no scalar register and no vpbroadcastd from one, which Zen 4 runs as 2 uops)."""
     def codegen(context, builder, sig, args):
-        builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], args[1], F32x8.llvm()), align=4)
-        return context.get_dummy_value()
-    return types.none(ary, idx, v), codegen
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I32, 1), align=4)
+        return builder.shuffle_vector(v, v, _mask([0] * 8))
+    return I32x8(ary, idx), codegen
 
 
 @intrinsic

@@ -33,6 +33,12 @@ def test_bench_writes_markdown_csv_json(tmp_path, smollm2_gguf):
     assert 10 < data["info"]["bandwidth_gbs"] < 1000        # a vectorised read, not an add-latency loop
     assert abs(tg["pct_limit"] - tg["tok_s"] / limit * 100) < 1e-6
     assert 0 < tg["tok_s"] and tg["std"] >= 0
+    # a prompt's linear layers as GOP/s (2 x their parameters per token) over the measured int8 peak x threads
+    pp, peaks = next(row for row in data["rows"] if row["test"] == "pp16"), data["info"]["peaks"]
+    assert 10 < peaks["int8_gops"] < 10000 and 1 < peaks["fp32_gflops"] < 5000
+    assert abs(pp["gops"] - pp["tok_s"] * 2 * data["info"]["params_m"]["smollm2-135m-q4_1"] / 1e3) < 1e-6
+    assert abs(pp["pct_limit"] - 100 * pp["gops"] / (peaks["int8_gops"] * pp["threads"])) < 1e-6
+    assert "Compute peak per core" in md
 
 
 def test_log_cost_table(tmp_path, smollm2_gguf):

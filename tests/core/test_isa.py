@@ -39,11 +39,18 @@ _PROBE = textwrap.dedent("""
     from pyml.quant import QuantType
     rng = np.random.default_rng(0)
     errors, digest = {}, hashlib.sha1()
-    for qtype in (QuantType.Q4_0, QuantType.Q8_0):
+    for qtype in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0, QuantType.Q4_K, QuantType.Q6_K):
         w = rng.standard_normal((24, 256)).astype(np.float32)
-        raw = gguf.quants.quantize(w, qtype)
+        if qtype == QuantType.Q6_K:  # gguf quantizes neither K-quant: random codes and scales, d = 0.01
+            raw = rng.integers(0, 256, (24, 210), dtype=np.uint8)
+            raw[:, 208:210] = np.array([0.01], np.float16).view(np.uint8)
+        elif qtype == QuantType.Q4_K:  # d = 0.01, dmin = 0.02
+            raw = rng.integers(0, 256, (24, 144), dtype=np.uint8)
+            raw[:, 0:4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
+        else:
+            raw = gguf.quants.quantize(w, qtype)
         ref_w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
-        packed = quant.pack(raw, qtype, 256)
+        packed = quant.pack(raw, qtype, 256) if qtype != QuantType.Q6_K else raw
         for T in (1, 5):
             x = rng.standard_normal((T, 256)).astype(np.float32)
             y = quant.matmul(x, packed, qtype, 256)
@@ -52,7 +59,8 @@ _PROBE = textwrap.dedent("""
             step = np.abs(x).reshape(T, -1, 32).max(axis=2) / np.float32(127.0)
             bound = np.repeat(step.astype(np.float64) / 2, 32, axis=1) @ np.abs(ref_w).T
             errors[f"{qtype.name} T={T}"] = float((np.abs(y - ref) / (bound + 1e-6)).max())
-            digest.update(y.tobytes())
+            if qtype != QuantType.Q6_K:  # Q6_K's T > 1 path differs by path (VNNI: transcoded int8 tiles)
+                digest.update(y.tobytes())
     print(json.dumps({"isa": isa.ISA, "fingerprint": jit.FINGERPRINT, "errors": errors,
                       "digest": digest.hexdigest()}))
 """)

@@ -3,7 +3,7 @@
 import numba
 import numpy as np
 
-from pyml.quant import simd
+from pyml.quant import simd, simd512
 from pyml.quant.simd import (abs_u8, bits_to_u8, hsum, kscales, lane, load_fp16, load_i8x32, load_i16x16,
                              load_nibbles16, load_u8x32, sign_i8, store_f32x8, sum_pairs, to_f32)
 
@@ -108,5 +108,32 @@ def test_dpbusd_sums_four_products_exactly_on_every_path(rng):
             a[:], b[:] = 255, -128
         out = _dpbusd(a, b.view(np.uint8), np.zeros((2, 8), np.float32))
         expected = 2 * (a.astype(np.int64) * b).reshape(8, 4).sum(axis=1)
+        np.testing.assert_array_equal(out[0], expected)
+        np.testing.assert_array_equal(out[1], expected)
+
+
+@numba.njit
+def _dpbusd16(a, b, out):  # out [2, 16]: vpdpbusd on zmm (the avx512_vnni path) and its portable IR
+    ua = simd512.load_u8x32_pair(a, a, 0)
+    sb = simd512.as_i8x64(simd512.load_u8x32_pair(b, b[32:], 0))
+    base = simd512.zeros_i32x16()
+    simd512.store_f32x16(out[0], 0, simd512.to_f32x16(simd512.dpbusd16(simd512.dpbusd16(base, ua, sb), ua, sb)))
+    simd512.store_f32x16(out[1], 0, simd512.to_f32x16(
+        simd512.dpbusd16_generic(simd512.dpbusd16_generic(base, ua, sb), ua, sb)))
+    return out
+
+
+def test_dpbusd16_sums_four_products_exactly_on_every_path(rng):
+    """The 512-bit form: lanes 0-7 from the first 32 bytes of each operand's pair, 8-15 from the second."""
+    from pyml.core import isa
+    print(f"512-bit vpdpbusd {'in use' if isa.ZMM else 'not used on this path'} (ISA path {isa.ISA})")
+    for trial in range(10):
+        a = rng.integers(0, 256, 32).astype(np.uint8)
+        b = rng.integers(-128, 128, 64).astype(np.int8)
+        if trial == 0:
+            a[:], b[:] = 255, -128
+        out = _dpbusd16(a, b.view(np.uint8), np.zeros((2, 16), np.float32))
+        a64 = np.concatenate([a, a]).astype(np.int64)
+        expected = 2 * (a64 * b).reshape(16, 4).sum(axis=1)
         np.testing.assert_array_equal(out[0], expected)
         np.testing.assert_array_equal(out[1], expected)

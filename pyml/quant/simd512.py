@@ -1,0 +1,180 @@
+"""512-bit vector values for the x8 GEMM on AVX-512: two 8-row groups side by side, 16 rows per instruction.
+
+Why: the x8 GEMM on 256-bit vectors keeps its vpdpbusd chains short enough only by spending a
+scheduler entry on every 8 rows; on Zen 4 a 512-bit op does twice the work per entry (it is split
+into two 256-bit halves in the pipes, so the peak is the same), so the same loop keeps twice as
+much independent work in flight. Lanes 0-7 are the 8 rows of group g, lanes 8-15 those of group
+g + 1 (interleaved.py's layout, unchanged: each half is loaded from its own group).
+
+    F32x16  <16 x float>    accumulators, scales
+    I32x16  <16 x i32>      integer dot lanes
+    U8x64   <64 x i8>       weight codes (Q4) / offset activations (Q8_0)
+    I8x64   <64 x i8>       activations (Q4) / weight codes (Q8_0)
+
+Same conventions as simd.py (whose Vec type and helpers these share): loads take an array and an
+element index, are unaligned and read-only. `dpbusd16` is vpdpbusd on zmm registers on the
+avx512_vnni path and the same sums in plain IR elsewhere (tests compare the two).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from pyml.core.isa import ZMM
+from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, vector_store
+
+F32x16 = Vec("f", 32, 16)
+I32x16 = Vec("i", 32, 16)
+U8x64 = Vec("u", 8, 64)
+I8x64 = Vec("i", 8, 64)
+
+
+def _pair(builder, lo, hi):
+    return builder.shuffle_vector(lo, hi, _mask(range(2 * lo.type.count)))
+
+
+@intrinsic
+def load_u8x32_pair(typingctx, a, b, idx):
+    """32 bytes at idx of a (lanes 0-31) and 32 bytes at idx of b (lanes 32-63), as U8x64."""
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I8, 32)
+        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
+        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
+        return _pair(builder, lo, hi)
+    return U8x64(a, b, idx), codegen
+
+
+@intrinsic
+def load_fp16x8c_pair(typingctx, a, b, idx):
+    """8 fp16 at byte idx of a, then 8 at byte idx of b, as F32x16 (the 16 rows' block scales)."""
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I16, 8)
+        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
+        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
+        return builder.fpext(builder.bitcast(_pair(builder, lo, hi), ir.VectorType(ir.HalfType(), 16)), F32x16.llvm())
+    return F32x16(a, b, idx), codegen
+
+
+@intrinsic
+def load_i32x8_pair(typingctx, a, b, idx):
+    """8 int32 at idx of a, then 8 at idx of b, as I32x16."""
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I32, 8)
+        lo = _load(context, builder, sig.args[0], args[0], args[2], vt, align=4)
+        hi = _load(context, builder, sig.args[1], args[1], args[2], vt, align=4)
+        return _pair(builder, lo, hi)
+    return I32x16(a, b, idx), codegen
+
+
+@intrinsic
+def load_u8x8_f32_pair(typingctx, a, b, idx):
+    """8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales of a group)."""
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I8, 8)
+        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
+        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
+        return builder.uitofp(builder.zext(_pair(builder, lo, hi), ir.VectorType(_I32, 16)), F32x16.llvm())
+    return F32x16(a, b, idx), codegen
+
+
+def _bcast4(vec: Vec, doc: str):
+    @intrinsic
+    def fn(typingctx, ary, idx):
+        def codegen(context, builder, sig, args):
+            v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
+            return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(64)]))
+        return vec(ary, idx), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+load_i8x4_bcast16 = _bcast4(I8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, signed (vpbroadcastd zmm).")
+load_u8x4_bcast16 = _bcast4(U8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, unsigned (vpdpbusd's a).")
+
+
+@intrinsic
+def load_i32_bcast16(typingctx, ary, idx):
+    """The int32 at idx of an int32 array in all 16 lanes (a {1to16} memory operand)."""
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I32, 1), align=4)
+        return builder.shuffle_vector(v, v, _mask([0] * 16))
+    return I32x16(ary, idx), codegen
+
+
+@intrinsic
+def f32x16(typingctx, s):
+    """Broadcast a scalar to 16 float lanes."""
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        vt = F32x16.llvm()
+        one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
+        return builder.shuffle_vector(one, one, _mask([0] * 16))
+    return F32x16(s), codegen
+
+
+store_f32x16 = vector_store(F32x16, 4, "Store 16 float lanes into a float32 array at idx.")
+
+
+def _zeros(vec: Vec):
+    @intrinsic
+    def fn(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(vec.llvm(), [0.0 if vec.kind == "f" else 0] * vec.lanes)
+        return vec(), codegen
+    return fn
+
+
+zeros_f32x16, zeros_i32x16 = _zeros(F32x16), _zeros(I32x16)
+
+
+def _op(build, out: Vec, ins: tuple, doc: str):
+    """An intrinsic over vectors of the types `ins` whose IR `build(builder, *args)` makes."""
+    if len(ins) == 1:
+        @intrinsic
+        def fn(typingctx, a):
+            if not _is_vec(a, ins[0]):
+                return None
+            return out(a), lambda context, builder, sig, args: build(builder, *args)
+    elif len(ins) == 2:
+        @intrinsic
+        def fn(typingctx, a, b):
+            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1])):
+                return None
+            return out(a, b), lambda context, builder, sig, args: build(builder, *args)
+    else:
+        @intrinsic
+        def fn(typingctx, a, b, c):
+            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1]) and _is_vec(c, ins[2])):
+                return None
+            return out(a, b, c), lambda context, builder, sig, args: build(builder, *args)
+    fn.__doc__ = doc
+    return fn
+
+
+def _dpbusd_ir(builder, acc, a, b, generic=False):
+    if ZMM and not generic:
+        vt = I32x16.llvm()
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", vt, [acc, builder.bitcast(a, vt), builder.bitcast(b, vt)])
+    vt = ir.VectorType(_I32, 64)
+    p = builder.mul(builder.zext(a, vt), builder.sext(b, vt))
+    quads = [builder.shuffle_vector(p, p, _mask(range(k, 64, 4))) for k in range(4)]
+    return builder.add(acc, builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3])))
+
+
+dpbusd16 = _op(_dpbusd_ir, I32x16, (I32x16, U8x64, I8x64),
+               "I32x16 acc + (U8x64 a * I8x64 b): lane i += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3] (vpdpbusd zmm).")
+dpbusd16_generic = _op(lambda b, acc, x, y: _dpbusd_ir(b, acc, x, y, generic=True), I32x16, (I32x16, U8x64, I8x64),
+                       "dpbusd16 in plain IR, whatever the path (tests compare the two).")
+nibbles_lo64 = _op(lambda b, v: b.and_(v, _splat(15, U8x64.llvm())), U8x64, (U8x64,), "Low nibble of each byte.")
+nibbles_hi64 = _op(lambda b, v: b.lshr(v, _splat(4, U8x64.llvm())), U8x64, (U8x64,), "High nibble of each byte.")
+as_i8x64 = _op(lambda b, v: v, I8x64, (U8x64,), "The same bytes as signed lanes.")
+add_i32x16 = _op(lambda b, x, y: b.add(x, y), I32x16, (I32x16, I32x16), "a + b, lane-wise.")
+sub_i32x16 = _op(lambda b, x, y: b.sub(x, y), I32x16, (I32x16, I32x16), "a - b, lane-wise.")
+to_f32x16 = _op(lambda b, v: b.sitofp(v, F32x16.llvm()), F32x16, (I32x16,), "I32x16 -> F32x16.")
+mul16 = _op(lambda b, x, y: b.fmul(x, y), F32x16, (F32x16, F32x16), "a * b, lane-wise.")
+fnma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [b.fneg(x), y, z]), F32x16,
+             (F32x16, F32x16, F32x16), "c - a * b, fused, lane-wise.")
+fma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [x, y, z]), F32x16,
+            (F32x16, F32x16, F32x16), "a * b + c, fused, lane-wise.")
