@@ -86,21 +86,26 @@ def done(events, trace, op, layer, t0):
 
 
 class Calibration:
-    """Ticks -> perf_counter seconds: seconds = t_ref + (ticks - k_ref) / rate.
+    """Ticks -> perf_counter seconds, from (ticks, perf_counter) pairs noted as the run goes.
 
-    The rate is measured between the first reference pair and a pair read at least 50 ms later,
-    and re-measured every 50 ms, so its error shrinks as the run goes on (the first call waits
-    20 ms for a baseline: once per process, and only when compiled code is timed). The reference
-    pair is re-read when it is more than 1 ms old, so a converted time is an extrapolation over
-    at most a few ms: its error is the pair's read jitter (~0.1 µs), not the rate's error times
-    the run's length.
+    A compiled call's events are converted when the perf buffer is drained, after the step or
+    at the generation's end, seconds after they were written. So pairs are noted while they are
+    written: when timing starts, then whenever a timed call ends more than PAIR_EVERY ticks after
+    the last pair (`due`, checked on the ticks the call returned: no extra read; a pair costs
+    ~1 µs), and at each conversion. The rate is the slope from the first pair to the last (a
+    baseline that grows with the run, at least 20 ms: the first conversion of a process waits out
+    the rest); a tick value is converted from the pair nearest to it, so its error is that pair's
+    read jitter (~0.1 µs) plus the two clocks' drift over at most PAIR_EVERY ticks.
     """
 
+    PAIR_EVERY = 20_000_000  # ticks: 5-20 ms at 1-4 GHz
+    BASELINE_S = 0.02
+
     def __init__(self):
-        self.k0 = self.t0 = None
+        self.pairs: list = []  # (ticks, seconds), in time order; appended whole (atomic)
+        self.due = 0           # note a pair when a timed call ends past this tick
         self.rate = None
-        self.k_ref = self.t_ref = None
-        self.measured_at = 0.0
+        self._arrays = (0, None, None)
 
     @staticmethod
     def pair():
@@ -110,31 +115,52 @@ class Calibration:
         k_b = read_ticks()
         return (k_a + k_b) // 2, t
 
+    def note(self):
+        """Note a pair now (from the timed path, when `due` has passed)."""
+        k, t = self.pair()
+        self.pairs.append((k, t))
+        self.due = k + self.PAIR_EVERY
+
     def update(self):
-        if self.k0 is None:
-            self.k0, self.t0 = self.pair()
-            time.sleep(0.02)
-        now = time.perf_counter()
-        if self.rate is None or now - self.measured_at > 0.05:
-            k, t = self.pair()
-            self.rate = (k - self.k0) / (t - self.t0)
-            self.measured_at = t
-            self.k_ref, self.t_ref = k, t
-        elif now - self.t_ref > 0.001:
-            self.k_ref, self.t_ref = self.pair()
+        """Before converting: a pair of now, a baseline of at least BASELINE_S, the rate."""
+        pairs = self.pairs
+        if not pairs:
+            self.note()
+        wait = self.BASELINE_S - (time.perf_counter() - pairs[0][1])
+        if wait > 0:
+            time.sleep(wait)
+        if time.perf_counter() - pairs[-1][1] > 0.001:
+            self.note()
+        if len(pairs) > 512:  # the first (the baseline) and the newest: drained events are past
+            pairs[1:-256] = []
+        (k0, t0), (k1, t1) = pairs[0], pairs[-1]
+        self.rate = (k1 - k0) / (t1 - t0)
         return self
 
-    def seconds(self, tick_values: np.ndarray) -> np.ndarray:
-        return self.t_ref + (tick_values - self.k_ref) / self.rate
+    def seconds(self, tick_values) -> np.ndarray:
+        n, ks, ts = self._arrays
+        if n != len(self.pairs) or ks[-1] != self.pairs[-1][0]:
+            pairs = self.pairs[:]
+            ks, ts = np.array([k for k, _ in pairs], np.int64), np.array([t for _, t in pairs])
+            self._arrays = (len(pairs), ks, ts)
+        k = np.asarray(tick_values, np.int64)
+        j = np.clip(np.searchsorted(ks, k), 1, len(ks) - 1) if len(ks) > 1 else np.zeros(k.shape, np.intp)
+        if len(ks) > 1:  # the nearer of the pairs on either side
+            j -= (k - ks[j - 1]) < (ks[j] - k)
+        return ts[j] + (k - ks[j]) / self.rate
 
 
 _CALIBRATION = Calibration()
 
 
 def calibration() -> Calibration:
-    """The process's calibration, brought up to date: convert all the times of one compiled call
-    with it, so that they agree with each other to the tick."""
+    """The process's calibration, brought up to date: convert with it after the events are written."""
     return _CALIBRATION.update()
+
+
+def clock_pairs() -> Calibration:
+    """The process's calibration, for the timed path to note pairs (`if end > cal.due: cal.note()`)."""
+    return _CALIBRATION
 
 
 def to_seconds(tick_values, cal: Calibration | None = None) -> tuple:
@@ -175,9 +201,20 @@ class EventBuffer:
     def __init__(self, capacity: int = 4096):
         self.events = np.zeros((capacity + 1, 4), np.int64)
 
+    def reserve(self, n: int) -> tuple:
+        """(events array, first row) for a call that writes `n` events, which stay there until
+        deferred records have read them: when the array is full, a fresh one takes its place
+        (the old one lives as long as the entries that point into it)."""
+        events = self.events
+        used = int(events[0, 0])
+        if used + n >= events.shape[0]:
+            events = self.events = np.zeros_like(events)
+            used = 0
+        return events, used + 1
+
     def emit(self, tables, pos: int = 0, count: int | None = None, cal: Calibration | None = None):
         """Turn the events written since the last emit (the first `count` of them; the rest stay
-        for the next emit) into spans under the current Python span. tables[layer][op id] is
+        for the next emit) into spans under the current Python span, now. tables[layer][op id] is
         the Op an event stands for (a layer's table names its modules: `model.layers.3.mlp.down_proj`)."""
         events = self.events
         n = int(events[0, 0])
@@ -188,26 +225,26 @@ class EventBuffer:
             rest = min(n, events.shape[0] - 1)
             events[1:rest - count + 1] = events[count + 1:rest + 1]
             events[0, 0] = n - count
-            self._spans(tables, pos, taken, taken.shape[0], cal or calibration())
+            perf.add_ended(op_items(tables, pos, taken, cal or calibration()))
             return
         kept = min(n, events.shape[0] - 1)
         events[0, 0] = 0
-        self._spans(tables, pos, events[1:kept + 1], n, cal or calibration())
-
-    @staticmethod
-    def _spans(tables, pos, rows, n, cal):
-        kept = rows.shape[0]
-        t0s, t1s = cal.seconds(rows[:, 2]), cal.seconds(rows[:, 3])
-        ended = []
-        for i in range(kept):
-            op = tables[rows[i, 1]][rows[i, 0]]
-            if not op.enabled():
-                continue
-            args = op.args
-            if op.pos_at:
-                args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
-            ended.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, float(t0s[i]), float(t1s[i])))
-        perf.add_ended(ended)
+        perf.add_ended(op_items(tables, pos, events[1:kept + 1], cal or calibration()))
         if n > kept:
             perf.get("pyml.core.clock").logger.warning(
                 "%d compiled-code events did not fit the trace buffer (%d) and were dropped", n - kept, kept)
+
+
+def op_items(tables, pos, rows, cal) -> list:
+    """perf.nest's items for event rows (op id, layer, start, end) of the enabled ops."""
+    t0s, t1s = cal.seconds(rows[:, 2]).tolist(), cal.seconds(rows[:, 3]).tolist()
+    items = []
+    for i, (op_id, layer) in enumerate(rows[:, :2].tolist()):
+        op = tables[layer][op_id]
+        if not op.enabled():
+            continue
+        args = op.args
+        if op.pos_at:
+            args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
+        items.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, t0s[i], t1s[i]))
+    return items

@@ -23,8 +23,9 @@ def lm(tmp_path_factory):
 
 
 @pytest.fixture
-def log_to(request):
-    """Configure levels from a spec; yield the stream the lines go to; restore afterwards."""
+def log_to(request, every_step):
+    """Configure levels from a spec; yield the stream the lines go to (written as each top-level
+    span ends); restore afterwards."""
     stream = io.StringIO()
 
     def apply(spec):
