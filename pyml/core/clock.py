@@ -18,6 +18,7 @@ the run, so tick times land on the clock every Python span uses.
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import numba
@@ -105,7 +106,7 @@ class Calibration:
         self.pairs: list = []  # (ticks, seconds), in time order; appended whole (atomic)
         self.due = 0           # note a pair when a timed call ends past this tick
         self.rate = None
-        self._arrays = (0, None, None)
+        self._ks: list = []  # the pairs' ticks, for bisect
 
     @staticmethod
     def pair():
@@ -122,14 +123,16 @@ class Calibration:
         self.due = k + self.PAIR_EVERY
 
     def update(self):
-        """Before converting: a pair of now, a baseline of at least BASELINE_S, the rate."""
+        """Before converting: a pair of now (unless one is under 50 ms old), a baseline of at
+        least BASELINE_S, the rate."""
         pairs = self.pairs
         if not pairs:
             self.note()
-        wait = self.BASELINE_S - (time.perf_counter() - pairs[0][1])
+        now = time.perf_counter()
+        wait = self.BASELINE_S - (now - pairs[0][1])
         if wait > 0:
             time.sleep(wait)
-        if time.perf_counter() - pairs[-1][1] > 0.001:
+        if len(pairs) < 2 or now - pairs[-1][1] > 0.05:
             self.note()
         if len(pairs) > 512:  # the first (the baseline) and the newest: drained events are past
             pairs[1:-256] = []
@@ -137,17 +140,21 @@ class Calibration:
         self.rate = (k1 - k0) / (t1 - t0)
         return self
 
+    def reference(self, k: int) -> tuple:
+        """(ticks, seconds, seconds per tick) to convert ticks near `k` with: k's nearest pair."""
+        ks = self._ks
+        if len(ks) != len(self.pairs) or ks[-1] != self.pairs[-1][0]:
+            ks = self._ks = [p[0] for p in self.pairs]
+        i = bisect.bisect_left(ks, k)
+        if i == len(ks) or (i > 0 and k - ks[i - 1] < ks[i] - k):
+            i -= 1
+        k_ref, t_ref = self.pairs[i]
+        return k_ref, t_ref, 1.0 / self.rate
+
     def seconds(self, tick_values) -> np.ndarray:
-        n, ks, ts = self._arrays
-        if n != len(self.pairs) or ks[-1] != self.pairs[-1][0]:
-            pairs = self.pairs[:]
-            ks, ts = np.array([k for k, _ in pairs], np.int64), np.array([t for _, t in pairs])
-            self._arrays = (len(pairs), ks, ts)
         k = np.asarray(tick_values, np.int64)
-        j = np.clip(np.searchsorted(ks, k), 1, len(ks) - 1) if len(ks) > 1 else np.zeros(k.shape, np.intp)
-        if len(ks) > 1:  # the nearer of the pairs on either side
-            j -= (k - ks[j - 1]) < (ks[j] - k)
-        return ts[j] + (k - ks[j]) / self.rate
+        k_ref, t_ref, per_tick = self.reference(int(k.flat[0]) if k.size else 0)
+        return t_ref + (k - k_ref) * per_tick
 
 
 _CALIBRATION = Calibration()
@@ -236,15 +243,20 @@ class EventBuffer:
 
 
 def op_items(tables, pos, rows, cal) -> list:
-    """perf.nest's items for event rows (op id, layer, start, end) of the enabled ops."""
-    t0s, t1s = cal.seconds(rows[:, 2]).tolist(), cal.seconds(rows[:, 3]).tolist()
+    """perf.nest's items for event rows (op id, layer, start, end) of the enabled ops: an array,
+    or its tolist(). The rows of one call are µs apart: one reference pair converts them all."""
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+    if not rows:
+        return []
+    k_ref, t_ref, per_tick = cal.reference(rows[0][2])
     items = []
-    for i, (op_id, layer) in enumerate(rows[:, :2].tolist()):
+    for op_id, layer, k0, k1 in rows:
         op = tables[layer][op_id]
         if not op.enabled():
             continue
         args = op.args
         if op.pos_at:
             args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
-        items.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, t0s[i], t1s[i]))
+        items.append((op.perf, op.level, op.name, op.fmt, args, op.attrs,
+                      t_ref + (k0 - k_ref) * per_tick, t_ref + (k1 - k_ref) * per_tick))
     return items

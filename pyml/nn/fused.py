@@ -345,29 +345,31 @@ class FusedBlock:
         """The spans of pre_attention's events: the attention norm (the block's own op), then the
         projections, q/k norms and RoPE (the attention's)."""
         cal = clock.calibration()
-        table, i = {self.block.index: self.tables[0]}, self.block.index
-        rows = events[row:row + self.n_pre]
-        up, up_depth, floor = _parent_of(parent, depth, block_id, cal, events[row, 2])
+        table = {self.block.index: self.tables[0]}
+        rows = events[row:row + self.n_pre].tolist()
+        to_s = _seconds(cal, rows[0][2])
+        up, up_depth, floor = _parent_of(parent, depth, block_id, to_s(rows[0][2]))
         out = perf.nest(clock.op_items(table, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
         if attn_id is not None:
-            up, up_depth = attn_id, up_depth + 1
-            floor = perf._on_grid(cal.seconds(events[row + 1, 2]), up=True)
+            up, up_depth, floor = attn_id, up_depth + 1, perf._on_grid(to_s(rows[1][2]), up=True)
         return out + perf.nest(clock.op_items(table, pos, rows[1:], cal), up, up_depth, ctx, thread, floor)
 
     def _post_spans(self, events, row, parent, depth, ctx, thread, block_id, attn_id, pos, t0, t_mid, t_end):
         """The spans of post_attention's events: o_proj (the attention's last op), the attention
         span, the feed-forward and norms (the block's), and the block span with its parts."""
         cal = clock.calibration()
+        to_s = _seconds(cal, t0)
+        s0, s_mid, s_end = to_s(t0), to_s(t_mid), to_s(t_end)
+        up, up_depth, floor = _parent_of(parent, depth, block_id, s0)
         out = []
-        s0, s_mid, s_end = cal.seconds(np.array([t0, t_mid, t_end])).tolist()
-        up, up_depth, floor = _parent_of(parent, depth, block_id, cal, t0)
         if row:
-            table, n_pre = {self.block.index: self.tables[1]}, self.n_pre
-            rows = events[row + n_pre:row + n_pre + self.n_post]
-            attn = cal.seconds(np.array([events[row + 1, 2], rows[1, 3]])).tolist()  # first projection .. o_proj
+            table = {self.block.index: self.tables[1]}
+            first = int(events[row + 1, 2])  # the first projection's start
+            rows = events[row + self.n_pre:row + self.n_pre + self.n_post].tolist()
             if attn_id is not None:
-                a_floor = perf._on_grid(attn[0], up=True)
-                out += perf.nest(clock.op_items(table, pos, rows[:2], cal), attn_id, up_depth + 1, ctx, thread, a_floor)
+                attn = to_s(first), to_s(rows[1][3])  # .. o_proj's end
+                out += perf.nest(clock.op_items(table, pos, rows[:2], cal), attn_id, up_depth + 1, ctx, thread,
+                                 perf._on_grid(attn[0], up=True))
                 out.append(perf.span_at(*_attention_span(self.block, pos), *attn, up, up_depth, ctx, thread,
                                         span_id=attn_id, floor=floor))
                 rows = rows[2:]
@@ -383,15 +385,21 @@ class FusedBlock:
         return out
 
 
+def _seconds(cal, k_near):
+    """Ticks near k_near -> perf_counter seconds (one reference pair for a whole call's times)."""
+    k_ref, t_ref, per_tick = cal.reference(k_near)
+    return lambda k: t_ref + (k - k_ref) * per_tick
+
+
 def _floor(span) -> float:
     return perf._on_grid(span.t0, up=True) if span is not None else 0.0
 
 
-def _parent_of(parent, depth, block_id, cal, start_ticks) -> tuple:
-    """(parent id, depth, floor) of the block's own ops: the block span when it is on, else the
-    block's parent."""
+def _parent_of(parent, depth, block_id, start) -> tuple:
+    """(parent id, depth, floor) of the block's own ops: the block span when it is on (it starts
+    at `start`, seconds), else the block's parent."""
     if block_id is not None:
-        return block_id, depth + 1, max(math.floor(float(cal.seconds(start_ticks)) * 1e6) / 1e6, _floor(parent))
+        return block_id, depth + 1, max(math.floor(start * 1e6) / 1e6, _floor(parent))
     return (parent.id if parent is not None else None), depth, _floor(parent)
 
 
