@@ -22,11 +22,12 @@ pickles them differently each time). SmolLM2 needs one kernel of each kind; a Q4
 Q6_K mixed in, a few.
 
 Timing: when the block's spans are on, each kernel reads the time-stamp counter around every
-op and writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py); the
-Python side then turns those into the spans the layer-by-layer path opens - the same names,
-details, attributes and nesting (attention::forward holds the qkv projection, the q/k norms,
-RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn` parts.
-With logging off no counter is read.
+op and (at trace) writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py).
+The step itself only hands those rows and ticks to perf.defer; when the perf buffer is drained,
+after the step, _pre_spans / _post_spans turn them into the spans the layer-by-layer path opens
+- the same names, details, attributes and nesting (attention::forward holds the qkv projection,
+the q/k norms, RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn`
+parts. With logging off no counter is read.
 """
 
 from __future__ import annotations
