@@ -1,5 +1,9 @@
 """Fixtures of the core tests."""
 
+import contextlib
+import io
+import logging
+
 import pytest
 
 from pyml.core import perf
@@ -20,3 +24,24 @@ def records(every_step):
     perf.add_collector(got.append)
     yield got
     perf.remove_collector(got.append)
+
+
+@contextlib.contextmanager
+def _lines_at(spec):
+    stream = io.StringIO()
+    root = logging.getLogger("pyml")
+    saved = list(root.handlers)
+    root.handlers[:] = []
+    try:
+        perf.configure(spec, stream=stream)
+        yield stream
+    finally:
+        root.handlers[:] = saved
+        perf.configure("")
+
+
+@pytest.fixture
+def lines_at():
+    """`with lines_at("trace") as stream:` pyml's [perf] lines at that level go to `stream` inside
+    the block (pyml's handlers and levels as they were after it)."""
+    return _lines_at

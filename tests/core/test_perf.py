@@ -257,15 +257,10 @@ def test_details_are_formatted_from_their_arguments_each_time(records):
     assert [r["details"] for r in records] == ["[1, 64] pos=3", "[1, 64] pos=4", "[1, 64] pos=3", "[1, 2]"]
 
 
-def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_generation_ends(lm):
+def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_generation_ends(lm, lines_at):
     """With the default pause between batches, a step's spans (the fused blocks' tick events
     too) are not made while the generation runs; when it ends every line is there, in order."""
-    stream = io.StringIO()
-    root = logging.getLogger("pyml")
-    saved = list(root.handlers)
-    root.handlers[:] = []
-    try:
-        perf.configure("trace", stream=stream)
+    with lines_at("trace") as stream:
         perf._drained_at[0] = perf.clock()  # a batch just went out: the next one is a second away
         it = lm.stream([1, 2, 3], max_tokens=4)
         next(it)
@@ -275,9 +270,6 @@ def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_genera
         for _ in it:
             pass
         lines = stream.getvalue().splitlines()
-    finally:
-        root.handlers[:] = saved
-        perf.configure("")
     assert all(LINE.match(line) for line in lines), lines
     steps = [ln for ln in lines if ln.startswith("[perf] generator::decode_step")]
     assert len(steps) == 3 and not perf._pending
@@ -287,13 +279,8 @@ def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_genera
     assert starts == sorted(starts)
 
 
-def test_an_interrupted_generation_still_writes_every_line_it_made(lm):
-    stream = io.StringIO()
-    root = logging.getLogger("pyml")
-    saved = list(root.handlers)
-    root.handlers[:] = []
-    try:
-        perf.configure("debug", stream=stream)
+def test_an_interrupted_generation_still_writes_every_line_it_made(lm, lines_at):
+    with lines_at("debug") as stream:
         perf._drained_at[0] = perf.clock()
         it = lm.stream([1, 2, 3], max_tokens=8)
         next(it)
@@ -301,9 +288,6 @@ def test_an_interrupted_generation_still_writes_every_line_it_made(lm):
         next(it)
         it.close()  # as a consumer that stops reading (Ctrl-C reaches the same finally)
         lines = stream.getvalue().splitlines()
-    finally:
-        root.handlers[:] = saved
-        perf.configure("")
     steps = sum(ln.startswith("[perf] generator::decode_step") for ln in lines)
     assert steps >= 2 and sum(ln.startswith("[perf] generator::prefill") for ln in lines) == 1
     assert sum(ln.startswith("[perf] transformer[") for ln in lines) == 3 * (1 + steps)  # every pass's blocks
