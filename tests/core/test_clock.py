@@ -1,7 +1,5 @@
 """The clock compiled code reads, and the events it writes turned into ordinary spans."""
 
-import io
-import logging
 import time
 
 import numba
