@@ -4,9 +4,11 @@ A compiled call that runs several ops (a fused decode step) cannot open Python s
 them. Instead it takes a runtime `trace` flag and an EventBuffer's `events` array; when the flag
 is true, each op reads the counter before and after itself and appends (op id, layer, start,
 end) to the array. With the flag false no counter is read and nothing is written: the branch is
-a compare on an argument. After the call, `EventBuffer.emit` turns the events into the same
-spans a Python call site would have opened (perf.add_ended: same names, details, attributes,
-nesting), so records, `[perf]` lines and reports cannot tell the difference.
+a compare on an argument. The events become the same spans a Python call site would have
+opened (`op_items` and perf.nest: same names, details, attributes, nesting), so records,
+`[perf]` lines and reports cannot tell the difference: at once (`EventBuffer.emit`), or, as the
+fused decode step does, later, when the perf buffer is drained (`EventBuffer.reserve` keeps a
+call's rows in place until then; perf.defer).
 
 The counter is LLVM's `readcyclecounter` (x86's rdtsc): a few ns and no system call, read in
 nopython code and cached with the kernel (a C function pointer such as clock_gettime's would
@@ -168,11 +170,6 @@ def calibration() -> Calibration:
 def clock_pairs() -> Calibration:
     """The process's calibration, for the timed path to note pairs (`if end > cal.due: cal.note()`)."""
     return _CALIBRATION
-
-
-def to_seconds(tick_values, cal: Calibration | None = None) -> tuple:
-    """Counter values as perf_counter seconds."""
-    return tuple((cal or calibration()).seconds(np.asarray(tick_values, np.int64)).tolist())
 
 
 def read_cost_ns(n: int = 100_000) -> float:
