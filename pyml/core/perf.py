@@ -205,7 +205,10 @@ def _end(span, t1, stack):
     span.ctx = _tls.ctx      # never mutated in place (perf.context replaces it): a snapshot
     span.thread = _tls.ident
     _pending.append(span)
-    if (not stack and t1 - _drained_at[0] > DRAIN_EVERY_S) or len(_pending) > _PENDING_MAX:
+    # due a second after the last drain: when a top-level span ends (never inside a decode step), or
+    # inside a pass that has itself run for over a second (a long prefill shows its finished layers)
+    if t1 - _drained_at[0] > DRAIN_EVERY_S and (not stack or t1 - stack[0].t0 > DRAIN_EVERY_S) \
+            or len(_pending) > _PENDING_MAX:
         _drain()
 
 
