@@ -195,6 +195,7 @@ _pending: list = []
 _drain_lock = threading.RLock()
 _drained_at = [0.0]
 DRAIN_EVERY_S = 1.0
+LONG_PASS_S = 1.0  # a top-level span open this long drains once this often from inside it
 _PENDING_MAX = 100_000  # entries: past this a drain comes at once (memory stays bounded)
 
 new_id = _ids.__next__  # a record id, for spans whose record is made later (`defer`)
@@ -207,8 +208,8 @@ def _end(span, t1, stack):
     _pending.append(span)
     # due a second after the last drain: when a top-level span ends (never inside a decode step), or
     # inside a pass that has itself run for over a second (a long prefill shows its finished layers)
-    if t1 - _drained_at[0] > DRAIN_EVERY_S and (not stack or t1 - stack[0].t0 > DRAIN_EVERY_S) \
-            or len(_pending) > _PENDING_MAX:
+    if (t1 - _drained_at[0] > DRAIN_EVERY_S if not stack else
+            t1 - stack[0].t0 > LONG_PASS_S and t1 - _drained_at[0] > LONG_PASS_S) or len(_pending) > _PENDING_MAX:
         _drain()
 
 
