@@ -302,13 +302,17 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
     interleaving spreads the drift over all of them), every block over the same cache positions.
     Lines go to os.devnull: the cost of making them, not of a terminal. `profile` is what
     `--profile` records: every span at trace level into a collector like the profile's, no text.
-    Returns a Markdown table of median ms/step and the change against off."""
+    The steps' own time (wall and this process's CPU time: on a loaded machine the CPU time is
+    the steadier) is apart from what making the records and lines cost after them (perf.flush:
+    the drain at the end of a generation or a profile), per step.
+    Returns a Markdown table of medians and the change against off."""
     sink = open(os.devnull, "w")
     root = logging.getLogger("pyml")
     saved = list(root.handlers)
     root.handlers[:] = []
     perf.configure("warning", stream=sink)
-    lines = ["| model | threads | LOG | ms/step (median) | vs off | per-block ms/step |", "|---|---|---|---|---|---|"]
+    lines = ["| model | threads | LOG | ms/step (median) | vs off | CPU ms/step | vs off (CPU) "
+             "| made after the steps, ms/step | per-block ms/step |", "|---|---|---|---|---|---|---|---|---|"]
     try:
         for name in model_names:
             model = MODELS[name]
@@ -323,19 +327,22 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
                     if level == "profile":
                         perf.add_collector(records, level=perf.TRACE)
                     cache.length = 3  # every block decodes the same positions: the same work
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(steps):
                         lm.model.forward([5], cache)
+                    t1, c1 = time.perf_counter(), time.process_time()
                     perf.flush()
-                    got[level].append((time.perf_counter() - t0) / steps * 1e3)
+                    got[level].append(((t1 - t0) / steps * 1e3, (c1 - c0) / steps * 1e3,
+                                       (time.perf_counter() - t1) / steps * 1e3))
                     if level == "profile":
                         perf.remove_collector(records)
             perf.configure("warning")
-            off = statistics.median(got["off"])
+            off = [statistics.median(m[j] for m in got["off"]) for j in (0, 1)]
             for level, ms in got.items():
-                med = statistics.median(ms)
-                lines.append(f"| {name} | {threads} | {level} | {med:.2f} | {(med / off - 1) * 100:+.1f}% | "
-                             + " ".join(f"{x:.1f}" for x in ms) + " |")
+                wall, cpu, made = (statistics.median(m[j] for m in ms) for j in (0, 1, 2))
+                lines.append(f"| {name} | {threads} | {level} | {wall:.2f} | {(wall / off[0] - 1) * 100:+.1f}% "
+                             f"| {cpu:.2f} | {(cpu / off[1] - 1) * 100:+.1f}% | {made:.2f} | "
+                             + " ".join(f"{m[0]:.1f}" for m in ms) + " |")
             lm = None
             gc.collect()
     finally:

@@ -4,9 +4,11 @@ A compiled call that runs several ops (a fused decode step) cannot open Python s
 them. Instead it takes a runtime `trace` flag and an EventBuffer's `events` array; when the flag
 is true, each op reads the counter before and after itself and appends (op id, layer, start,
 end) to the array. With the flag false no counter is read and nothing is written: the branch is
-a compare on an argument. After the call, `EventBuffer.emit` turns the events into the same
-spans a Python call site would have opened (perf.add_ended: same names, details, attributes,
-nesting), so records, `[perf]` lines and reports cannot tell the difference.
+a compare on an argument. The events become the same spans a Python call site would have
+opened (`op_items` and perf.nest: same names, details, attributes, nesting), so records,
+`[perf]` lines and reports cannot tell the difference: at once (`EventBuffer.emit`), or, as the
+fused decode step does, later, when the perf buffer is drained (`EventBuffer.reserve` keeps a
+call's rows in place until then; perf.defer).
 
 The counter is LLVM's `readcyclecounter` (x86's rdtsc): a few ns and no system call, read in
 nopython code and cached with the kernel (a C function pointer such as clock_gettime's would
@@ -18,6 +20,7 @@ the run, so tick times land on the clock every Python span uses.
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import numba
@@ -86,21 +89,26 @@ def done(events, trace, op, layer, t0):
 
 
 class Calibration:
-    """Ticks -> perf_counter seconds: seconds = t_ref + (ticks - k_ref) / rate.
+    """Ticks -> perf_counter seconds, from (ticks, perf_counter) pairs noted as the run goes.
 
-    The rate is measured between the first reference pair and a pair read at least 50 ms later,
-    and re-measured every 50 ms, so its error shrinks as the run goes on (the first call waits
-    20 ms for a baseline: once per process, and only when compiled code is timed). The reference
-    pair is re-read when it is more than 1 ms old, so a converted time is an extrapolation over
-    at most a few ms: its error is the pair's read jitter (~0.1 µs), not the rate's error times
-    the run's length.
+    A compiled call's events are converted when the perf buffer is drained, after the step or
+    at the generation's end, seconds after they were written. So pairs are noted while they are
+    written: when timing starts, then whenever a timed call ends more than PAIR_EVERY ticks after
+    the last pair (`due`, checked on the ticks the call returned: no extra read; a pair costs
+    ~1 µs), and at each conversion. The rate is the slope from the first pair to the last (a
+    baseline that grows with the run, at least 20 ms: the first conversion of a process waits out
+    the rest); a tick value is converted from the pair nearest to it, so its error is that pair's
+    read jitter (~0.1 µs) plus the two clocks' drift over at most PAIR_EVERY ticks.
     """
 
+    PAIR_EVERY = 20_000_000  # ticks: 5-20 ms at 1-4 GHz
+    BASELINE_S = 0.02
+
     def __init__(self):
-        self.k0 = self.t0 = None
+        self.pairs: list = []  # (ticks, seconds), in time order; appended whole (atomic)
+        self.due = 0           # note a pair when a timed call ends past this tick
         self.rate = None
-        self.k_ref = self.t_ref = None
-        self.measured_at = 0.0
+        self._ks: list = []  # the pairs' ticks, for bisect
 
     @staticmethod
     def pair():
@@ -110,36 +118,58 @@ class Calibration:
         k_b = read_ticks()
         return (k_a + k_b) // 2, t
 
+    def note(self):
+        """Note a pair now (from the timed path, when `due` has passed)."""
+        k, t = self.pair()
+        self.pairs.append((k, t))
+        self.due = k + self.PAIR_EVERY
+
     def update(self):
-        if self.k0 is None:
-            self.k0, self.t0 = self.pair()
-            time.sleep(0.02)
+        """Before converting: a pair of now (unless one is under 50 ms old), a baseline of at
+        least BASELINE_S, the rate."""
+        pairs = self.pairs
+        if not pairs:
+            self.note()
         now = time.perf_counter()
-        if self.rate is None or now - self.measured_at > 0.05:
-            k, t = self.pair()
-            self.rate = (k - self.k0) / (t - self.t0)
-            self.measured_at = t
-            self.k_ref, self.t_ref = k, t
-        elif now - self.t_ref > 0.001:
-            self.k_ref, self.t_ref = self.pair()
+        wait = self.BASELINE_S - (now - pairs[0][1])
+        if wait > 0:
+            time.sleep(wait)
+        if len(pairs) < 2 or now - pairs[-1][1] > 0.05:
+            self.note()
+        if len(pairs) > 512:  # the first (the baseline) and the newest: drained events are past
+            pairs[1:-256] = []
+        (k0, t0), (k1, t1) = pairs[0], pairs[-1]
+        self.rate = (k1 - k0) / (t1 - t0)
         return self
 
-    def seconds(self, tick_values: np.ndarray) -> np.ndarray:
-        return self.t_ref + (tick_values - self.k_ref) / self.rate
+    def reference(self, k: int) -> tuple:
+        """(ticks, seconds, seconds per tick) to convert ticks near `k` with: k's nearest pair."""
+        ks = self._ks
+        if len(ks) != len(self.pairs) or ks[-1] != self.pairs[-1][0]:
+            ks = self._ks = [p[0] for p in self.pairs]
+        i = bisect.bisect_left(ks, k)
+        if i == len(ks) or (i > 0 and k - ks[i - 1] < ks[i] - k):
+            i -= 1
+        k_ref, t_ref = self.pairs[i]
+        return k_ref, t_ref, 1.0 / self.rate
+
+    def seconds(self, tick_values) -> np.ndarray:
+        k = np.asarray(tick_values, np.int64)
+        k_ref, t_ref, per_tick = self.reference(int(k.flat[0]) if k.size else 0)
+        return t_ref + (k - k_ref) * per_tick
 
 
 _CALIBRATION = Calibration()
 
 
 def calibration() -> Calibration:
-    """The process's calibration, brought up to date: convert all the times of one compiled call
-    with it, so that they agree with each other to the tick."""
+    """The process's calibration, brought up to date: convert with it after the events are written."""
     return _CALIBRATION.update()
 
 
-def to_seconds(tick_values, cal: Calibration | None = None) -> tuple:
-    """Counter values as perf_counter seconds."""
-    return tuple((cal or calibration()).seconds(np.asarray(tick_values, np.int64)).tolist())
+def clock_pairs() -> Calibration:
+    """The process's calibration, for the timed path to note pairs (`if end > cal.due: cal.note()`)."""
+    return _CALIBRATION
 
 
 def read_cost_ns(n: int = 100_000) -> float:
@@ -175,9 +205,20 @@ class EventBuffer:
     def __init__(self, capacity: int = 4096):
         self.events = np.zeros((capacity + 1, 4), np.int64)
 
+    def reserve(self, n: int) -> tuple:
+        """(events array, first row) for a call that writes `n` events, which stay there until
+        deferred records have read them: when the array is full, a fresh one takes its place
+        (the old one lives as long as the entries that point into it)."""
+        events = self.events
+        used = int(events[0, 0])
+        if used + n >= events.shape[0]:
+            events = self.events = np.zeros_like(events)
+            used = 0
+        return events, used + 1
+
     def emit(self, tables, pos: int = 0, count: int | None = None, cal: Calibration | None = None):
         """Turn the events written since the last emit (the first `count` of them; the rest stay
-        for the next emit) into spans under the current Python span. tables[layer][op id] is
+        for the next emit) into spans under the current Python span, now. tables[layer][op id] is
         the Op an event stands for (a layer's table names its modules: `model.layers.3.mlp.down_proj`)."""
         events = self.events
         n = int(events[0, 0])
@@ -188,26 +229,31 @@ class EventBuffer:
             rest = min(n, events.shape[0] - 1)
             events[1:rest - count + 1] = events[count + 1:rest + 1]
             events[0, 0] = n - count
-            self._spans(tables, pos, taken, taken.shape[0], cal or calibration())
+            perf.add_ended(op_items(tables, pos, taken, cal or calibration()))
             return
         kept = min(n, events.shape[0] - 1)
         events[0, 0] = 0
-        self._spans(tables, pos, events[1:kept + 1], n, cal or calibration())
-
-    @staticmethod
-    def _spans(tables, pos, rows, n, cal):
-        kept = rows.shape[0]
-        t0s, t1s = cal.seconds(rows[:, 2]), cal.seconds(rows[:, 3])
-        ended = []
-        for i in range(kept):
-            op = tables[rows[i, 1]][rows[i, 0]]
-            if not op.enabled():
-                continue
-            args = op.args
-            if op.pos_at:
-                args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
-            ended.append((op.perf, op.level, op.name, op.fmt, args, op.attrs, float(t0s[i]), float(t1s[i])))
-        perf.add_ended(ended)
+        perf.add_ended(op_items(tables, pos, events[1:kept + 1], cal or calibration()))
         if n > kept:
             perf.get("pyml.core.clock").logger.warning(
                 "%d compiled-code events did not fit the trace buffer (%d) and were dropped", n - kept, kept)
+
+
+def op_items(tables, pos, rows, cal) -> list:
+    """perf.nest's items for event rows (op id, layer, start, end) of the enabled ops: an array,
+    or its tolist(). The rows of one call are µs apart: one reference pair converts them all."""
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+    if not rows:
+        return []
+    k_ref, t_ref, per_tick = cal.reference(rows[0][2])
+    items = []
+    for op_id, layer, k0, k1 in rows:
+        op = tables[layer][op_id]
+        if not op.enabled():
+            continue
+        args = op.args
+        if op.pos_at:
+            args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
+        items.append((op.perf, op.level, op.name, op.fmt, args, op.attrs,
+                      t_ref + (k0 - k_ref) * per_tick, t_ref + (k1 - k_ref) * per_tick))
+    return items

@@ -9,11 +9,13 @@ A call site asks its PerfLogger for a span and times a region with it:
 With logging off the call returns a shared do-nothing span after one flag check:
 no clock read, no string formatting. When on, the span reads the clock twice and,
 on exit, is appended to a pending buffer — no dict, no string, no logging call
-while the code it times runs. When a top-level span ends (a decode step), or 50 ms
-after the last drain, the buffer is drained in end order: each span (1) delivers a
-record dict to every registered collector and (2) becomes one line
-`[perf] name details elapsed_ms | context` at its level. Details repeat step after
-step (a layer's shapes), so each distinct one is formatted once.
+while the code it times runs. Spans timed inside compiled calls wait there too, as the
+raw tick events the kernels wrote (`defer`). When a top-level span ends at least a
+second after the last drain, or a reader asks (`flush`: the end of a generation or a
+profile, any other log record, the process's exit), the buffer is drained in end
+order: each span (1) delivers a record dict to every registered collector and (2)
+becomes one line `[perf] name details elapsed_ms | context` at its level. Details
+repeat step after step (a layer's shapes), so each distinct one is formatted once.
 
 The text after ` | ` is what a report needs to rebuild the records from a saved
 log (`pyml-report LOGFILE`): the module path (Hugging Face parameter prefix, when
@@ -184,14 +186,19 @@ def _format_details(fmt: str, args: tuple) -> str:
     return fmt.format(*(list(a) if type(a) is tuple else a for a in args))
 
 
-# Ended spans wait here, in end order, until a top-level span ends (a decode step) or 50 ms
-# have passed since the last drain: a span's exit is then a clock read and two list operations,
-# and the dicts, strings and handler calls of all of a step's spans are made in one pass after
-# the step's own clock has stopped. One list for all threads: list.append is atomic.
+# Ended spans wait here, in end order, beside the raw records of compiled calls (`defer`), until
+# a top-level span ends at least DRAIN_EVERY_S after the last drain, or a reader asks (`flush`:
+# the end of a generation or a profile, any other log record, the exit): a span's exit is then a
+# clock read and two list operations, and the records, dicts, strings and handler calls are all
+# made in one pass outside the steps they time. One list for all threads: list.append is atomic.
 _pending: list = []
 _drain_lock = threading.RLock()
 _drained_at = [0.0]
-_DRAIN_EVERY_S = 0.05
+DRAIN_EVERY_S = 1.0
+LONG_PASS_S = 1.0  # a top-level span open this long drains once this often from inside it
+_PENDING_MAX = 100_000  # entries: past this a drain comes at once (memory stays bounded)
+
+new_id = _ids.__next__  # a record id, for spans whose record is made later (`defer`)
 
 
 def _end(span, t1, stack):
@@ -199,8 +206,39 @@ def _end(span, t1, stack):
     span.ctx = _tls.ctx      # never mutated in place (perf.context replaces it): a snapshot
     span.thread = _tls.ident
     _pending.append(span)
-    if not stack or t1 - _drained_at[0] > _DRAIN_EVERY_S:
+    # due a second after the last drain: when a top-level span ends (never inside a decode step), or
+    # inside a pass that has itself run for over a second (a long prefill shows its finished layers)
+    if (t1 - _drained_at[0] > DRAIN_EVERY_S if not stack else
+            t1 - stack[0].t0 > LONG_PASS_S and t1 - _drained_at[0] > LONG_PASS_S) or len(_pending) > _PENDING_MAX:
         _drain()
+
+
+def defer(entry: tuple):
+    """Queue the raw data of spans timed elsewhere (a compiled call's tick events): `entry[0]`
+    is a function that, given `entry[1:]`, returns their Span objects in end order, finished
+    (see `nest`); it is called when the buffer is drained, in this entry's place among the
+    spans that ended around it."""
+    _pending.append(entry)
+    if len(_pending) > _PENDING_MAX:
+        _drain()
+
+
+def frame():
+    """(stack, ctx, thread ident) of this thread: where a deferred span is opened."""
+    try:
+        return _tls.stack, _tls.ctx, _tls.ident
+    except AttributeError:
+        return _stack(), _tls.ctx, _tls.ident
+
+
+class Mark:
+    """An open span whose record is made later (by a `defer` entry), on the stack while open so
+    that Python spans opened inside take its id as their parent and count it in their depth."""
+
+    __slots__ = ("id", "t0")
+
+    def __init__(self):
+        self.id, self.t0 = 0, 0.0
 
 
 def _on_grid(t: float, up: bool = False) -> float:
@@ -212,96 +250,75 @@ def _on_grid(t: float, up: bool = False) -> float:
     return (math.ceil(t * 1e6) if up else round(t * 1e6)) / 1e6
 
 
-def add_ended(items):
-    """Spans timed elsewhere (inside a compiled call, pyml.core.clock), given in the order they
-    ended as (PerfLogger, level, name, fmt, args, attrs, start, end) with perf_counter times.
-    They become children of the current Python span, nested among themselves by their times (a
-    span inside another's interval is its child), exactly as if they had been opened here."""
-    stack = _stack()
+def span_at(p: "PerfLogger", level: int, name: str, fmt: str, args: tuple, attrs: dict, t0: float, t1: float,
+            parent, depth: int, ctx: dict, thread: int, span_id: int | None = None, parts: dict | None = None,
+            floor: float = 0.0) -> Span:
+    """A finished span timed elsewhere (perf_counter seconds, put on the µs grid, not before
+    `floor`), as Span.__exit__ would have left it."""
+    s = Span(p, level, name, fmt, args, attrs)
+    s.id = new_id() if span_id is None else span_id
+    s.parent, s.depth, s.ctx, s.thread, s.parts = parent, depth, ctx, thread, parts
+    s.t0, s.t1 = max(_on_grid(t0), floor), max(_on_grid(t1), floor)
+    return s
+
+
+def nest(items, parent, depth: int, ctx: dict, thread: int, floor: float = 0.0) -> list:
+    """Spans timed elsewhere, given in the order they ended as (PerfLogger, level, name, fmt, args,
+    attrs, start, end) with perf_counter times, as children of `parent` (an id or None) at
+    `depth`, nested among themselves by their times (a span inside another's interval is its
+    child), exactly as if they had been opened there. Returned in end order."""
     spans, roots = [], []
     for p, level, name, fmt, args, attrs, t0, t1 in items:
         s = Span(p, level, name, fmt, args, attrs)
-        s.id, s.t0, s.t1, s.parent = next(_ids), t0, t1, None
+        s.id, s.t0, s.t1, s.parent = new_id(), t0, t1, None
         while roots and roots[-1].t0 >= t0 and roots[-1].t1 <= t1:  # ended earlier, inside this one
             roots.pop().parent = s
         roots.append(s)
         spans.append(s)
-    base_parent, base_depth = (stack[-1].id if stack else None), len(stack)
-    floor = _on_grid(stack[-1].t0, up=True) if stack else 0.0
-    ctx, ident = _tls.ctx, _tls.ident
     for s in reversed(spans):  # parents end after their children: they are placed first
-        parent = s.parent
-        s.parent, s.depth = (base_parent, base_depth) if parent is None else (parent.id, parent.depth + 1)
-        s.ctx, s.thread = ctx, ident
+        up = s.parent
+        s.parent, s.depth = (parent, depth) if up is None else (up.id, up.depth + 1)
+        s.ctx, s.thread = ctx, thread
         s.t0, s.t1 = max(_on_grid(s.t0), floor), max(_on_grid(s.t1), floor)
-    _pending.extend(spans)
+    return spans
+
+
+def add_ended(items):
+    """Spans timed elsewhere (`nest`'s items), made now as children of the current Python span."""
+    stack, ctx, ident = frame()
+    top = stack[-1] if stack else None
+    floor = _on_grid(top.t0, up=True) if top is not None else 0.0
+    _pending.extend(nest(items, top.id if top is not None else None, len(stack), ctx, ident, floor))
     if not stack:
         _drain()
 
 
-class placeholder:
-    """A span whose start and end are known only afterwards (`.times(t0, t1)`, perf_counter
-    seconds), for a region that begins and ends inside compiled calls: it is on the stack while
-    open, so spans opened or added inside nest under it; it reads no clock."""
-
-    __slots__ = ("span",)
-
-    def __init__(self, logger: str, level: int, name: str, fmt: str, args: tuple, attrs: dict):
-        p = get(logger)
-        on = p.trace_on if level <= TRACE else p.debug_on
-        self.span = Span(p, level, name, fmt, args, dict(attrs)) if on else None
-
-    def __enter__(self):
-        s = self.span
-        if s is not None:
-            stack = _stack()
-            s.parent = stack[-1].id if stack else None
-            s.id = next(_ids)
-            s.t0 = s.t1 = 0.0
-            stack.append(s)
-        return self
-
-    def times(self, t0: float, t1: float):
-        s = self.span
-        if s is not None:
-            stack = _tls.stack  # it is open: its parent is below it
-            floor = _on_grid(stack[-2].t0, up=True) if len(stack) > 1 else 0.0
-            s.t0, s.t1 = max(_on_grid(t0), floor), max(_on_grid(t1), floor)
-
-    def __exit__(self, exc_type, exc, tb):
-        s = self.span
-        if s is not None:
-            stack = _tls.stack
-            stack.pop()
-            if exc_type is None:
-                _end(s, s.t1, stack)
-        return False
-
-
 def _drain():
-    """Turn the pending spans into records (to the collectors) and `[perf]` lines, in end order."""
+    """Turn the pending spans (and deferred entries) into records (to the collectors) and `[perf]`
+    lines, in end order."""
     with _drain_lock:
         n = len(_pending)
         if not n:
             return
         batch = _pending[:n]
         del _pending[:n]  # other threads only append: what they add after n stays
-        _drained_at[0] = clock()
         direct = None
-        for span in batch:
-            p, level = span.perf, span.level
-            details = span.details()
-            if _collectors:
-                _deliver(span, details)
-            if p.logger.isEnabledFor(level):
-                line = _line(span, details)
-                if p.direct is not None:
-                    direct = p.direct
-                    direct.pending.append(line)
-                else:  # through logging: its handler first writes what is pending, so the order holds
-                    p.logger.log(level, "%s", line)
+        for item in batch:
+            for span in (item[0](*item[1:]) if type(item) is tuple else (item,)):
+                p, level = span.perf, span.level
+                details = span.details()
+                if _collectors:
+                    _deliver(span, details)
+                if p.logger.isEnabledFor(level):
+                    line = _line(span, details)
+                    if p.direct is not None:
+                        direct = p.direct
+                        direct.pending.append(line)
+                    else:  # through logging: its handler first writes what is pending, so the order holds
+                        p.logger.log(level, "%s", line)
         if direct is not None:
             direct.write_pending()
+        _drained_at[0] = clock()
 
 
 def _deliver(span, details):
@@ -370,9 +387,8 @@ def _direct_handler(logger: logging.Logger) -> "_PerfHandler | None":
 
 class _PerfHandler(logging.StreamHandler):
     """pyml's stderr handler. `[perf]` lines reach it without a LogRecord (building one costs
-    ~25 µs, several times the span it reports) and are written in one piece when a top-level
-    span ends (a decode step) or 50 ms after the last write; any other record first writes
-    what is pending, so the order is kept."""
+    ~25 µs, several times the span it reports) and are written in one piece at each drain (see
+    `_pending`); any other record first writes what is pending, so the order is kept."""
 
     _pyml = True
 
@@ -525,6 +541,7 @@ def configure(spec: str | None = None, stream=None):
     other programs set for themselves, so a LOG value that is not a pyml spec is ignored with one
     warning line; a bad --log or PYML_LOG is an error. Lines go to stderr.
     """
+    _drain()  # what ended under the old levels is reported under them
     root = logging.getLogger("pyml")
     if not any(getattr(h, "_pyml", False) for h in root.handlers):
         root.addHandler(_PerfHandler(stream or sys.stderr))

@@ -237,6 +237,8 @@ class Generator:
         finally:
             if prompt_cache is not None:
                 prompt_cache.tokens = cached
+            perf.flush()  # the steps' records and [perf] lines are made after them: all of them now,
+            # in order, however the generation ended (its end, an error, Ctrl-C, the iterator closed)
 
     def _shift_context(self, kv, cached: list, n_keep: int, step: int) -> list:
         """Keep the first n_keep tokens and the newer half of the rest; return the tokens now cached.

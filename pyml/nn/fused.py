@@ -26,15 +26,18 @@ pickles them differently each time). SmolLM2 needs one kernel of each kind; a Q4
 Q6_K mixed in, a few.
 
 Timing: when the block's spans are on, each kernel reads the time-stamp counter around every
-op and writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py); the
-Python side then turns those into the spans the layer-by-layer path opens - the same names,
-details, attributes and nesting (attention::forward holds the qkv projection, the q/k norms,
-RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn` parts.
-With logging off no counter is read.
+op and (at trace) writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py).
+The step itself only hands those rows and ticks to perf.defer; when the perf buffer is drained,
+after the step, _pre_spans / _post_spans turn them into the spans the layer-by-layer path opens
+- the same names, details, attributes and nesting (attention::forward holds the qkv projection,
+the q/k norms, RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn`
+parts. With logging off no counter is read.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from functools import lru_cache
 
@@ -53,6 +56,9 @@ from pyml.nn.norm import LayerNorm, RMSNorm
 from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.block")
+_ATTN_PERF = perf.get("pyml.nn.attention")
+_PAIRS = clock.clock_pairs()
+_NO_EVENTS = np.zeros((1, 4), np.int64)  # a debug step's op events: counted, never stored
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
 _EMPTY = np.zeros(0, np.float32)
 
@@ -378,7 +384,6 @@ class FusedBlock:
         self.q3, self.k3 = q2.reshape(1, H, hd), k2.reshape(1, Hkv, hd)
         self.v3 = self.qkv[nq + nkv:].reshape(1, Hkv, hd)
         self.x, self.h, self.y = (np.zeros((1, d), np.float32) for _ in range(3))
-        self.events = clock.EventBuffer(64)
         self._busy = threading.Lock()
 
         projs = [attn.qkv] if isinstance(attn.qkv, Linear) else list(attn.qkv)
@@ -429,7 +434,12 @@ class FusedBlock:
         self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
-        self.op_loggers.add(perf.get("pyml.nn.attention"))
+        self.op_loggers.add(_ATTN_PERF)
+        # every op of a table writes one event a call: a traced call's events take these many rows
+        self.n_pre, self.n_post = (sum(op is not None for op in table) for table in self.tables)
+        self.n_events = self.n_pre + self.n_post
+        self.events = clock.EventBuffer(64 * self.n_events)  # 64 steps: records are made later (_timed)
+        self._block_mark, self._attn_mark = perf.Mark(), perf.Mark()
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         # generations on several threads may share a model: they take turns in a block (its
@@ -450,41 +460,104 @@ class FusedBlock:
                           splits, self.ctx, *self.post_args, self.x, *self.post_args2, events, i)
 
     def _timed(self, x, pos, cache, ops_on):
-        if not ops_on:  # debug: the block's span and its attn / ffn parts only
-            block, i, events = self.block, self.block.index, self.events.events
-            with _perf.debug(block._event, "", module=block.name, op="block", layer=i,
-                             kind=block.attn.kind) as span:
-                t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, True, i)
-                ctx = attend(block.attn, cache, i, pos, self.q3, self.k3, self.v3)
-                self.x[:] = x
-                t_mid, t_end = self.post(ctx, *self.post_args, self.x, *self.post_args2, events, True, i)
-                events[0, 0] = 0  # no op span is on: the ops' events are dropped unread
-                s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end))
-                span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
-            return self.x
-        return self._traced(x, pos, cache)
-
-    def _traced(self, x, pos, cache):
-        block, buf, i = self.block, self.events, self.block.index
-        pre_table, post_table = self.tables
-        with _perf.debug(block._event, "", module=block.name, op="block", layer=i, kind=block.attn.kind) as span:
-            t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, buf.events, True, i)
-            cal = clock.calibration()  # one conversion for the whole block: its times agree to the tick
-            attn_start = buf.events[2, 2]  # the first projection's start (event 1 is the norm)
-            buf.emit({i: pre_table}, pos, count=1, cal=cal)  # the attention norm: the block's own op
-            with perf.placeholder(*_attention_span(block, pos)) as attn_span:
-                buf.emit({i: pre_table}, pos, cal=cal)
-                ctx = attend(block.attn, cache, i, pos, self.q3, self.k3, self.v3)
-                self.x[:] = x
-                t_mid, t_end = self.post(ctx, *self.post_args, self.x, *self.post_args2, buf.events, True, i)
-                o_end = buf.events[2, 3]  # o_proj's linear::forward, the attention's last op
-                buf.emit({i: post_table}, pos, count=2, cal=cal)
-                attn_span.times(*clock.to_seconds((attn_start, o_end), cal))
-            buf.emit({i: post_table}, pos, cal=cal)
-            if span is not perf.NULL_SPAN:
-                s0, s_mid, s_end = clock.to_seconds((t0, t_mid, t_end), cal)
-                span.parts = {"attn": s_mid - s0, "ffn": s_end - s_mid}
+        """The step with its spans on. Nothing is made here: the kernels' ticks (the block's start,
+        middle and end; at trace every op's event, left in the event buffer) and the few Python
+        fields the records need go to perf.defer, and _pre_spans / _post_spans make the spans
+        when the perf buffer is drained, after the step. Two Marks stand for the block's and the
+        attention's spans on the stack meanwhile, so the Python spans of the attention call
+        (kv_cache::update, attention::sdpa) nest under them as on the layer-by-layer path."""
+        i = self.block.index
+        stack, ctx, thread = perf.frame()
+        parent = stack[-1] if stack else None
+        depth = len(stack)
+        block_id = perf.new_id() if _perf.debug_on else None
+        attn_id = perf.new_id() if ops_on and _ATTN_PERF.trace_on else None
+        if ops_on:
+            events, row = self.events.reserve(self.n_events)
+        else:  # debug: the block's own times only; the ops' events go nowhere
+            events, row = _NO_EVENTS, 0
+        t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, True, i)
+        if ops_on:
+            perf.defer((self._pre_spans, events, row, parent, depth, ctx, thread, block_id, attn_id, pos))
+        pushed = 0
+        for mark, span_id in ((self._block_mark, block_id), (self._attn_mark, attn_id)):
+            if span_id is not None:
+                mark.id = span_id
+                stack.append(mark)
+                pushed += 1
+        try:
+            ctx_out = attend(self.block.attn, cache, i, pos, self.q3, self.k3, self.v3)
+        finally:
+            if pushed:
+                del stack[-pushed:]
+        self.x[:] = x
+        t_mid, t_end = self.post(ctx_out, *self.post_args, self.x, *self.post_args2, events, True, i)
+        perf.defer((self._post_spans, events, row if ops_on else 0, parent, depth, ctx, thread, block_id, attn_id,
+                    pos, t0, t_mid, t_end))
+        if t_end > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
+            _PAIRS.note()
         return self.x
+
+    def _pre_spans(self, events, row, parent, depth, ctx, thread, block_id, attn_id, pos):
+        """The spans of pre_attention's events: the attention norm (the block's own op), then the
+        projections, q/k norms and RoPE (the attention's)."""
+        cal = clock.calibration()
+        table = {self.block.index: self.tables[0]}
+        rows = events[row:row + self.n_pre].tolist()
+        to_s = _seconds(cal, rows[0][2])
+        up, up_depth, floor = _parent_of(parent, depth, block_id, to_s(rows[0][2]))
+        out = perf.nest(clock.op_items(table, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
+        if attn_id is not None:
+            up, up_depth, floor = attn_id, up_depth + 1, perf._on_grid(to_s(rows[1][2]), up=True)
+        return out + perf.nest(clock.op_items(table, pos, rows[1:], cal), up, up_depth, ctx, thread, floor)
+
+    def _post_spans(self, events, row, parent, depth, ctx, thread, block_id, attn_id, pos, t0, t_mid, t_end):
+        """The spans of post_attention's events: o_proj (the attention's last op), the attention
+        span, the feed-forward and norms (the block's), and the block span with its parts."""
+        cal = clock.calibration()
+        to_s = _seconds(cal, t0)
+        s0, s_mid, s_end = to_s(t0), to_s(t_mid), to_s(t_end)
+        up, up_depth, floor = _parent_of(parent, depth, block_id, s0)
+        out = []
+        if row:
+            table = {self.block.index: self.tables[1]}
+            first = int(events[row + 1, 2])  # the first projection's start
+            rows = events[row + self.n_pre:row + self.n_pre + self.n_post].tolist()
+            if attn_id is not None:
+                attn = to_s(first), to_s(rows[1][3])  # .. o_proj's end
+                out += perf.nest(clock.op_items(table, pos, rows[:2], cal), attn_id, up_depth + 1, ctx, thread,
+                                 perf._on_grid(attn[0], up=True))
+                out.append(perf.span_at(*_attention_span(self.block, pos), *attn, up, up_depth, ctx, thread,
+                                        span_id=attn_id, floor=floor))
+                rows = rows[2:]
+            out += perf.nest(clock.op_items(table, pos, rows, cal), up, up_depth, ctx, thread, floor)
+        if block_id is not None:  # its ends pushed out to the µs grid: its parts and ops fit inside
+            b = self.block
+            out.append(perf.span_at(_perf, logging.DEBUG, b._event, "", (),
+                                    {"module": b.name, "op": "block", "layer": b.index, "kind": b.attn.kind},
+                                    math.floor(s0 * 1e6) / 1e6, perf._on_grid(s_end, up=True),
+                                    parent.id if parent is not None else None, depth, ctx, thread,
+                                    span_id=block_id, parts={"attn": s_mid - s0, "ffn": s_end - s_mid},
+                                    floor=_floor(parent)))
+        return out
+
+
+def _seconds(cal, k_near):
+    """Ticks near k_near -> perf_counter seconds (one reference pair for a whole call's times)."""
+    k_ref, t_ref, per_tick = cal.reference(k_near)
+    return lambda k: t_ref + (k - k_ref) * per_tick
+
+
+def _floor(span) -> float:
+    return perf._on_grid(span.t0, up=True) if span is not None else 0.0
+
+
+def _parent_of(parent, depth, block_id, start) -> tuple:
+    """(parent id, depth, floor) of the block's own ops: the block span when it is on (it starts
+    at `start`, seconds), else the block's parent."""
+    if block_id is not None:
+        return block_id, depth + 1, max(math.floor(start * 1e6) / 1e6, _floor(parent))
+    return (parent.id if parent is not None else None), depth, _floor(parent)
 
 
     def post_weights(self) -> tuple:
@@ -554,8 +627,9 @@ def _norm_bias(norm):
 
 
 def _attention_span(block, pos):
+    """(PerfLogger, level, name, fmt, args, attrs) of the attention::forward span Attention opens."""
     a = block.attn
-    return ("pyml.nn.attention", perf.TRACE, "attention::forward", "layer={} {} tokens={} pos={}",
+    return (_ATTN_PERF, perf.TRACE, "attention::forward", "layer={} {} tokens={} pos={}",
             (block.index, a.kind, 1, pos), {"module": a.name, "op": "attention", "layer": block.index,
                                             "kind": a.kind})
 

@@ -443,7 +443,7 @@ def instrumentation_cost(run, timing: dict | None) -> dict | None:
     """Spans per decode step times the measured cost of one span."""
     if not timing or timing.get("span_overhead_us") is None or not run.named("generator::decode_step"):
         return None
-    per_span = timing["span_overhead_us"] + (timing.get("line_us") or 0.0)
+    per_span = timing["span_overhead_us"]  # lines are made after the steps (perf's drain): not in them
     n = spans_per_step(run)
     step = statistics.fmean(s.dur_ms for s in run.named("generator::decode_step"))
     ms = n * per_span / 1e3

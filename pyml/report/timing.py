@@ -38,7 +38,8 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
       cost of recording a span, collector included, as seen from the parent).
     clock_us: one perf_counter read. off_call_ns: a call site when its level is off.
     compiled_clock_ns: one time-stamp counter read inside compiled code (core/clock.py).
-    line_us (with_lines): the extra cost of formatting the `[perf]` text line.
+    made_us: making a span's record after the fact (perf's drain, outside the timed code).
+    line_us (with_lines): the extra cost of formatting its `[perf]` text line, also after the fact.
     """
     name = "pyml.profile.calibration"
     logger = logging.getLogger(name)
@@ -68,7 +69,7 @@ def measure_timing_overhead(n: int = 400, repeats: int = 5, with_lines: bool = F
             logger.setLevel(perf.TRACE)
             perf.refresh()
             with_text = _measure_spans(pl, n, repeats)
-            out["line_us"] = max(0.0, with_text["span_overhead_us"] - out["span_overhead_us"])
+            out["line_us"] = max(0.0, with_text["made_us"] - out["made_us"])
     finally:
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
@@ -83,8 +84,9 @@ def _measure_spans(pl, n, repeats) -> dict:
     sink = RecordSink()
     perf.add_collector(sink, level=perf.TRACE)
     try:
-        floors, per_child = [], []
+        floors, per_child, made = [], [], []
         for _ in range(repeats):
+            perf.flush()
             sink.buf.clear()
             with pl.trace("calibrate::parent"):
                 for _ in range(n):
@@ -92,6 +94,9 @@ def _measure_spans(pl, n, repeats) -> dict:
                     with pl.trace("calibrate::child", "{}->{} {}", (1, 768), (768, 3072), "F32",
                                   module="model.layers.0.mlp.up_proj", op="linear", dtype="F32"):
                         pass
+            t0 = perf.clock()
+            perf.flush()  # the records (and lines) are made here, after the spans
+            made.append((perf.clock() - t0) / (n + 1))
             parent = sink.buf[-1]["dur_ms"]
             children = [r["dur_ms"] for r in sink.buf[:-1]]
             floors.append(statistics.median(children))
@@ -99,7 +104,7 @@ def _measure_spans(pl, n, repeats) -> dict:
     finally:
         perf.remove_collector(sink)
     return {"span_floor_us": statistics.median(floors) * 1e3,
-            "span_overhead_us": statistics.median(per_child) * 1e3}
+            "span_overhead_us": statistics.median(per_child) * 1e3, "made_us": statistics.median(made) * 1e6}
 
 
 def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
@@ -107,7 +112,9 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
     `steps` decode steps over the same cache positions (the same work), with recording off and
     on as the run had it (a collector like the profile's; the `[perf]` text too when the log
     level was trace, written to os.devnull: the cost of making lines, not of a terminal),
-    interleaved over `rounds`. Returns median ms per step off and on, and the difference in %.
+    interleaved over `rounds`. Returns median ms per step off and on, and the difference in %;
+    and made_ms, what making the records (and lines) cost per step after the steps (perf's drain)
+    - the steps' own times do not hold it, the run's wall time does.
     No record of these steps reaches the profile: call it after removing the profile's collector.
     """
     model = lm.model
@@ -119,6 +126,7 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
     sink_file = open(os.devnull, "w")
     saved_streams = [h.setStream(sink_file) for h in handlers]
     got = {"off": [], "on": []}
+    made = []
     try:
         with perf.context(phase="calibration"):
             model.forward([1, 2, 3], cache)
@@ -139,8 +147,11 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
                         t0 = time.perf_counter()
                         for _ in range(steps):
                             model.forward([5], cache)
+                        t1 = time.perf_counter()
                         perf.flush()
-                        got[mode].append((time.perf_counter() - t0) / steps * 1e3)
+                        got[mode].append((t1 - t0) / steps * 1e3)
+                        if mode == "on":
+                            made.append((time.perf_counter() - t1) / steps * 1e3)
                     finally:
                         if mode == "on":
                             perf.remove_collector(sink)
@@ -153,6 +164,7 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
         sink_file.close()
     off, on = statistics.median(got["off"]), statistics.median(got["on"])
     return {"off_ms": off, "on_ms": on, "pct": (on / off - 1) * 100 if off else None,
+            "made_ms": statistics.median(made),
             "steps": steps * rounds, "lines": with_lines,
             "method": (f"{rounds} x {steps} decode steps at the same positions with recording off and on "
                        f"({'records and [perf] lines' if with_lines else 'records'}), interleaved, after the run; "

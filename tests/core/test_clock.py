@@ -1,7 +1,5 @@
 """The clock compiled code reads, and the events it writes turned into ordinary spans."""
 
-import io
-import logging
 import time
 
 import numba
@@ -73,23 +71,13 @@ def test_events_become_nested_spans_under_the_current_span(records):
     assert by_name["outer::step"]["start"] <= fused["start"]
 
 
-def test_event_lines_read_like_python_spans(records):
+def test_event_lines_read_like_python_spans(records, lines_at):
     """The [perf] lines of compiled events carry depth and module like a Python span's."""
-    stream = io.StringIO()
-    root = logging.getLogger("pyml")
-    saved = list(root.handlers)
-    root.handlers[:] = []
-    try:
-        perf.configure("trace", stream=stream)
+    with lines_at("trace") as stream:
         buf = clock.EventBuffer(8)
         with perf.get("pyml.test.outer").debug("outer::step"):
             _two_ops(np.ones(64, np.float32), buf.events, True)
             buf.emit(TABLE, pos=3)
-    finally:
-        root.handlers[:] = saved
-        for name in ("pyml", "pyml.test.fused", "pyml.test.outer"):
-            logging.getLogger(name).setLevel(logging.NOTSET)
-        perf.configure("")
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("[perf] fused::square [1, 64] ") and " | m.square depth=2 start=" in lines[0]
     assert " | m.sum depth=1 start=" in lines[2] and "fused::sum [1, 64] pos=3" in lines[2]

@@ -23,8 +23,9 @@ def lm(tmp_path_factory):
 
 
 @pytest.fixture
-def log_to(request):
-    """Configure levels from a spec; yield the stream the lines go to; restore afterwards."""
+def log_to(request, every_step):
+    """Configure levels from a spec; yield the stream the lines go to (written as each top-level
+    span ends); restore afterwards."""
     stream = io.StringIO()
 
     def apply(spec):
@@ -254,3 +255,59 @@ def test_details_are_formatted_from_their_arguments_each_time(records):
     with inner.trace("inner::op", "{}", unhashable):
         pass
     assert [r["details"] for r in records] == ["[1, 64] pos=3", "[1, 64] pos=4", "[1, 64] pos=3", "[1, 2]"]
+
+
+def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_generation_ends(lm, lines_at):
+    """With the default pause between batches, a step's spans (the fused blocks' tick events
+    too) are not made while the generation runs; when it ends every line is there, in order."""
+    with lines_at("trace") as stream:
+        perf._drained_at[0] = perf.clock()  # a batch just went out: the next one is a second away
+        it = lm.stream([1, 2, 3], max_tokens=4)
+        next(it)
+        next(it)  # the prefill and one decode step are done
+        held = stream.getvalue()
+        assert perf._pending and "generator::decode_step" not in held
+        for _ in it:
+            pass
+        lines = stream.getvalue().splitlines()
+    assert all(LINE.match(line) for line in lines), lines
+    steps = [ln for ln in lines if ln.startswith("[perf] generator::decode_step")]
+    assert len(steps) == 3 and not perf._pending
+    assert sum(ln.startswith("[perf] transformer[") for ln in lines) == 3 * 4  # 3 layers x 4 passes
+    # in end order: a step's blocks (and their ops) come before it, the step before the next block
+    starts = [float(re.search(r"start=(\d+\.\d+)", ln).group(1)) for ln in lines if "depth=0" in ln]
+    assert starts == sorted(starts)
+
+
+def test_an_interrupted_generation_still_writes_every_line_it_made(lm, lines_at):
+    with lines_at("debug") as stream:
+        perf._drained_at[0] = perf.clock()
+        it = lm.stream([1, 2, 3], max_tokens=8)
+        next(it)
+        next(it)
+        next(it)
+        it.close()  # as a consumer that stops reading (Ctrl-C reaches the same finally)
+        lines = stream.getvalue().splitlines()
+    steps = sum(ln.startswith("[perf] generator::decode_step") for ln in lines)
+    assert steps >= 2 and sum(ln.startswith("[perf] generator::prefill") for ln in lines) == 1
+    assert sum(ln.startswith("[perf] transformer[") for ln in lines) == 3 * (1 + steps)  # every pass's blocks
+
+
+def test_traced_blocks_outlive_their_event_buffer(lm, records, monkeypatch):
+    """More traced steps than a block's event buffer holds: a full buffer is replaced, and the
+    records still waiting read the old one; every step gets all its ops."""
+    monkeypatch.setattr(perf, "LONG_PASS_S", 1e9)  # however slow the machine: one pass, no drain inside
+    cache = lm.new_cache(100)
+    lm.model.forward([1, 2, 3], cache)
+    records.clear()
+    fused = lm.model.blocks[0]._fused
+    before = fused.events.events
+    with perf.context(phase="decode"):
+        with perf.get("pyml.test.outer").debug("outer::run"):  # one top-level span: nothing drained
+            for pos in range(3, 3 + 70):
+                lm.model.forward([5], cache, pos=pos)
+            assert not records
+    assert fused.events.events is not before  # 64 steps' worth, replaced once
+    per_layer = [r for r in records if r["name"] == "linear::forward" and r["module"].startswith(fused.block.name + ".")]
+    assert len(per_layer) == 70 * 4  # qkv, o_proj, up, down of every step
+    assert all(r["dur_ms"] >= 0 for r in records)

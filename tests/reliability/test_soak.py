@@ -63,7 +63,7 @@ def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdo
         if last[0] is not None:
             step_cpu.append(now - last[0])
         last[0] = now
-        n = len(step_ms)
+        n = len(step_cpu)  # steps done (their records come in batches, made after the steps)
         if n in (EARLY[0], EARLY[1], LATE[0], LATE[1]) and n not in rss:
             rss[n] = rss_bytes()
 
