@@ -326,25 +326,30 @@ def _addresses(values) -> list:
 def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
     """decode_layer over consecutive blocks of one shape, in one compiled call: each layer's
     weights and cache arrays are the first layer's, rebased to its own addresses (pre_at, post_at,
-    kv_at: int64 [layers, arrays]); the scratch buffers are shared, the layers running in turn."""
+    kv_at: int64 [layers, arrays]); the scratch buffers are shared, the layers running in turn.
+    `timed` (LOG=debug): each layer's start, middle and end ticks go to `ticks` [layers, 3] for
+    its block span, the ops' own events to a buffer that only counts them (no op span is on)."""
     pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
 
     @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
     def decode_layers(x, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, start, pos, scale, splits, ctx, out,
-                      events):
+                      events, timed, ticks):
         h, qkv, q2, k2, q3, k3, nq, nkv, v3, y, gu, a = bufs
         out[:] = x
         for layer in range(pre_at.shape[0]):
             nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq = _rebased(pre_w, pre_at[layer])
-            _pre_step(pre_key, out, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
-                      h, qkv, q2, k2, q3, k3, nq, nkv, events, False, layer)
+            t0 = _pre_step(pre_key, out, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq,
+                           pos, h, qkv, q2, k2, q3, k3, nq, nkv, events, timed, layer)
             keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
             attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
                                       ctx)
             (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
              pfn_eps) = _rebased(post_w, post_at[layer])
-            _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1,
-                       w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h, gu, a, events, False, layer)
+            t_mid, t_end = _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, fnw, fnb,
+                                      f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h, gu, a, events,
+                                      timed, layer)
+            if timed:
+                ticks[layer, 0], ticks[layer, 1], ticks[layer, 2] = t0, t_mid, t_end
         return out
 
     return decode_layers
@@ -542,6 +547,22 @@ class FusedBlock:
         return out
 
 
+    def post_weights(self) -> tuple:
+        """post_attention's weights and constants: post_args and post_args2 without the buffers."""
+        return self.post_args + self.post_args2[:-4]
+
+    def signature(self) -> tuple:
+        """What blocks walked by one decode_layers call must share: the kernel shapes, the window,
+        and every weight array's type, shape and strides (its address aside) and every constant."""
+        def describe(v):
+            if isinstance(v, np.ndarray):
+                return v.dtype.str, v.shape, v.strides, v.flags.writeable, v.flags.aligned
+            return v
+        attn = self.block.attn
+        return (self.shapes, self.window, float(attn.scale),
+                tuple(describe(v) for v in self.pre_args + self.post_weights()))
+
+
 def _seconds(cal, k_near):
     """Ticks near k_near -> perf_counter seconds (one reference pair for a whole call's times)."""
     k_ref, t_ref, per_tick = cal.reference(k_near)
@@ -558,22 +579,6 @@ def _parent_of(parent, depth, block_id, start) -> tuple:
     if block_id is not None:
         return block_id, depth + 1, max(math.floor(start * 1e6) / 1e6, _floor(parent))
     return (parent.id if parent is not None else None), depth, _floor(parent)
-
-
-    def post_weights(self) -> tuple:
-        """post_attention's weights and constants: post_args and post_args2 without the buffers."""
-        return self.post_args + self.post_args2[:-4]
-
-    def signature(self) -> tuple:
-        """What blocks walked by one decode_layers call must share: the kernel shapes, the window,
-        and every weight array's type, shape and strides (its address aside) and every constant."""
-        def describe(v):
-            if isinstance(v, np.ndarray):
-                return v.dtype.str, v.shape, v.strides, v.flags.writeable, v.flags.aligned
-            return v
-        attn = self.block.attn
-        return (self.shapes, self.window, float(attn.scale),
-                tuple(describe(v) for v in self.pre_args + self.post_weights()))
 
 
 class FusedStep:
@@ -597,13 +602,14 @@ class FusedStep:
                               np.array([_addresses(f.pre_args) for f in fused[i:j]], np.int64),
                               np.array([_addresses(f.post_weights()) for f in fused[i:j]], np.int64)))
             i = j
+        self.ticks = np.zeros((len(fused), 3), np.int64)  # a timed run's (start, middle, end) per layer
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
-        if _perf.debug_on or any(p.trace_on for p in self.op_loggers) or \
-                not all(b.fused_decode for b in self.blocks):
+        if any(p.trace_on for p in self.op_loggers) or not all(b.fused_decode for b in self.blocks):
             for block in self.blocks:
                 x = block(x, pos, cache)
             return x
+        timed = _perf.debug_on  # debug: block spans from the kernel's ticks, made after the step
         kv_at = cache.addresses()
         for first, kernel, layers, pre_at, post_at in self.runs:
             for i in layers:
@@ -614,8 +620,23 @@ class FusedStep:
             with first._busy:  # a model shared by threads: its buffers are one set
                 x = kernel(x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
                            cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], start, pos, attn.scale, splits,
-                           first.ctx, first.x, first.events.events).copy()
+                           first.ctx, first.x, _NO_EVENTS if timed else first.events.events, timed,
+                           self.ticks).copy()
+            if timed:
+                self._defer_blocks(layers, pos)
         return x
+
+    def _defer_blocks(self, layers, pos):
+        """The block spans of a timed run (debug), from its ticks: perf makes them after the step,
+        as FusedBlock._timed's at debug level."""
+        stack, ctx, thread = perf.frame()
+        parent = stack[-1] if stack else None
+        for k, i in enumerate(layers):
+            t0, t_mid, t_end = self.ticks[k].tolist()
+            perf.defer((self.fused[i]._post_spans, _NO_EVENTS, 0, parent, len(stack), ctx, thread, perf.new_id(),
+                        None, pos, t0, t_mid, t_end))
+        if t_end > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
+            _PAIRS.note()
 
 
 def _norm_kind(norm) -> int:

@@ -2,6 +2,8 @@
 type and block shape: the same kernels in the same order, so float32-close (in fact equal).
 The whole models are held to transformers by tests/nlp (their decode steps run fused)."""
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def _norm_w(rng, d):
     return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
 
 
-def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias=False, seed=0):
+def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias=False, seed=0, index=0):
     """One block of a real family's shape with random weights of `qtype` (down_proj: `down_type`)."""
     rng = np.random.default_rng(seed)
     d, f = (256, 512) if qtype in K_TYPES or down_type in K_TYPES else (64, 96)
@@ -46,7 +48,7 @@ def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias
         norm = lambda: LayerNorm(_norm_w(rng, d), 0.1 * rng.standard_normal(d).astype(np.float32), 1e-5)  # noqa
         attn = Attention(H, Hkv, hd, qkv, o, hd ** -0.5, name="attn")
         ffn = MLP(lin(f, d, "up_proj"), down, "gelu_tanh", name="mlp")
-        return TransformerBlock(0, norm(), attn, norm(), ffn, name="h.0")
+        return TransformerBlock(index, norm(), attn, norm(), ffn, name=f"h.{index}")
     gemma = shape == "gemma3"
     norm = lambda n=d: RMSNorm(0.1 * rng.standard_normal(n).astype(np.float32) if gemma else _norm_w(rng, n),  # noqa
                                1e-6, unit_offset=gemma)
@@ -54,7 +56,7 @@ def make_block(qtype, *, shape="llama", down_type=None, separate_qkv=False, bias
                      q_norm=norm(hd) if gemma else None, k_norm=norm(hd) if gemma else None,
                      window=4 if gemma else None, name="self_attn")
     ffn = GatedMLP(lin(f, d, "gate_proj"), lin(f, d, "up_proj"), down, "gelu_tanh" if gemma else "silu", name="mlp")
-    return TransformerBlock(0, norm(), attn, norm(), ffn, norm() if gemma else None, norm() if gemma else None,
+    return TransformerBlock(index, norm(), attn, norm(), ffn, norm() if gemma else None, norm() if gemma else None,
                             name="layers.0")
 
 
@@ -183,3 +185,37 @@ def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
     for i in range(4):
         close(cache.k[i], other.k[i])
         close(cache.v[i], other.v[i])
+
+
+def test_fused_step_under_debug_reports_the_blocks_like_one_by_one():
+    """LOG=debug: the one-call step makes each block's span from the kernel's ticks (after the
+    step), with the names, layers, parts and parent the block-by-block path gives them."""
+    def debug_step(whole):
+        blocks = [make_block(QuantType.Q4_0, shape="llama", seed=i, index=i) for i in range(3)]
+        step = FusedStep(blocks, [b.fused() for b in blocks])
+        a = blocks[0].attn
+        cache = KVCache(3, a.n_kv_heads, a.head_dim, 8)
+        x = np.ones((1, blocks[0].attn_norm.weight.shape[0]), np.float32)
+        got = []
+        perf.add_collector(got.append, level=logging.DEBUG)
+        try:
+            with perf.get("pyml.nlp.model").debug("model::forward", "", op="model"):
+                if whole:
+                    y = step(x, 0, cache)
+                else:
+                    y = x
+                    for block in blocks:
+                        y = block(y, 0, cache)
+        finally:
+            perf.remove_collector(got.append)
+        top = next(r for r in got if r["name"] == "model::forward")
+        recs = [r for r in got if r["name"] != "model::forward"]
+        assert all(r["parent"] == top["id"] for r in recs)
+        assert all(top["start"] <= r["start"] and r["start"] + r["dur_ms"] / 1e3 <= top["start"] + top["dur_ms"] / 1e3
+                   for r in recs)
+        return y, [(r["name"], r["layer"], r["kind"], sorted(r["parts"])) for r in recs]
+
+    y, whole = debug_step(True)
+    ref, one_by_one = debug_step(False)
+    close(y, ref)
+    assert whole == one_by_one == [(f"transformer[{i}]::forward", i, "global", ["attn", "ffn"]) for i in range(3)]
