@@ -9,10 +9,11 @@ Two sources build the same `Tokenizer`:
   `tokenizer.ggml.*` keys. We rebuild the tokenizer from them the way llama.cpp's
   llama-vocab.cpp reads them (llama.cpp is the reference for what a GGUF means):
   `gpt2` is byte-level BPE (file merges, pre-tokenizer regexes chosen by `tokenizer.ggml.pre`),
-  `llama` is SentencePiece BPE (merges ranked by the merged token's score, spaces as "▁",
-  `<0xNN>` byte fallback). Control and user-defined tokens are matched whole in the text.
+  `llama` is SentencePiece BPE (the best-scored adjacent pair merged first, spaces as "▁",
+  `<0xNN>` byte fallback), encoded by Google's `sentencepiece` (sentencepiece_vocab.py).
+  Control and user-defined tokens are matched whole in the text.
 
-Encoding runs in `tokenizers`. Decoding is ours, token by token (`token_bytes`), so that
+Encoding runs in `tokenizers` (or `sentencepiece`). Decoding is ours, token by token (`token_bytes`), so that
 `decode` and the streaming `StreamDecoder` are one code path and agree by construction.
 """
 
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 import codecs
 import json
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 
 from pyml.core.errors import ModelFormatError, UnsupportedError
 from pyml.nlp.chat import CHATML_TEMPLATE, apply_chat_template, fallback_chat_template
+from pyml.nlp.sentencepiece_vocab import SPACE, SentencePieceEncoder
 
 # --- pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe applies them (one after the other) ---
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -67,8 +68,6 @@ _LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                      "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
-_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-
 
 def _byte_level_alphabet() -> dict:
     """GPT-2's printable stand-in character for each byte -> that byte (its bytes_to_unicode, inverted)."""
@@ -88,10 +87,10 @@ BYTE_OF_CHAR = _byte_level_alphabet()
 class Vocabulary:
     """Every token's text and llama.cpp token type, and how a normal token spells its bytes.
 
-    The texts are the backend's own (`id_to_token`, held by `tokenizers` in Rust): a Python list
-    of them was 25 MB of str objects for Gemma 3's 262,144 tokens, beside the same strings in
-    the backend; the types an int32 array."""
-    backend: _Backend       # its vocabulary: token id -> the text the file stores
+    The texts are the backend's own (`id_to_token`, held by `tokenizers` or `sentencepiece` in
+    C++/Rust): a Python list of them was 25 MB of str objects for Gemma 3's 262,144 tokens, beside
+    the same strings in the backend; the types an int32 array."""
+    backend: _Backend | SentencePieceEncoder  # its id_to_token: token id -> the text the file stores
     types: np.ndarray       # int32 [n_vocab], gguf.TokenType values
     byte_level: bool        # GPT-2 byte alphabet; else SentencePiece ("▁" = space, <0xNN> = byte)
     strip_first_space: bool  # decode drops the space SentencePiece put before the first word
@@ -104,9 +103,9 @@ class Vocabulary:
 class Tokenizer:
     """Encode text to ids and decode ids to text for one model."""
 
-    def __init__(self, backend: _Backend, vocab: Vocabulary, *, bos_id=None, eos_id=None, unk_id=None,
+    def __init__(self, backend: _Backend | SentencePieceEncoder, vocab: Vocabulary, *, bos_id=None, eos_id=None, unk_id=None,
                  pad_id=None, eos_ids=(), add_bos=False, add_eos=False, chat_template=None, source="tokenizer"):
-        self._backend = backend      # tokenizers.Tokenizer, encoding only (no post-processor)
+        self._backend = backend      # tokenizers.Tokenizer (no post-processor) or SentencePieceEncoder
         self._vocab = vocab
         self._piece_cache: dict = {}
         self.bos_id, self.eos_id, self.unk_id, self.pad_id = bos_id, eos_id, unk_id, pad_id
@@ -134,13 +133,15 @@ class Tokenizer:
                 raise ModelFormatError(f"{source}: tokenizer.ggml.scores is missing; a SentencePiece "
                                        f"vocabulary needs one score per token")
             space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-            backend = _sentencepiece_bpe(texts, scores, types, space_prefix, source)
+            _check_unique(texts, source)
+            backend = SentencePieceEncoder(texts, scores, types, space_prefix, source)
             vocab = Vocabulary(backend, _type_array(types), byte_level=False, strip_first_space=space_prefix)
             defaults = dict(bos=1, eos=2, unk=0, add_bos=True)  # llama.cpp's SPM defaults
         else:
             raise UnsupportedError(f"{source}: tokenizer.ggml.model {model!r} is not supported "
                                    f"(supported: gpt2, llama)")
-        _add_special_tokens(backend, texts, types)
+        if model == "gpt2":  # the SentencePiece encoder matches its whole tokens itself
+            _add_special_tokens(backend, texts, types)
 
         def token_id(key, default):
             value = metadata.get(f"tokenizer.ggml.{key}", default)
@@ -209,7 +210,10 @@ class Tokenizer:
         With add_special_tokens, BOS/EOS are added as the model asks (add_bos/add_eos), except
         that a text already starting with BOS (a chat template that writes `<bos>`) keeps one.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if isinstance(self._backend, SentencePieceEncoder):
+            ids = self._backend.encode(text)
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
                 ids.insert(0, self.bos_id)
@@ -239,7 +243,7 @@ class Tokenizer:
         if self._vocab.byte_level:
             return bytes(BYTE_OF_CHAR[c] for c in text) if all(c in BYTE_OF_CHAR for c in text) \
                 else text.encode("utf-8")
-        return text.replace(_SPACE, " ").encode("utf-8")
+        return text.replace(SPACE, " ").encode("utf-8")
 
     def is_special(self, token_id: int) -> bool:
         """A control (or unknown) token, which decode(skip_special_tokens=True) leaves out."""
@@ -331,43 +335,20 @@ def _byte_level_bpe(texts, merges, pre: str, source: str) -> _Backend:
     return backend
 
 
-def _sentencepiece_bpe(texts, scores, types, space_prefix: bool, source: str) -> _Backend:
-    """llama.cpp's SPM tokenizer as a BPE model.
-
-    llama.cpp merges, over and over, the adjacent pair whose concatenation is the
-    best-scored token. A BPE model whose merges are every (left, right) split of every
-    token, ranked by that token's score, makes the same choices.
-    """
-    known = set(texts)
-    normal = int(TokenType.NORMAL)  # a plain int: comparing with the IntEnum is slow over 256k tokens
-    # the candidates in flat arrays, not a tuple each: Gemma 3 has 513,511 (~55 MB of tuples at the load's peak)
-    keys, ids, cuts = array("d"), array("q"), array("q")
-    for i, (text, kind) in enumerate(zip(texts, types)):
-        if kind != normal or len(text) < 2:
-            continue  # control and user-defined tokens are matched whole, never merged into
-        for cut in range(1, len(text)):
-            if text[:cut] in known and text[cut:] in known:
-                keys.append(-scores[i])
-                ids.append(i)
-                cuts.append(cut)
-    del known
-    order = np.lexsort((np.frombuffer(cuts, np.int64), np.frombuffer(ids, np.int64), np.frombuffer(keys)))
-    pairs = [(texts[i][:cut], texts[i][cut:]) for i, cut in zip(np.take(ids, order).tolist(),
-                                                                   np.take(cuts, order).tolist())]
-    unk = next((t for t, k in zip(texts, types) if k == TokenType.UNKNOWN), None)
-    backend = _Backend(_bpe(texts, pairs, source, byte_fallback=True, unk_token=unk))
-    steps = [normalizers.Prepend(_SPACE)] if space_prefix else []
-    # Prepend runs on each stretch of text between special tokens: llama.cpp's "space after a special"
-    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", _SPACE)])
-    return backend
+def _check_unique(texts, source):
+    """A text twice is refused (llama.cpp refuses such a file too)."""
+    if len(set(texts)) == len(texts):
+        return
+    first = {}
+    for i, text in enumerate(texts):
+        if first.setdefault(text, i) != i:
+            raise ModelFormatError(f"{source}: token {text!r} appears twice in tokenizer.ggml.tokens "
+                                   f"(ids {first[text]} and {i})")
 
 
 def _bpe(texts, pairs, source, **options):
-    vocab = {}
-    for i, text in enumerate(texts):
-        if vocab.setdefault(text, i) != i:  # llama.cpp refuses such a file too
-            raise ModelFormatError(f"{source}: token {text!r} appears twice in tokenizer.ggml.tokens "
-                                   f"(ids {vocab[text]} and {i})")
+    _check_unique(texts, source)
+    vocab = {text: i for i, text in enumerate(texts)}
     try:
         return _models.BPE(vocab=vocab, merges=pairs, **options)
     except Exception as e:  # tokenizers raises plain Exception for a merge of unknown tokens
