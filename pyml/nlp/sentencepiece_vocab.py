@@ -29,7 +29,9 @@ from tokenizers import models as _models
 from pyml.core.errors import ModelFormatError
 
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-_UNKNOWN_PIECE = "<pyml-unk>"  # the proto's unknown piece when the file types none UNKNOWN
+# texts of pieces the proto needs and the file has not (U+FFFE is no character: no vocabulary has it)
+_UNKNOWN_PIECE = "\ufffepyml-unk"   # the unknown piece, when the file types none UNKNOWN
+_EMPTY_PIECE = "\ufffepyml-empty-"  # + id: a token whose text is empty
 
 # ModelProto fields (sentencepiece_model.proto), as tag bytes: field number << 3 | wire type
 _PIECES, _TRAINER_SPEC, _NORMALIZER_SPEC = b"\x0a", b"\x12", b"\x1a"  # 1, 2, 3: length-delimited
@@ -82,17 +84,28 @@ class SentencePieceEncoder:
     def __init__(self, texts, scores, types, space_prefix: bool, source: str):
         n = len(texts)
         whole = {int(TokenType.CONTROL), int(TokenType.USER_DEFINED), int(TokenType.UNKNOWN)}
-        normal, byte = int(TokenType.NORMAL), int(TokenType.BYTE)
+        normal, byte, control = int(TokenType.NORMAL), int(TokenType.BYTE), int(TokenType.CONTROL)
         unk_id = next((i for i, k in enumerate(types) if k == TokenType.UNKNOWN), None)
-        # SentencePiece merges into NORMAL pieces only and reads BYTE ones for the fallback;
-        # every other token is one SentencePiece never produces (CONTROL), but for one UNKNOWN
-        piece_types = [k if k in (normal, byte) else 3 for k in types]
+        # SentencePiece merges into NORMAL pieces only and reads BYTE ones (<0xNN>) for the
+        # fallback; every other token is one SentencePiece never produces (CONTROL), but for one UNKNOWN
+        piece_types = [k if k == normal or k == byte and _is_byte_piece(t) else control
+                       for t, k in zip(texts, types)]
+        # it takes no empty piece: a stand-in text for one, never matched (CONTROL), never decoded
+        self._empty = frozenset(i for i, t in enumerate(texts) if not t)
+        if self._empty:
+            texts = [t or f"{_EMPTY_PIECE}{i}" for i, t in enumerate(texts)]
+            for i in self._empty:
+                piece_types[i] = control
         if unk_id is None:  # SentencePiece needs one: an extra piece, dropped from what encode gives
             texts, scores, unk_id = [*texts, _UNKNOWN_PIECE], [*scores, 0.0], n
             piece_types.append(int(TokenType.UNKNOWN))
         else:
             piece_types[unk_id] = int(TokenType.UNKNOWN)
-        proto = model_proto(texts, scores, piece_types, unk_id, byte_fallback=byte in piece_types)
+        # byte fallback needs all 256 byte pieces; without them an unknown character is <unk>
+        byte_fallback = piece_types.count(byte) == 256
+        if not byte_fallback:
+            piece_types = [control if k == byte else k for k in piece_types]
+        proto = model_proto(texts, scores, piece_types, unk_id, byte_fallback)
         del piece_types
         self._processor = SentencePieceProcessor()
         try:
@@ -135,4 +148,12 @@ class SentencePieceEncoder:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The token's text as the file stores it (None outside the vocabulary)."""
-        return self._processor.id_to_piece(token_id) if 0 <= token_id < self._n else None
+        if not 0 <= token_id < self._n:
+            return None
+        return "" if token_id in self._empty else self._processor.id_to_piece(token_id)
+
+
+def _is_byte_piece(text: str) -> bool:
+    """"<0x0A>": a byte piece as SentencePiece spells it."""
+    return len(text) == 6 and text.startswith("<0x") and text.endswith(">") and all(
+        c in "0123456789ABCDEF" for c in text[3:5])

@@ -159,3 +159,16 @@ def test_spm_random_vocabularies_match_the_tokenizers_build(seed):
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         if not seed % 2 or "<s>" not in text and "</s>" not in text:  # a prefix after a special stays
             assert tok.decode(ids) == text
+
+
+def test_spm_odd_vocabularies_load():
+    """sentencepiece takes no empty piece and byte fallback only with all 256 byte pieces: an empty
+    token is kept (never produced, decoded as nothing) and a partial byte set gives <unk> instead."""
+    metadata = spm_metadata({"a": -1, "b": -2, "": -3, "ab": -4}, add_space_prefix=False)
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    assert texts(tok, tok.encode("abé", add_special_tokens=False)) == ["ab", "<0xC3>", "<0xA9>"]
+    assert tok._vocab.text(261) == "" and tok.decode([261]) == ""
+    metadata = spm_metadata({"a": -1, "b": -2, "ab": -4}, add_space_prefix=False)
+    metadata["tokenizer.ggml.token_type"][3] = 1  # <0x00> a normal token: 255 byte pieces
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    assert texts(tok, tok.encode("abé", add_special_tokens=False)) == ["ab", "<unk>"]
