@@ -142,9 +142,9 @@ class SentencePieceEncoder:
     def _encode_stretches(self, stretches: list) -> list:
         """Each stretch between whole-matched tokens: the space prefix, "▁" for spaces, then BPE."""
         prefix = SPACE if self._space_prefix else ""
-        encoded = self._processor.encode([prefix + s.replace(" ", SPACE) for s in stretches])
-        n = self._n
-        return [[i for i in ids if i < n] for ids in encoded]
+        encode, n = self._processor.EncodeAsIds, self._n
+        # one call per stretch: a list in one call would run on a pool of new threads
+        return [[i for i in encode(prefix + s.replace(" ", SPACE)) if i < n] for s in stretches]
 
     def id_to_token(self, token_id: int) -> str | None:
         """The token's text as the file stores it (None outside the vocabulary)."""
