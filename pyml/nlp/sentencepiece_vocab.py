@@ -35,7 +35,7 @@ _EMPTY_PIECE = "\ufffepyml-empty-"  # + id: a token whose text is empty
 
 # ModelProto fields (sentencepiece_model.proto), as tag bytes: field number << 3 | wire type
 _PIECES, _TRAINER_SPEC, _NORMALIZER_SPEC = b"\x0a", b"\x12", b"\x1a"  # 1, 2, 3: length-delimited
-_PIECE_TAIL = struct.Struct("<BfBB").pack  # score (2, fixed32), type (3, varint), one byte each way
+_PIECE_TAIL = struct.Struct("<BfBB").pack  # 0x15 score (2, fixed32), 0x18 type (3, varint: 1..6, one byte)
 _BPE = 2  # TrainerSpec.model_type
 
 

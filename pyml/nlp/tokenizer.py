@@ -13,8 +13,9 @@ Two sources build the same `Tokenizer`:
   `<0xNN>` byte fallback), encoded by Google's `sentencepiece` (sentencepiece_vocab.py).
   Control and user-defined tokens are matched whole in the text.
 
-Encoding runs in `tokenizers` (or `sentencepiece`). Decoding is ours, token by token (`token_bytes`), so that
-`decode` and the streaming `StreamDecoder` are one code path and agree by construction.
+Encoding runs in `tokenizers` (or `sentencepiece`). Decoding is ours, token by token
+(`token_bytes`), so that `decode` and the streaming `StreamDecoder` are one code path and agree
+by construction.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ class Vocabulary:
 class Tokenizer:
     """Encode text to ids and decode ids to text for one model."""
 
-    def __init__(self, backend: _Backend | SentencePieceEncoder, vocab: Vocabulary, *, bos_id=None, eos_id=None, unk_id=None,
-                 pad_id=None, eos_ids=(), add_bos=False, add_eos=False, chat_template=None, source="tokenizer"):
+    def __init__(self, backend: _Backend | SentencePieceEncoder, vocab: Vocabulary, *, bos_id=None, eos_id=None,
+                 unk_id=None, pad_id=None, eos_ids=(), add_bos=False, add_eos=False, chat_template=None,
+                 source="tokenizer"):
         self._backend = backend      # tokenizers.Tokenizer (no post-processor) or SentencePieceEncoder
         self._vocab = vocab
         self._piece_cache: dict = {}

@@ -24,10 +24,11 @@ from tests.nlp.tokenizers_spm import tokenizers_spm
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 HARD = [
-    "a" + " " * 39 + "b", " " * 70, "\t" * 40 + "x", "x\n\n\n\n\n\n\ny", "  \t \n\n  x  ", "\r\n\r\n", "\u3000wide space",
-    "ꙮ𓀀", "\x00\x01\x7f", "🤗" * 5, "👩‍👩‍👧‍👦🇫🇷", "한국어 텍스트", "Ελληνικά", "עברית", "ไทย", "नमस्ते",
-    "0", "00000000", "3.14e-10", "<0x41>", "<unused5>x", " <start_of_turn>", "<start_of_turn><end_of_turn>",
-    "<eos><bos><pad>", "<start_of_turn", "start_of_turn>", "<start_of_image>", "[multimodal]",
+    "a" + " " * 39 + "b", " " * 70, "\t" * 40 + "x", "x\n\n\n\n\n\n\ny", "  \t \n\n  x  ", "\r\n\r\n",
+    "\u3000wide space", "ꙮ𓀀", "\x00\x01\x7f", "🤗" * 5, "👩‍👩‍👧‍👦🇫🇷", "한국어 텍스트", "Ελληνικά", "עברית", "ไทย",
+    "नमस्ते", "0", "00000000", "3.14e-10", "<0x41>", "<unused5>x", " <start_of_turn>",
+    "<start_of_turn><end_of_turn>", "<eos><bos><pad>", "<start_of_turn", "start_of_turn>", "<start_of_image>",
+    "[multimodal]",
 ]
 
 
