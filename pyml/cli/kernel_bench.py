@@ -115,35 +115,37 @@ def _int8_chains(n, q):  # 12 independent u8 x i8 dot chains, the instruction th
     return hsum(to_f32(add_i32(t, add_i32(add_i32(s8, s9), add_i32(s10, s11)))))
 
 
+def _chains16(op):
+    """A kernel running 12 independent chains of the 512-bit dot `op` (latency x pipes needs >= 8)."""
+    @numba.njit(cache=True)
+    def chains(n, a, b, z):
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11 = z, z, z, z, z, z, z, z, z, z, z, z
+        for _ in range(n):
+            s0, s1, s2, s3 = op(s0, a, b), op(s1, a, b), op(s2, a, b), op(s3, a, b)
+            s4, s5, s6, s7 = op(s4, a, b), op(s5, a, b), op(s6, a, b), op(s7, a, b)
+            s8, s9, s10, s11 = op(s8, a, b), op(s9, a, b), op(s10, a, b), op(s11, a, b)
+        return s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11
+    return chains
+
+
+_dpbusd16_chains, _dpbf16_chains = _chains16(dpbusd16), _chains16(dpbf16_regs)
+
+
 @numba.njit(cache=True)
-def _int8_chains16(n, q):  # 12 independent vpdpbusd chains on 512-bit vectors (the avx512_vnni GEMMs')
-    a, b = load_u8x32_pair(q, q, 0), as_i8x64(load_u8x32_pair(q, q, 32))
-    s0, s1, s2, s3 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    s4, s5, s6, s7 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    s8, s9, s10, s11 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    for _ in range(n):
-        s0, s1, s2, s3 = dpbusd16(s0, a, b), dpbusd16(s1, a, b), dpbusd16(s2, a, b), dpbusd16(s3, a, b)
-        s4, s5, s6, s7 = dpbusd16(s4, a, b), dpbusd16(s5, a, b), dpbusd16(s6, a, b), dpbusd16(s7, a, b)
-        s8, s9, s10, s11 = dpbusd16(s8, a, b), dpbusd16(s9, a, b), dpbusd16(s10, a, b), dpbusd16(s11, a, b)
-    t = add_i32x16(add_i32x16(add_i32x16(s0, s1), add_i32x16(s2, s3)), add_i32x16(add_i32x16(s4, s5),
-                                                                              add_i32x16(s6, s7)))
-    out = np.empty(16, np.float32)
-    store_f32x16(out, 0, to_f32x16(add_i32x16(t, add_i32x16(add_i32x16(s8, s9), add_i32x16(s10, s11)))))
+def _int8_chains16(n, q):  # vpdpbusd on 512-bit vectors (the avx512_vnni GEMMs')
+    sums = _dpbusd16_chains(n, load_u8x32_pair(q, q, 0), as_i8x64(load_u8x32_pair(q, q, 32)), zeros_i32x16())
+    out, t = np.empty(16, np.float32), zeros_i32x16()
+    for s in sums:  # every chain feeds the result, or LLVM drops it
+        t = add_i32x16(t, s)
+    store_f32x16(out, 0, to_f32x16(t))
     return out.sum()
 
 
 @numba.njit(cache=True)
-def _bf16_chains(n, x):  # 12 independent vdpbf16ps chains on zmm (32 bf16 products each): the bf16 peak
-    a, b = f32x16(x[0]), f32x16(x[1])
-    s0, s1, s2, s3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-    s4, s5, s6, s7 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-    s8, s9, s10, s11 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-    for _ in range(n):
-        s0, s1, s2, s3 = dpbf16_regs(s0, a, b), dpbf16_regs(s1, a, b), dpbf16_regs(s2, a, b), dpbf16_regs(s3, a, b)
-        s4, s5, s6, s7 = dpbf16_regs(s4, a, b), dpbf16_regs(s5, a, b), dpbf16_regs(s6, a, b), dpbf16_regs(s7, a, b)
-        s8, s9, s10, s11 = dpbf16_regs(s8, a, b), dpbf16_regs(s9, a, b), dpbf16_regs(s10, a, b), dpbf16_regs(s11, a, b)
-    one, t = f32x16(1.0), s11  # every chain feeds the result, or LLVM drops it
-    for s in (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10):
+def _bf16_chains(n, x):  # vdpbf16ps on zmm (32 bf16 products each): the bf16 peak
+    sums = _dpbf16_chains(n, f32x16(x[0]), f32x16(x[1]), zeros_f32x16())
+    one, t = f32x16(1.0), zeros_f32x16()
+    for s in sums:  # every chain feeds the result, or LLVM drops it
         t = fma16(s, one, t)
     out = np.empty(16, np.float32)
     store_f32x16(out, 0, t)

@@ -14,6 +14,9 @@ matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
   F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
                         with float32 FMAs (weights widened on the fly).
+  bf16 blocks (float W) pack_bf16() (--float-compute bf16, the avx512_bf16 path): weights and
+                        activations rounded to bf16, vdpbf16ps into float32 sums (bf16.py), ~2.3x
+                        the float32 GEMM; models use them for T > 1 only.
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction,
                         1.2-3.8x the file layout's speed; models pack their Linears at load.
