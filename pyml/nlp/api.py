@@ -245,8 +245,6 @@ def build_packed(build, source: Path, lm_head_quant: str | None = None, float_co
     written into it (loaders/packed_cache.py)."""
     files = packed_cache.model_files(source)
     options = f"lm_head_quant={str(lm_head_quant).lower()}" if lm_head_quant else ""
-    if quant.BF16_AVAILABLE and float_compute != "f32":  # what is derived differs: a cache file of its own
-        options += f" float_compute={float_compute} bf16_layout={quant.bf16.LAYOUT_VERSION}"
     for attempt in (1, 2):
         provider = packed_cache.open_for(files, options, reuse=attempt == 1)
         try:

@@ -39,8 +39,9 @@ from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.simd import FASTMATH, _I32, _call, _load, _mask
 from pyml.quant.simd512 import F32x16, store_f32x16, zeros_f32x16
 
-# The layout's version, part of the packed-weights cache's key (nlp/api.py): bump it with any change
-# to the bytes pack() writes.
+# The layout's version, part of the blocks' name in the packed-weights cache (`<linear>.bf16.v1`: a
+# file made under another version holds no such array and is re-packed): bump it with any change to
+# the bytes pack() writes.
 LAYOUT_VERSION = 1
 ROWS = 32           # rows per block: two zmm of 16 lanes
 PAIR = 2 * ROWS     # bf16 values per column pair of a block
@@ -130,8 +131,10 @@ def packed_shape(rows: int, n_cols: int) -> tuple[int, int]:
 
 def pack(w: np.ndarray, kind: int, n_cols: int, to_f32, key: str | None = None) -> BF16Packed:
     """Stored float weights [rows, n_cols] -> BF16Packed, converted a slab of blocks at a time
-    (`to_f32(rows_slab)` widens the stored type); a derived array under `key` (core/derived.py), so a
-    packed-weights cache fills it once and hands it back on later loads."""
+    (`to_f32(rows_slab)` widens the stored type); a derived array named after `key`, the mode and the
+    layout (core/derived.py), so a packed-weights cache fills it once and hands it back on later loads.
+    The model's cache file is the same in every mode: an f32 load never asks for the blocks, a bf16
+    load of a file made without them re-packs it once, with them."""
     rows = w.shape[0]
     G, width = packed_shape(rows, n_cols)
     K2 = width // PAIR
@@ -145,7 +148,7 @@ def pack(w: np.ndarray, kind: int, n_cols: int, to_f32, key: str | None = None) 
             bits = to_bf16_bits(slab).reshape(g1 - g0, 2, 16, K2, 2)  # [block, half, row, pair, column]
             blocks[g0:g1] = bits.transpose(0, 3, 1, 2, 4).reshape(g1 - g0, width)
 
-    blocks = derived.array(key and f"{key}.bf16", (G, width), np.uint16, fill)
+    blocks = derived.array(key and f"{key}.bf16.v{LAYOUT_VERSION}", (G, width), np.uint16, fill)
     return BF16Packed(int(kind), int(n_cols), int(rows), blocks)
 
 
