@@ -27,8 +27,8 @@ UBATCH = 512  # tokens per forward pass while filling a context (llama.cpp's def
 class PymlEngine:
     name = "pyml"
 
-    def __init__(self, model: BenchModel, path: Path, threads: int):
-        self.lm = load_model(threads=threads, warmup=True, **{model.kind: str(path)})
+    def __init__(self, model: BenchModel, path: Path, threads: int, float_compute: str = "auto"):
+        self.lm = load_model(threads=threads, warmup=True, float_compute=float_compute, **{model.kind: str(path)})
         self.lm.warm_up(prefill=True)  # pp calls the model itself: its kernels load here, not in a timed pass
         self.vocab = self.lm.model.lm_head.out_features
         self.set_context([], 2048)

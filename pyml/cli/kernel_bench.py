@@ -5,9 +5,11 @@
 T == 1 cycles through enough copies of each matrix (>= 256 MB) that weights come from
 memory, not cache, as in a real model; GB/s = stored weight bytes / time (best of several
 rounds). Baselines printed first: a streaming byte-sum (the memory ceiling for a kernel
-that reads its weights once), the core's float32 FMA and int8 dot-product peaks (independent
-chains of the instruction, nothing loaded), of which each GEMM's rate is given as a share,
-and NumPy/BLAS float32 GEMM at T == 128.
+that reads its weights once), the core's float32 FMA, int8 dot-product and (on the avx512_bf16
+path) bf16 dot-product peaks (independent chains of the instruction, nothing loaded), of which
+each GEMM's rate is given as a share, and NumPy/BLAS float32 GEMM at T == 128. On the avx512_bf16
+path each float type also gets a "bf16" row: its GEMM through --float-compute bf16's blocks
+(quant/bf16.py), a share of the bf16 peak.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from threadpoolctl import threadpool_limits
 from pyml import quant
 from pyml.cli.main import Parser, run_command
 from pyml.quant import FLOAT_TYPES, QuantType
-from pyml.core.isa import ZMM
-from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, load_u8x32_pair, store_f32x16, to_f32x16,
-                                zeros_i32x16)
+from pyml.core.isa import BF16, ZMM
+from pyml.quant.bf16 import dpbf16_regs
+from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_u8x32_pair, store_f32x16, to_f32x16,
+                                zeros_f32x16, zeros_i32x16)
 from pyml.quant.simd import (HAVE_VNNI, add, add_i32, as_i8, dpbusd, fma, hsum, load_f32x8, load_u8x32, maddubs,
                              sum_pairs, to_f32, zeros_i32x8)
 
@@ -112,21 +115,50 @@ def _int8_chains(n, q):  # 12 independent u8 x i8 dot chains, the instruction th
     return hsum(to_f32(add_i32(t, add_i32(add_i32(s8, s9), add_i32(s10, s11)))))
 
 
+def _chains16(op):
+    """A kernel running 12 independent chains of the 512-bit dot `op` (latency x pipes needs >= 8)."""
+    @numba.njit(cache=True)
+    def chains(n, a, b, z):
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11 = z, z, z, z, z, z, z, z, z, z, z, z
+        for _ in range(n):
+            s0, s1, s2, s3 = op(s0, a, b), op(s1, a, b), op(s2, a, b), op(s3, a, b)
+            s4, s5, s6, s7 = op(s4, a, b), op(s5, a, b), op(s6, a, b), op(s7, a, b)
+            s8, s9, s10, s11 = op(s8, a, b), op(s9, a, b), op(s10, a, b), op(s11, a, b)
+        return s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11
+    return chains
+
+
+_dpbusd16_chains, _dpbf16_chains = _chains16(dpbusd16), _chains16(dpbf16_regs)
+
+
 @numba.njit(cache=True)
-def _int8_chains16(n, q):  # 12 independent vpdpbusd chains on 512-bit vectors (the avx512_vnni GEMMs')
-    a, b = load_u8x32_pair(q, q, 0), as_i8x64(load_u8x32_pair(q, q, 32))
-    s0, s1, s2, s3 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    s4, s5, s6, s7 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    s8, s9, s10, s11 = zeros_i32x16(), zeros_i32x16(), zeros_i32x16(), zeros_i32x16()
-    for _ in range(n):
-        s0, s1, s2, s3 = dpbusd16(s0, a, b), dpbusd16(s1, a, b), dpbusd16(s2, a, b), dpbusd16(s3, a, b)
-        s4, s5, s6, s7 = dpbusd16(s4, a, b), dpbusd16(s5, a, b), dpbusd16(s6, a, b), dpbusd16(s7, a, b)
-        s8, s9, s10, s11 = dpbusd16(s8, a, b), dpbusd16(s9, a, b), dpbusd16(s10, a, b), dpbusd16(s11, a, b)
-    t = add_i32x16(add_i32x16(add_i32x16(s0, s1), add_i32x16(s2, s3)), add_i32x16(add_i32x16(s4, s5),
-                                                                              add_i32x16(s6, s7)))
-    out = np.empty(16, np.float32)
-    store_f32x16(out, 0, to_f32x16(add_i32x16(t, add_i32x16(add_i32x16(s8, s9), add_i32x16(s10, s11)))))
+def _int8_chains16(n, q):  # vpdpbusd on 512-bit vectors (the avx512_vnni GEMMs')
+    sums = _dpbusd16_chains(n, load_u8x32_pair(q, q, 0), as_i8x64(load_u8x32_pair(q, q, 32)), zeros_i32x16())
+    out, t = np.empty(16, np.float32), zeros_i32x16()
+    for s in sums:  # every chain feeds the result, or LLVM drops it
+        t = add_i32x16(t, s)
+    store_f32x16(out, 0, to_f32x16(t))
     return out.sum()
+
+
+@numba.njit(cache=True)
+def _bf16_chains(n, x):  # vdpbf16ps on zmm (32 bf16 products each): the bf16 peak
+    sums = _dpbf16_chains(n, f32x16(x[0]), f32x16(x[1]), zeros_f32x16())
+    one, t = f32x16(1.0), zeros_f32x16()
+    for s in sums:  # every chain feeds the result, or LLVM drops it
+        t = fma16(s, one, t)
+    out = np.empty(16, np.float32)
+    store_f32x16(out, 0, t)
+    return out.sum()
+
+
+def bf16_peak(rounds: int = 5, n: int = 4_000_000) -> float | None:
+    """GFLOP/s of one core's vdpbf16ps (a bf16 product and its add count 2, as a float FMA), or None
+    off the avx512_bf16 path."""
+    if not BF16:
+        return None
+    x = np.full(2, 1e-7, np.float32)
+    return 12 * 32 * 2 * n / _best(lambda: _bf16_chains(n, x), rounds) / 1e9
 
 
 def compute_peaks(rounds: int = 5, n: int = 4_000_000) -> tuple[float, float]:
@@ -164,11 +196,14 @@ def _copy(w):
     return dataclasses.replace(w, groups=_copy(w.groups), tail=_copy(w.tail))
 
 
-def gemm_gflops(qtype, rows, n_cols, T=128, exact=False, rounds=3, rng=None) -> float:
+def gemm_gflops(qtype, rows, n_cols, T=128, exact=False, rounds=3, rng=None, bf16=False) -> float:
+    """GFLOP/s of one GEMM; `bf16`: a float type through --float-compute bf16's blocks."""
     rng = rng or np.random.default_rng(0)
     w = _weights(rng, qtype, rows, n_cols)
     if isinstance(w, np.ndarray):
         w.flags.writeable = False
+    if bf16:
+        w = quant.pack_bf16(w, qtype, n_cols)
     x = rng.standard_normal((T, n_cols), np.float32)
     out = np.empty((T, rows), np.float32)
     return 2.0 * T * rows * n_cols / _best(lambda: quant.matmul(x, w, qtype, n_cols, out=out, exact=exact),
@@ -230,27 +265,33 @@ def run(args) -> int:
                 rows[qtype, r, c] = [gemv_gbs(qtype, r, c, rng=rng), None, gemm_gflops(qtype, r, c, args.T, rng=rng), None]
                 if args.exact and qtype not in FLOAT_TYPES:
                     rows[qtype, r, c][1] = gemv_gbs(qtype, r, c, exact=True, rng=rng)
+                if BF16 and qtype in FLOAT_TYPES:  # the prefill of --float-compute bf16 (T > 1 only)
+                    rows[qtype, r, c, "bf16"] = [None, None, gemm_gflops(qtype, r, c, args.T, rng=rng, bf16=True),
+                                                 None]
         if args.exact:  # the exact T > 1 path is BLAS on decoded tiles
-            for (qtype, r, c), row in rows.items():
+            for (qtype, r, c, *_), row in rows.items():
                 if qtype not in FLOAT_TYPES:
                     row[3] = gemm_gflops(qtype, r, c, args.T, exact=True, rng=rng)
         fp32_peak, int8_peak = compute_peaks()
+        bf16 = bf16_peak()
         blas = 2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9
 
         print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
         print(f"memory ceiling (stream sum of 256 MB): {ceiling:6.1f} GB/s")
         print(f"compute peak per core: float32 FMA {fp32_peak:6.1f} GFLOP/s, int8 dot ({INT8_INSTRUCTION}) "
-              f"{int8_peak:6.1f} GOP/s; x{n} threads for the ceilings below")
+              f"{int8_peak:6.1f} GOP/s" + (f", bf16 dot (vdpbf16ps) {bf16:6.1f} GFLOP/s" if bf16 else "")
+              + f"; x{n} threads for the ceilings below")
         print(f"BLAS float32 GEMM [{args.T}x2048]x[2048x5632]: {blas:6.1f} GFLOP/s "
               f"({100 * blas / (n * fp32_peak):.0f}% of the float32 peak)")
         print(f"Q4_1 576x576 GEMV: {us:.1f} µs per call ({bw_us:.1f} µs of it is weight bytes at 20 GB/s)")
-        print(f"{'type':6s} {'shape':>10s} {'T=1 GB/s':>9s}" + (f" {'exact':>6s}" if args.exact else "")
+        print(f"{'type':9s} {'shape':>10s} {'T=1 GB/s':>9s}" + (f" {'exact':>6s}" if args.exact else "")
               + f" {'T=' + str(args.T) + ' GFLOP/s':>14s} {'% of peak':>9s}" + (f" {'exact':>6s}" if args.exact else ""))
-        for (qtype, r, c), (gbs, gbs_x, gfl, gfl_x) in rows.items():
-            line = f"{qtype.name:6s} {r:>5d}x{c:<5d} {gbs:9.1f}"
+        for (qtype, r, c, *compute), (gbs, gbs_x, gfl, gfl_x) in rows.items():
+            name = qtype.name + (" bf16" if compute else "")
+            line = f"{name:9s} {r:>5d}x{c:<5d} " + (f"{gbs:9.1f}" if gbs is not None else f"{'':9s}")
             if args.exact:
                 line += f" {gbs_x:6.1f}" if gbs_x is not None else f" {'':6s}"
-            peak = n * (fp32_peak if qtype in FLOAT_TYPES else int8_peak)
+            peak = n * (bf16 if compute else fp32_peak if qtype in FLOAT_TYPES else int8_peak)
             line += f" {gfl:14.1f} {100 * gfl / peak:8.0f}%"
             if args.exact and gfl_x is not None:
                 line += f" {gfl_x:6.1f}"

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from pyml.core.errors import PymlError
 from pyml.nlp.api import DEFAULT_MODEL
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
+from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
 from pyml.quant.attention_ops import KV_TYPES
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -32,12 +33,18 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", choices=list(KV_TYPES), default=DEFAULT_KV_TYPE,
                    help=f"how the KV cache is stored (default {DEFAULT_KV_TYPE}, as llama.cpp; f32 is exact, "
                         f"q8_0 a quarter of f32's bytes: docs/performance.md)")
+    p.add_argument("--float-compute", choices=list(FLOAT_COMPUTE), default="auto",
+                   help="what F16/BF16/F32 weights' prefill GEMMs compute in: bf16 (vdpbf16ps, weights and "
+                        "activations rounded to bf16, float32 sums; ~2x f32's speed), f32 (exact up to summation "
+                        "order), or auto (default: bf16 for F16/BF16 weights, f32 for F32). bf16 needs AVX-512 "
+                        f"BF16 ({'this CPU has it' if BF16_AVAILABLE else 'this CPU lacks it: f32 only'}); "
+                        "decode always streams the stored weights. Accuracy: docs/performance.md")
 
 
 def model_options(args: argparse.Namespace) -> dict:
     """load_model's keyword arguments for the model the options name."""
     return dict(source=args.model, gguf=args.gguf, safetensors=args.safetensors, threads=args.threads,
-                kv_type=args.kv_type)
+                kv_type=args.kv_type, float_compute=args.float_compute)
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, ctx_size: int | None = None) -> None:

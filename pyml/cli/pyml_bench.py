@@ -10,7 +10,8 @@ it sets:
     limit tok/s = bandwidth / (bytes of weights + bytes of cached keys and values read per token),
 and each prompt's linear layers as achieved GOP/s and a share of the compute peak one core measures
 for the ISA path in use (kernel_bench's chains: int8 dot for quantized weights, float32 FMA for float
-ones), times the thread count:
+ones, vdpbf16ps for float ones computed in bf16: `--float-compute`, named beside the quant type),
+times the thread count:
     GOP/s = tok/s x 2 x parameters of the linear layers (the LM head, run for the last token only, and
     attention not counted).
 """
@@ -40,7 +41,7 @@ from pyml import quant
 from pyml.cli import bench_cold
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, MODELS
-from pyml.cli.kernel_bench import compute_peaks
+from pyml.cli.kernel_bench import bf16_peak, compute_peaks
 from pyml.cli.main import Parser, run_command
 from pyml.core import ops, perf
 from pyml.core.errors import PymlError
@@ -119,7 +120,8 @@ def add_compute_share(row, test, info):
     if test.kind != "pp" or not params or "peaks" not in info:
         return
     row.gops = row.tok_s * 2 * params * 1e6 / 1e9
-    peak = info["peaks"]["fp32_gflops" if row.quant in FLOAT_QUANTS else "int8_gops"] * row.threads
+    kind = "int8_gops" if row.quant not in FLOAT_QUANTS else "bf16_gflops" if row.compute == "bf16" else "fp32_gflops"
+    peak = info["peaks"][kind] * row.threads
     row.pct_limit = 100 * row.gops / peak
 
 
@@ -138,6 +140,7 @@ class Row:
     ratio: dict = field(default_factory=dict)     # pyml / peer, on pyml rows
     pct_limit: float | None = None                # tg: share of the bandwidth limit; pp: of the compute peak
     gops: float | None = None                     # pp: the linear layers' GOP/s
+    compute: str = ""                             # pyml on float weights: what the prefill computes in
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,16 @@ def model_size(path: Path) -> int:
     return path.stat().st_size
 
 
-def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[list, dict]:
+def float_compute_of(lm) -> str:
+    """"bf16" or "f32" for a model of float weights (what its prefill GEMMs compute in), else ""."""
+    lin = lm.model.linears()[0]
+    if lin.weight.qtype not in quant.FLOAT_TYPES:
+        return ""
+    return "f32" if lin.prefill_weight is None else "bf16"
+
+
+def run(models, threads_list, reps, peers, tests: list, progress=True,
+        float_compute: str = "auto") -> tuple[list, dict]:
     rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
     with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
         numba.set_num_threads(max(threads_list))
@@ -187,6 +199,9 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
         if any(t.kind == "pp" for t in tests):
             fp32, int8 = compute_peaks(rounds=3, n=1_000_000)  # one thread: the per-core peak
             info["peaks"] = {"fp32_gflops": fp32, "int8_gops": int8}
+            if quant.BF16_AVAILABLE:
+                info["peaks"]["bf16_gflops"] = bf16_peak(rounds=3, n=1_000_000)
+    info["float_compute"] = float_compute
     work = [(m, t, e) for m in models for t in threads_list for e in ["pyml", *peers]]
     bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="run")
     bytes_per_token = {}
@@ -195,10 +210,12 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
         bar.set_postfix_str(f"{name} {engine_name} t={threads}")
         path = model.locate()
         try:
-            engine = ENGINES[engine_name](model, path, threads)
+            engine = ENGINES[engine_name](model, path, threads,
+                                          **({"float_compute": float_compute} if engine_name == "pyml" else {}))
         except (ImportError, PymlError, OSError, ValueError) as e:
             print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
+        compute = float_compute_of(engine.lm) if engine_name == "pyml" else ""
         if engine_name == "pyml":
             bytes_per_token[name] = (weight_bytes_per_token(engine.lm), kv_bytes_per_position(engine.lm))
             params = sum(lin.in_features * lin.out_features for lin in engine.lm.model.linears()[:-1])
@@ -218,7 +235,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True) -> tuple[
                 rates = bench_engine(engine, test, reps, rng)
                 row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
-                          statistics.stdev(rates) if len(rates) > 1 else 0.0, rates)
+                          statistics.stdev(rates) if len(rates) > 1 else 0.0, rates, compute=compute)
                 add_limit(row, test, info, bytes_per_token.get(name))
                 add_compute_share(row, test, info)
                 rows.append(row)
@@ -253,7 +270,8 @@ def markdown(rows, info, peers) -> str:
             "% of limit"] + [f"pyml/{p}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for r in rows:
-        cells = [r.model, f"{r.size_mib:.0f}", f"{r.params_m:.0f}", r.quant, r.backend, str(r.threads), r.test,
+        cells = [r.model, f"{r.size_mib:.0f}", f"{r.params_m:.0f}", r.quant + (f" ({r.compute})" if r.compute else ""),
+                 r.backend, str(r.threads), r.test,
                  f"{r.tok_s:.2f} ± {r.std:.2f}", "" if r.pct_limit is None else f"{r.pct_limit:.0f}%"]
         cells += [f"{r.ratio[p]:.2f}x" if p in r.ratio else "" for p in peers]
         lines.append("| " + " | ".join(cells) + " |")
@@ -268,7 +286,10 @@ def markdown(rows, info, peers) -> str:
     lines.append("")
     if "peaks" in info:
         lines.append(f"Compute peak per core ({machine.get('isa', '?')}): int8 {info['peaks']['int8_gops']:.0f} "
-                     f"GOP/s, float32 {info['peaks']['fp32_gflops']:.0f} GFLOP/s. A pp row's % is its linear "
+                     f"GOP/s, float32 {info['peaks']['fp32_gflops']:.0f} GFLOP/s"
+                     + (f", bf16 {info['peaks']['bf16_gflops']:.0f} GFLOP/s" if "bf16_gflops" in info["peaks"] else "")
+                     + f"; --float-compute {info.get('float_compute', 'auto')} (a float row's quant names what "
+                     "its pyml prefill computes in). A pp row's % is its linear "
                      "layers' rate (2 x their parameters per token) over the peak x threads: "
                      + ", ".join(f"{r.backend} {r.model} {r.test} {r.gops:.0f} GOP/s" for r in rows if r.gops)
                      + ".")
@@ -415,6 +436,8 @@ def build_parser() -> Parser:
     p.add_argument("-d", "--depth", default="0",
                    help="context already in the cache before each test, comma-separated (pp512@d4096)")
     p.add_argument("--peers", default="", help="comma-separated: " + ", ".join(e for e in ENGINES if e != "pyml"))
+    p.add_argument("--float-compute", choices=list(quant.FLOAT_COMPUTE), default="auto",
+                   help="what pyml computes float weights' prefill in (pyml-infer --help; default auto)")
     p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
     p.add_argument("--log-cost", action="store_true",
                    help="instead of pp/tg: decode ms/step with LOG off, debug, trace and --profile recording, "
@@ -467,7 +490,7 @@ def run_bench(args) -> int:
         sys.stdout.write(table)
         return 0
     rows, info = run(models, threads, args.reps, peers, plan(kinds, n_prompts, n_gens, depths),
-                     progress=sys.stderr.isatty())
+                     progress=sys.stderr.isatty(), float_compute=args.float_compute)
     write_outputs(rows, info, peers, Path(args.out))
     sys.stdout.write(markdown(rows, info, peers))
     return 0

@@ -1,6 +1,8 @@
 """The instruction set the kernels are compiled for, chosen from the host CPU at run time.
 
 Paths, best first (each implies the ones after it):
+    avx512_bf16   avx512_vnni + AVX-512 BF16: vdpbf16ps (bf16 pair dot, into f32) for the float weights'
+                  prefill GEMM under --float-compute bf16 (quant/bf16.py); the int8 kernels as avx512_vnni
     avx512_vnni   AVX-512 VL/BW + VNNI: vpdpbusd (u8 x i8 dot of 4, into i32) on 256-bit vectors, and
                   on 512-bit ones in the x8 GEMM (16 rows per instruction: quant/simd512.py)
     avx_vnni      AVX-VNNI: the same vpdpbusd, VEX-encoded (Alder Lake and later)
@@ -19,7 +21,7 @@ import os
 
 from llvmlite import binding as llvm_binding
 
-PATHS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
+PATHS = ("avx512_bf16", "avx512_vnni", "avx_vnni", "avx2", "portable")
 
 
 def host_features() -> set:
@@ -30,6 +32,7 @@ def host_features() -> set:
 def supported(features: set) -> tuple:
     """The paths a CPU with `features` can run, best first."""
     has = {
+        "avx512_bf16": {"avx512bf16", "avx512vnni", "avx512vl", "avx512bw", "avx2", "fma"} <= features,
         "avx512_vnni": {"avx512vnni", "avx512vl", "avx512bw", "avx2", "fma"} <= features,
         "avx_vnni": {"avxvnni", "avx2", "fma"} <= features,
         "avx2": {"avx2", "fma"} <= features,
@@ -53,6 +56,7 @@ def choose(features: set, forced: str | None) -> tuple[str, str | None]:
 
 HOST_FEATURES = host_features()
 ISA, ISA_WARNING = choose(HOST_FEATURES, os.environ.get("PYML_ISA"))
-VNNI = ISA in ("avx512_vnni", "avx_vnni")
+VNNI = ISA in ("avx512_bf16", "avx512_vnni", "avx_vnni")
 AVX2 = ISA != "portable"
-ZMM = ISA == "avx512_vnni"  # 512-bit vectors in the x8 GEMM
+ZMM = ISA in ("avx512_bf16", "avx512_vnni")  # 512-bit vectors in the x8 GEMM
+BF16 = ISA == "avx512_bf16"  # vdpbf16ps: --float-compute bf16 can run

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pyml import quant
-from pyml.core import derived, perf
+from pyml.core import derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
@@ -239,9 +239,10 @@ def build_gguf(path: Path, with_tokenizer: bool = True) -> Built:
     return Built(model, tokenizer, str(path), f.get("tokenizer.chat_template"))
 
 
-def build_packed(build, source: Path, lm_head_quant: str | None = None) -> Built:
-    """`build()`, its head re-stored (--lm-head-quant) and its weights packed, every load-time copy
-    taken from the packed-weights cache or written into it (loaders/packed_cache.py)."""
+def build_packed(build, source: Path, lm_head_quant: str | None = None, float_compute: str = "f32") -> Built:
+    """`build()`, its head re-stored (--lm-head-quant) and its weights packed (bf16 blocks of float
+    weights as `float_compute` says), every load-time copy taken from the packed-weights cache or
+    written into it (loaders/packed_cache.py)."""
     files = packed_cache.model_files(source)
     options = f"lm_head_quant={str(lm_head_quant).lower()}" if lm_head_quant else ""
     for attempt in (1, 2):
@@ -251,7 +252,7 @@ def build_packed(build, source: Path, lm_head_quant: str | None = None) -> Built
                 built = build()
                 if lm_head_quant:
                     quantize_head(built.model, lm_head_quant)
-                built.model.pack_weights()
+                built.model.pack_weights(float_compute)
         except packed_cache.Stale as e:  # the file holds other arrays than this model asks for (a Reader:
             _perf.logger.warning("packed-weights cache %s: %s; rebuilding it", provider.path, e)
             continue  # attempt 1 only: the second writes a new file or packs in memory, never reads)
@@ -293,6 +294,18 @@ def quantize_head(model: DecoderModel, kind: str) -> None:
                        w.type_name, qtype.name, f"{before:,}", f"{after:,}", (before - after) / 1e6)
 
 
+def check_float_compute(mode: str) -> str:
+    """load_model's float_compute, checked; bf16 asked of a CPU without it is said in one warning line
+    (the ISA path names what is missing) and runs as f32."""
+    mode = str(mode).lower()
+    if mode not in quant.FLOAT_COMPUTE:
+        raise PymlError(f"float compute {mode!r}: use one of {', '.join(quant.FLOAT_COMPUTE)}")
+    if mode == "bf16" and not quant.BF16_AVAILABLE:
+        _perf.logger.warning("--float-compute bf16 is unavailable on ISA path %s (it needs avx512_bf16); "
+                             "float weights compute in f32", isa.ISA)
+    return mode
+
+
 def guess_format(source: str) -> str:
     """"safetensors" or "gguf" for a model named by a path, a known name or a hub id: a directory,
     a Hugging Face alias (gpt2) or an owner/name id that is no file means safetensors; a file, a
@@ -310,14 +323,17 @@ def guess_format(source: str) -> str:
 
 def load_model(source: str | None = None, *, gguf: str | None = None, safetensors: str | None = None,
                threads: int | None = None, warmup: bool = True, lm_head_quant: str | None = None,
-               kv_type: str = DEFAULT_KV_TYPE) -> LanguageModel:
+               kv_type: str = DEFAULT_KV_TYPE, float_compute: str = "auto") -> LanguageModel:
     """Load a model: `safetensors=` a directory or hub id, `gguf=` a file (a split model: its first
     shard), a short name or `hf:ORG/REPO[:QUANT]` (docs/hub.md).
 
     `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     `kv_type`: how the KV caches of its generations are stored, f16 (default, as llama.cpp), f32
-    or q8_0 (docs/performance.md, "Attention and the KV cache").
+    or q8_0 (docs/performance.md, "Attention and the KV cache"). `float_compute`: what float weights'
+    prefill GEMMs compute in, auto (bf16 for F16/BF16 weights where the CPU has AVX-512 BF16, else
+    f32), f32 or bf16 (quant.float_compute; docs/performance.md, "--float-compute bf16").
     """
+    float_compute = check_float_compute(float_compute)
     if source is not None:
         if gguf or safetensors:
             raise PymlError("pass the model once: source, gguf= or safetensors=")
@@ -332,10 +348,10 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     with perf.context(phase="load"), _perf.debug("model::load", "{}", gguf or safetensors, op="load"):
         if safetensors is not None:
             where = hub.resolve_safetensors(safetensors)
-            built = build_packed(lambda: build_safetensors(where), where, lm_head_quant)
+            built = build_packed(lambda: build_safetensors(where), where, lm_head_quant, float_compute)
         else:
             where = hub.resolve_gguf(gguf)
-            built = build_packed(lambda: build_gguf(where), where, lm_head_quant)
+            built = build_packed(lambda: build_gguf(where), where, lm_head_quant, float_compute)
         model = built.model
         model.kv_type = check_kv_type(kv_type, model.head_dim)
     load_s = perf.clock() - t0

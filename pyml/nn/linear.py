@@ -61,6 +61,7 @@ class Linear:
 
     def __init__(self, weight: Weight, bias: np.ndarray | None = None, name: str = ""):
         self.weight, self.bias, self.name = weight, bias, name
+        self.prefill_weight = None  # bf16 blocks of float weights for T > 1 (pack, --float-compute bf16)
         self.out_features, self.in_features = weight.shape
         self._quant_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"
         self._dims, self._type_name = (self.in_features, self.out_features), weight.qtype.name  # for the spans
@@ -71,7 +72,8 @@ class Linear:
                          module=self.name, op="linear", dtype=self._type_name):
             with _perf.trace(self._quant_event, "[{}x{}]x[{}x{}]", x.shape[0], x.shape[1],
                              self.out_features, self.in_features, module=self.name, op="quant_matmul"):
-                y = quant.matmul(x, w.data, w.qtype, self.in_features)
+                data = w.data if self.prefill_weight is None or x.shape[0] == 1 else self.prefill_weight
+                y = quant.matmul(x, data, w.qtype, self.in_features)
             if self.bias is not None:
                 y += self.bias
             return y
@@ -92,13 +94,18 @@ class Linear:
         blocks.flags.writeable = False
         return Linear(Weight(blocks, qtype, (n_rows, n_cols)), self.bias, name=self.name)
 
-    def pack(self) -> bool:
+    def pack(self, float_compute: str = "f32") -> bool:
         """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1,
         Q5_0, Q5_1, Q8_0, Q4_K: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of
-        the original back as it copies. Call after fuse. Returns whether the weights were packed."""
+        the original back as it copies. Float weights whose `float_compute` (quant.FLOAT_COMPUTE)
+        resolves to bf16 get bf16 blocks for the prefill beside them (quant/bf16.py); a decode step
+        (T == 1) keeps streaming the stored weights. Call after fuse. Returns whether it packed."""
         w = self.weight
-        if isinstance(w.data, quant.Packed):
+        if isinstance(w.data, quant.Packed) or self.prefill_weight is not None:
             return False
+        if quant.float_compute(float_compute, w.qtype) == "bf16":
+            self.prefill_weight = quant.pack_bf16(w.data, w.qtype, self.in_features, key=self.name or None)
+            return True
         packed = quant.pack(w.data, w.qtype, self.in_features, key=self.name or None)
         if packed is None:
             return False

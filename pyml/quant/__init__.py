@@ -14,6 +14,9 @@ matmul(x, raw, qtype, n_cols) computes y = x @ W.T for x [T, n_cols]:
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
   F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 the same 2 x 4 register tiles
                         with float32 FMAs (weights widened on the fly).
+  bf16 blocks (float W) pack_bf16() (--float-compute bf16, the avx512_bf16 path): weights and
+                        activations rounded to bf16, vdpbf16ps into float32 sums (bf16.py), ~2.3x
+                        the float32 GEMM; models use them for T > 1 only.
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction,
                         1.2-3.8x the file layout's speed; models pack their Linears at load.
@@ -47,15 +50,19 @@ import threading
 
 import numpy as np
 
-from pyml.quant import interleaved
+from pyml.quant import bf16, interleaved
+from pyml.quant.bf16 import BF16Packed
+from pyml.quant.floats import to_f32
 from pyml.quant.formats import FLOAT_TYPES, TRAITS, Traits, is_supported, row_bytes, traits_of
 from pyml.quant.ggml_types import QuantType
+from pyml.core.isa import BF16 as BF16_AVAILABLE
 from pyml.quant.interleaved import Packed
 from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.reference import dequantize_reference, matmul_reference
 
 __all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
            "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs", "packed_from_cache", "Packed",
+           "BF16Packed", "BF16_AVAILABLE", "FLOAT_COMPUTE", "float_compute", "pack_bf16",
            "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference", "matmul_reference"]
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
@@ -119,6 +126,12 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
     C-contiguous) is written and returned, so callers can reuse a buffer. `exact` selects
     float32 activations for quantized weights (see the module doc).
     """
+    if isinstance(raw, BF16Packed):
+        if raw.kind != int(qtype) or raw.n_cols != n_cols:
+            raise ValueError(f"bf16 blocks of {QuantType(raw.kind).name} weights of {raw.n_cols} columns used as "
+                             f"{getattr(qtype, 'name', qtype)} of {n_cols}")
+        x, out = _prepare(x, raw.rows, n_cols, out)
+        return bf16.matmul(x, raw, out)
     if isinstance(raw, Packed):
         if not exact:
             return _matmul_packed(x, raw, qtype, n_cols, out)
@@ -168,6 +181,28 @@ def packed_from_cache(key: str, qtype, shape) -> Packed | None:
     """What `pack(raw, qtype, shape[1], key)` would return, if the packed-weights cache holds it."""
     rows, n_cols = shape
     return interleaved.packed_from_cache(key, int(qtype), rows, n_cols) if packs(qtype, rows) else None
+
+
+FLOAT_COMPUTE = ("auto", "f32", "bf16")  # --float-compute; docs/performance.md, "--float-compute bf16"
+_AUTO_BF16 = frozenset({QuantType.F16, QuantType.BF16})  # auto: bf16 for these where the CPU has it
+
+
+def float_compute(mode: str, qtype) -> str:
+    """What a prefill (T > 1) with float weights of `qtype` computes in under `mode` (FLOAT_COMPUTE):
+    "bf16" (vdpbf16ps, quant/bf16.py) or "f32" (floats.py). bf16 needs the avx512_bf16 ISA path;
+    without it every mode is f32. auto: bf16 for F16/BF16 weights, f32 for F32 (the accuracy measured
+    against transformers decided it: docs/performance.md)."""
+    if mode not in FLOAT_COMPUTE:
+        raise ValueError(f"float compute {mode!r}: use one of {', '.join(FLOAT_COMPUTE)}")
+    if qtype not in FLOAT_TYPES or not BF16_AVAILABLE or mode == "f32":
+        return "f32"
+    return "bf16" if mode == "bf16" or qtype in _AUTO_BF16 else "f32"
+
+
+def pack_bf16(raw: np.ndarray, qtype, n_cols: int, key: str | None = None) -> BF16Packed:
+    """Float weights as bf16 blocks for the prefill GEMM (quant/bf16.py), a derived array under `key`."""
+    kind = int(qtype)
+    return bf16.pack(_as_stored(raw, qtype, n_cols), kind, n_cols, lambda rows: to_f32(rows, kind), key)
 
 
 def _file_layout(raw):

@@ -11,20 +11,25 @@ import textwrap
 from pyml.core import isa
 
 ZEN4 = {"avx", "avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512vnni", "avx512bf16"}
+ICE_LAKE = ZEN4 - {"avx512bf16"}
 ALDER_LAKE = {"avx", "avx2", "fma", "avxvnni"}
 HASWELL = {"avx", "avx2", "fma"}
 
 
 def test_paths_follow_the_features():
-    assert isa.supported(ZEN4) == ("avx512_vnni", "avx2", "portable")
+    assert isa.supported(ZEN4) == ("avx512_bf16", "avx512_vnni", "avx2", "portable")
+    assert isa.supported(ICE_LAKE) == ("avx512_vnni", "avx2", "portable")
     assert isa.supported(ALDER_LAKE) == ("avx_vnni", "avx2", "portable")
     assert isa.supported(HASWELL) == ("avx2", "portable")
     assert isa.supported(set()) == ("portable",)
-    assert isa.choose(ZEN4, None) == ("avx512_vnni", None)
+    assert isa.choose(ZEN4, None) == ("avx512_bf16", None)
 
 
 def test_pyml_isa_lowers_but_never_raises_the_path():
     assert isa.choose(ZEN4, "avx2") == ("avx2", None)
+    assert isa.choose(ZEN4, "avx512_vnni") == ("avx512_vnni", None)  # the int8 kernels alone, no bf16
+    path, warning = isa.choose(ICE_LAKE, "avx512_bf16")
+    assert path == "avx512_vnni" and "cannot run it" in warning
     assert isa.choose(ZEN4, " Portable ") == ("portable", None)
     path, warning = isa.choose(HASWELL, "avx512_vnni")
     assert path == "avx2" and "cannot run it" in warning

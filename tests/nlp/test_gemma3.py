@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pyml
+from pyml import quant
 from pyml.core import perf
 from pyml.core.errors import ModelFormatError, UnsupportedError
 from pyml.nlp.models.gemma3 import FULL, SLIDING, Gemma3, Gemma3Config
@@ -54,8 +55,10 @@ def save_hf_gemma3(directory: Path, seed: int = 0, dtype=None, **config):
     return Gemma3ForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def load(directory) -> "pyml.LanguageModel":
-    return pyml.load_model(safetensors=str(directory), warmup=False, kv_type="f32")
+def load(directory, float_compute: str = "f32") -> "pyml.LanguageModel":
+    """f32 float compute: the float32 tolerance below holds for 16-bit checkpoints too (auto would
+    compute their prefill in bf16 on an avx512_bf16 CPU: test_16_bit_checkpoint checks that apart)."""
+    return pyml.load_model(safetensors=str(directory), warmup=False, kv_type="f32", float_compute=float_compute)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -157,8 +160,8 @@ def test_released_config_keys_give_the_same_model(tmp_path, torch):
 
 # The oracle is transformers on the same 16-bit-rounded weights in float32, and pyml.quant multiplies
 # float weights exactly (widened to float32, never rounding the activation), so nothing but summation
-# order differs: the float32 tolerance holds. (A ggml-style kernel rounding x to bf16 would add up to
-# 2^-9 relative per element, ~1e-3 of the logits: it would fail here, on purpose.)
+# order differs: the float32 tolerance holds. (--float-compute bf16 rounds x and the weights to bf16,
+# up to 2^-9 relative per element, ~1e-3 of the logits: it would fail here, so it has its own bound.)
 DTYPES_16 = {"bfloat16": "BF16", "float16": "F16"}
 
 
@@ -175,6 +178,10 @@ def test_16_bit_checkpoint(tmp_path, torch, dtype):
     err_decode = max(max_rel_err(s, ref[2 + i]) for i, s in enumerate(steps))
     print(f"{dtype}: prefill max rel err {err:.2e}, decode {err_decode:.2e}")
     assert err < TOL and err_decode < TOL
+    if quant.BF16_AVAILABLE:  # the default (auto) on this CPU: bf16 prefill GEMMs
+        err_bf16 = max_rel_err(load(tmp_path, "auto").forward(IDS, all_logits=True), ref)
+        print(f"{dtype}: --float-compute auto (bf16) prefill max rel err {err_bf16:.2e}")
+        assert err_bf16 < 2e-2
 
 
 # --- GGUF -----------------------------------------------------------------------------------

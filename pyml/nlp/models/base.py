@@ -52,6 +52,7 @@ class DecoderModel:
     # tensors a file may hold that the model does not read: name regex -> why that is safe
     known_unused: dict = {}
     kv_type: str = DEFAULT_KV_TYPE  # the stored type of the caches new_cache makes (load_model's kv_type=)
+    float_compute: str = "f32"  # what pack_weights was asked for (load_model's float_compute=)
 
     def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:  # [T] -> [T, d]
         return self.embed_tokens(tokens)
@@ -111,9 +112,11 @@ class DecoderModel:
         """Every Linear of a forward pass: the blocks' projections, then the head."""
         return [lin for b in self.blocks for lin in b.linears()] + [self.lm_head]
 
-    def pack_weights(self) -> int:
-        """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many."""
-        return sum(lin.pack() for lin in self.linears())
+    def pack_weights(self, float_compute: str = "f32") -> int:
+        """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many.
+        The head gets no bf16 blocks (`float_compute`): a generation runs it on the last token only."""
+        self.float_compute = float_compute
+        return sum(lin.pack(float_compute) for b in self.blocks for lin in b.linears()) + self.lm_head.pack()
 
     def describe(self) -> str:
         """One line for the debug log: architecture, sizes and weight storage."""
@@ -121,6 +124,8 @@ class DecoderModel:
         types = Counter(lin.weight.type_name for lin in linears)
         fusions = sum(1 for lin in linears if lin.name.endswith(("qkv_proj", "gate_up_proj")))
         packed = sum(1 for lin in linears if isinstance(lin.weight.data, Packed))
+        bf16 = sum(1 for lin in linears if lin.prefill_weight is not None)
         return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
-                f"types={dict(types)} fusions={fusions} packed_x8={packed}")
+                f"types={dict(types)} fusions={fusions} packed_x8={packed} "
+                f"float_compute={self.float_compute} prefill_bf16={bf16}")
 
