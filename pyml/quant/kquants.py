@@ -38,7 +38,7 @@ from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K, TYPE_SIZE
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_f32x16, load_i32x16,
                                 load_u8x4_bcast16, load_u8x64, mul16, store_f32x16, sub_i32x16, to_f32x16,
                                 zeros_f32x16, zeros_i32x16)
-from pyml.quant.simd import (add, add_i32, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, dpbusd, f32x8, fma,
+from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, dpbusd, f32x8, fma,
                              fnma, hsum, i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
                              load_i8x32, load_i16x16, load_i32x8, load_u8x4_bcast, load_u8x32, madd, maddubs,
                              minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8,
@@ -302,7 +302,7 @@ def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
     return accs
 
 
-# --- T > 1 on VNNI: Q6_K, 8 or 16 rows at a time as signed int8 tiles ---------------------------
+# --- T > 1 on VNNI and AVX2: Q6_K, 8 or 16 rows at a time as signed int8 tiles --------------------
 # The file-layout tile above spends a vpmaddubsw, a 16-bit offset subtraction, a vpmaddwd with the
 # two 16-value scales, a conversion and two float ops on every row, group and token: 13% of the
 # vpdpbusd peak. Here each thread first transcodes 8 rows (16 on the avx512_vnni path) into the x8
@@ -312,6 +312,9 @@ def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
 # scale d * sc per row. The transcode costs ~1/T of the dots. Activations are offset by 128 as for
 # Q8_0 on VNNI, and 128 x each half's code sum comes off (the same integers as the file-layout path).
 # On 512-bit vectors the 16 rows' chunk is one 64-byte load, as the 8 rows' is one 32-byte load.
+# On AVX2 the same tiles go through vpmaddubsw (_half): 1 thread, T = 128, Gemma's 640x2048 and
+# 1536x768, 18% -> 33-37% of the vpmaddubsw peak (the file-layout tile pays a vpmaddwd, a 16-bit
+# offset and a float scale per 16 values and row).
 
 @numba.njit
 def _transcode_q6k(w, r0, rows, codes, scales, corr):
@@ -353,6 +356,14 @@ def _transcode_q6k(w, r0, rows, codes, scales, corr):
 
 @numba.njit
 def _half(codes, c, y, yo):  # I32x8: 4 chunks at byte c (16 values of 8 rows) . y[yo : yo+16], two chains
+    if not HAVE_VNNI:
+        # AVX2: vpmaddubsw of the offset activation (u8, <= 255) and the signed codes (|c| <= 32):
+        # |pair sum| <= 2 * 255 * 32 = 16320, so two add up in 16 bits before one vpmaddwd
+        p = add_i16(maddubs(load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
+                    maddubs(load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))))
+        q = add_i16(maddubs(load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64))),
+                    maddubs(load_u8x4_bcast(y, yo + 12), as_i8(load_u8x32(codes, c + 96))))
+        return add_i32(sum_pairs(p), sum_pairs(q))
     a = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
                load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64)))
     b = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))),
