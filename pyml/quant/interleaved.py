@@ -48,11 +48,11 @@ The integer dot of a superblock with an activation block y (int8 [32], activatio
 
 On VNNI the dots are vpdpbusd, one per code vector and token, in two chains of 4 per token (a
 tile's 4 tokens then give the 8 independent chains the instruction's latency x 2 pipes needs). On
-the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q8_0 and Q4_K runs two groups side by side on
+the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K runs two groups side by side on
 512-bit vectors (simd512.py: lanes 0-7 group g, 8-15 group g + 1, each half loaded from its own
 group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
 twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
-the vpdpbusd peak; docs/performance.md).
+the vpdpbusd peak; Gemma 3's Q5_0 shapes 46-49% -> 52-55%; docs/performance.md).
 """
 
 from __future__ import annotations
