@@ -669,7 +669,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
         xq, xd, xs, _ = quantize_rows_q8(x)
         T, nb = xd.shape
         xoff = np.empty((T, nb), np.int32)
-        for t in range(T):
+        for t in prange(T):
             _offset_sums(kind, xq[t], xoff[t])
         y = offset_activation(kind, xq)
         G = groups.shape[0]
