@@ -419,56 +419,38 @@ def _put16(out, t, r0, acc):  # out[t, r0 : r0+16] = acc, fewer at the matrix's 
         out[t, r0 + r] = tmp[r]
 
 
-@numba.njit
-def gemm_rows_q6k(w, r0, y, xd, out):
-    """out[:, r0 : r0+8] for Q6_K rows r0..r0+7 of w: transcoded once, then 4 tokens at a time.
-    y: the activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32]."""
-    T, nb = xd.shape
-    codes = np.empty(256 * nb, np.uint8)
-    scales = np.empty(16 * nb, np.float32)
-    corr = np.empty(16 * nb, np.int32)
-    _transcode_q6k(w, r0, 8, codes, scales, corr)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
-        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        for b in range(nb):
-            a0 = _q6k_block(codes, scales, corr, b, y0, xd[t, b], a0)
-            a1 = _q6k_block(codes, scales, corr, b, y1, xd[t + 1, b], a1)
-            a2 = _q6k_block(codes, scales, corr, b, y2, xd[t + 2, b], a2)
-            a3 = _q6k_block(codes, scales, corr, b, y3, xd[t + 3, b], a3)
-        _put(out, t, r0, a0)
-        _put(out, t + 1, r0, a1)
-        _put(out, t + 2, r0, a2)
-        _put(out, t + 3, r0, a3)
-    for t in range(T - T % 4, T):
-        acc = zeros_f32x8()
-        for b in range(nb):
-            acc = _q6k_block(codes, scales, corr, b, y[t], xd[t, b], acc)
-        _put(out, t, r0, acc)
+def _gemm_rows(rows, block, zeros, put):
+    """gemm_rows_q6k for `rows` rows (8: 256-bit vectors, 16: 512-bit), from that width's block
+    function, accumulator and store."""
+
+    @numba.njit
+    def gemm_rows(w, r0, y, xd, out):
+        T, nb = xd.shape
+        codes = np.empty(32 * rows * nb, np.uint8)
+        scales = np.empty(2 * rows * nb, np.float32)
+        corr = np.empty(2 * rows * nb, np.int32)
+        _transcode_q6k(w, r0, rows, codes, scales, corr)
+        for t in range(0, T - 3, 4):
+            y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
+            a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+            for b in range(nb):
+                a0 = block(codes, scales, corr, b, y0, xd[t, b], a0)
+                a1 = block(codes, scales, corr, b, y1, xd[t + 1, b], a1)
+                a2 = block(codes, scales, corr, b, y2, xd[t + 2, b], a2)
+                a3 = block(codes, scales, corr, b, y3, xd[t + 3, b], a3)
+            put(out, t, r0, a0)
+            put(out, t + 1, r0, a1)
+            put(out, t + 2, r0, a2)
+            put(out, t + 3, r0, a3)
+        for t in range(T - T % 4, T):
+            acc = zeros()
+            for b in range(nb):
+                acc = block(codes, scales, corr, b, y[t], xd[t, b], acc)
+            put(out, t, r0, acc)
+    return gemm_rows
 
 
-@numba.njit
-def gemm_rows_q6k16(w, r0, y, xd, out):
-    """gemm_rows_q6k for rows r0..r0+15, on 512-bit vectors (the avx512_vnni path)."""
-    T, nb = xd.shape
-    codes = np.empty(512 * nb, np.uint8)
-    scales = np.empty(32 * nb, np.float32)
-    corr = np.empty(32 * nb, np.int32)
-    _transcode_q6k(w, r0, 16, codes, scales, corr)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
-        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-        for b in range(nb):
-            a0 = _q6k_block16(codes, scales, corr, b, y0, xd[t, b], a0)
-            a1 = _q6k_block16(codes, scales, corr, b, y1, xd[t + 1, b], a1)
-            a2 = _q6k_block16(codes, scales, corr, b, y2, xd[t + 2, b], a2)
-            a3 = _q6k_block16(codes, scales, corr, b, y3, xd[t + 3, b], a3)
-        _put16(out, t, r0, a0)
-        _put16(out, t + 1, r0, a1)
-        _put16(out, t + 2, r0, a2)
-        _put16(out, t + 3, r0, a3)
-    for t in range(T - T % 4, T):
-        acc = zeros_f32x16()
-        for b in range(nb):
-            acc = _q6k_block16(codes, scales, corr, b, y[t], xd[t, b], acc)
-        _put16(out, t, r0, acc)
+# out[:, r0 : r0+8] (16) for Q6_K rows r0.. of w: transcoded once, then 4 tokens at a time. y: the
+# activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32].
+gemm_rows_q6k = _gemm_rows(8, _q6k_block, zeros_f32x8, _put)
+gemm_rows_q6k16 = _gemm_rows(16, _q6k_block16, zeros_f32x16, _put16)
