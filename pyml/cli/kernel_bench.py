@@ -32,10 +32,10 @@ from pyml.core.isa import BF16, ZMM
 from pyml.quant.bf16 import dpbf16_regs
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_u8x32_pair, store_f32x16, to_f32x16,
                                 zeros_f32x16, zeros_i32x16)
-from pyml.quant.simd import (HAVE_VNNI, add, add_i32, as_i8, dpbusd, fma, hsum, load_f32x8, load_u8x32, maddubs,
-                             sum_pairs, to_f32, zeros_i32x8)
+from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, as_i8, dpbusd, fma, hsum, i16_halves, load_f32x8,
+                             load_u8x32, maddubs, sum_pairs, to_f32, zeros_i32x8)
 
-INT8_INSTRUCTION = "vpdpbusd" if HAVE_VNNI else "vpmaddubsw+vpmaddwd"
+INT8_INSTRUCTION = "vpdpbusd" if HAVE_VNNI else "vpmaddubsw"
 
 _COPY_BYTES = 256 << 20
 
@@ -94,23 +94,15 @@ def _fma_chains(n, x):  # 12 independent FMA chains (latency 4 x 2 pipes needs >
 
 
 @numba.njit(cache=True)
-def _int8_chains(n, q):  # 12 independent u8 x i8 dot chains, the instruction the int8 kernels use
+def _int8_chains(n, q):  # 12 independent vpdpbusd chains, the instruction the VNNI kernels use
     a, b = load_u8x32(q, 0), as_i8(load_u8x32(q, 32))
     s0, s1, s2, s3 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
     s4, s5, s6, s7 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
     s8, s9, s10, s11 = zeros_i32x8(), zeros_i32x8(), zeros_i32x8(), zeros_i32x8()
     for _ in range(n):
-        if HAVE_VNNI:
-            s0, s1, s2, s3 = dpbusd(s0, a, b), dpbusd(s1, a, b), dpbusd(s2, a, b), dpbusd(s3, a, b)
-            s4, s5, s6, s7 = dpbusd(s4, a, b), dpbusd(s5, a, b), dpbusd(s6, a, b), dpbusd(s7, a, b)
-            s8, s9, s10, s11 = dpbusd(s8, a, b), dpbusd(s9, a, b), dpbusd(s10, a, b), dpbusd(s11, a, b)
-        else:  # vpmaddubsw + vpmaddwd + vpaddd: ggml's AVX2 recipe for 32 products into 8 lanes
-            s0, s1 = add_i32(s0, sum_pairs(maddubs(a, b))), add_i32(s1, sum_pairs(maddubs(a, b)))
-            s2, s3 = add_i32(s2, sum_pairs(maddubs(a, b))), add_i32(s3, sum_pairs(maddubs(a, b)))
-            s4, s5 = add_i32(s4, sum_pairs(maddubs(a, b))), add_i32(s5, sum_pairs(maddubs(a, b)))
-            s6, s7 = add_i32(s6, sum_pairs(maddubs(a, b))), add_i32(s7, sum_pairs(maddubs(a, b)))
-            s8, s9 = add_i32(s8, sum_pairs(maddubs(a, b))), add_i32(s9, sum_pairs(maddubs(a, b)))
-            s10, s11 = add_i32(s10, sum_pairs(maddubs(a, b))), add_i32(s11, sum_pairs(maddubs(a, b)))
+        s0, s1, s2, s3 = dpbusd(s0, a, b), dpbusd(s1, a, b), dpbusd(s2, a, b), dpbusd(s3, a, b)
+        s4, s5, s6, s7 = dpbusd(s4, a, b), dpbusd(s5, a, b), dpbusd(s6, a, b), dpbusd(s7, a, b)
+        s8, s9, s10, s11 = dpbusd(s8, a, b), dpbusd(s9, a, b), dpbusd(s10, a, b), dpbusd(s11, a, b)
     t = add_i32(add_i32(add_i32(s0, s1), add_i32(s2, s3)), add_i32(add_i32(s4, s5), add_i32(s6, s7)))
     return hsum(to_f32(add_i32(t, add_i32(add_i32(s8, s9), add_i32(s10, s11)))))
 
@@ -129,6 +121,32 @@ def _chains16(op):
 
 
 _dpbusd16_chains, _dpbf16_chains = _chains16(dpbusd16), _chains16(dpbf16_regs)
+
+
+@numba.njit(cache=True)
+def _maddubs_chains(n, q):
+    """The AVX2 path's int8 peak: 12 vpmaddubsw per iteration (32 u8 x i8 products each, pairs
+    summed into 16 bits), added into 16-bit sums with vpaddw, as the 4-bit kernels do before one
+    vpmaddwd per 8 (blocks32.py, interleaved.py). Each iteration loads a new `a`: with loop-invariant
+    inputs LLVM hoists the vpmaddubsw out of the loop (the vpdpbusd chains accumulate in the
+    instruction itself, so they cannot be hoisted)."""
+    b0, b1, b2, b3 = as_i8(load_u8x32(q, 0)), as_i8(load_u8x32(q, 32)), as_i8(load_u8x32(q, 64)), as_i8(load_u8x32(q, 96))
+    b4, b5, b6, b7 = (as_i8(load_u8x32(q, 128)), as_i8(load_u8x32(q, 160)), as_i8(load_u8x32(q, 192)),
+                      as_i8(load_u8x32(q, 224)))
+    b8, b9, b10, b11 = (as_i8(load_u8x32(q, 256)), as_i8(load_u8x32(q, 288)), as_i8(load_u8x32(q, 320)),
+                        as_i8(load_u8x32(q, 352)))
+    z = i16_halves(0, 0)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11 = z, z, z, z, z, z, z, z, z, z, z, z
+    for i in range(n):
+        a = load_u8x32(q, 32 * (i & 7))
+        s0, s1, s2, s3 = add_i16(s0, maddubs(a, b0)), add_i16(s1, maddubs(a, b1)), add_i16(s2, maddubs(a, b2)), \
+            add_i16(s3, maddubs(a, b3))
+        s4, s5, s6, s7 = add_i16(s4, maddubs(a, b4)), add_i16(s5, maddubs(a, b5)), add_i16(s6, maddubs(a, b6)), \
+            add_i16(s7, maddubs(a, b7))
+        s8, s9, s10, s11 = add_i16(s8, maddubs(a, b8)), add_i16(s9, maddubs(a, b9)), \
+            add_i16(s10, maddubs(a, b10)), add_i16(s11, maddubs(a, b11))
+    t = add_i16(add_i16(add_i16(s0, s1), add_i16(s2, s3)), add_i16(add_i16(s4, s5), add_i16(s6, s7)))
+    return hsum(to_f32(sum_pairs(add_i16(t, add_i16(add_i16(s8, s9), add_i16(s10, s11))))))
 
 
 @numba.njit(cache=True)
@@ -167,9 +185,10 @@ def compute_peaks(rounds: int = 5, n: int = 4_000_000) -> tuple[float, float]:
     vectors; int8 the better of 256 and, on the avx512_vnni path, 512 bits (the same on Zen 4, which
     splits a 512-bit op in two halves; twice on CPUs with two 512-bit pipes)."""
     x = np.full(16, 1e-7, np.float32)
-    q = np.ones(64, np.uint8)
+    q = np.ones(384, np.uint8)
     fp32 = 12 * 8 * 2 * n / _best(lambda: _fma_chains(n, x), rounds) / 1e9
-    int8 = 12 * 32 * 2 * n / _best(lambda: _int8_chains(n, q), rounds) / 1e9
+    chains = _int8_chains if HAVE_VNNI else _maddubs_chains
+    int8 = 12 * 32 * 2 * n / _best(lambda: chains(n, q), rounds) / 1e9
     if ZMM:
         int8 = max(int8, 12 * 64 * 2 * n / _best(lambda: _int8_chains16(n, q), rounds) / 1e9)
     return fp32, int8

@@ -37,7 +37,7 @@ _KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: t
 _KERNEL_SOURCES = ("core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py", "quant/activation.py",
                    "quant/attention_ops.py", "quant/blocks32.py", "quant/floats.py", "quant/ggml_types.py",
                    "quant/interleaved.py", "quant/kernel_set.py", "quant/kquants.py", "quant/quantizers.py",
-                   "quant/simd.py", "nn/fused.py")
+                   "quant/simd.py", "quant/simd512.py", "nn/fused.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never
 # loaded for another on the same CPU (PYML_ISA=avx2 beside the default avx512_vnni)
 FINGERPRINT = hashlib.sha1(b"".join((_PACKAGE / name).read_bytes() for name in _KERNEL_SOURCES)

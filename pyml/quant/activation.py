@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import prange
 
 from pyml.quant.simd import FASTMATH, absmax32, round_store32
 
@@ -43,14 +44,16 @@ def quantize_q8(x):  # x [n] f32 -> (xq [n] i8, xd [n/32] f32, xs [n/32] f32, xp
     return xq, xd, xs, xp
 
 
-@numba.njit(cache=True)
+# Rows in parallel: a GEMM quantizes its activation before its own parallel loop, and on one thread
+# that was ~0.17 ms per [512, 640] call (1.0-1.4 ms per Gemma 3 layer at pp512) with the other core idle.
+@numba.njit(parallel=True, cache=True)
 def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, n/32] f32, xp [T, n/2] i16)
     T, n = x.shape
     xq = np.empty((T, n), np.int8)
     xd = np.empty((T, n // 32), np.float32)
     xs = np.empty((T, n // 32), np.float32)
     xp = np.empty((T, n // 2), np.int16)
-    for t in range(T):
+    for t in prange(T):
         quantize_row_q8(x[t], xq[t], xd[t], xs[t], xp[t])
     return xq, xd, xs, xp
 

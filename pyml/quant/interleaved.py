@@ -48,11 +48,11 @@ The integer dot of a superblock with an activation block y (int8 [32], activatio
 
 On VNNI the dots are vpdpbusd, one per code vector and token, in two chains of 4 per token (a
 tile's 4 tokens then give the 8 independent chains the instruction's latency x 2 pipes needs). On
-the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q8_0 and Q4_K runs two groups side by side on
+the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K runs two groups side by side on
 512-bit vectors (simd512.py: lanes 0-7 group g, 8-15 group g + 1, each half loaded from its own
 group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
 twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
-the vpdpbusd peak; docs/performance.md).
+the vpdpbusd peak; Gemma 3's Q5_0 shapes 46-49% -> 52-55%; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i
                              zeros_i32x8)
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
                                 load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
-                                load_u8x8_f32_pair, load_u8x32_pair, mul16, nibbles_hi64, nibbles_lo64, store_f32x16,
-                                sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
+                                load_u8x8_f32_pair, load_u8x32_pair, mul16, nibbles_hi64, nibbles_lo64, or_u8x64,
+                                store_f32x16, sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -491,7 +491,7 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
 
 # --- T > 1 on 512-bit vectors: two groups, 16 rows per instruction (simd512.py) --------------------
 
-ZMM_KINDS = (Q4_0, Q4_1, Q8_0, Q4_K)  # the types whose GEMM runs on 512-bit vectors on the avx512_vnni path
+ZMM_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)  # the types whose GEMM runs on 512-bit vectors (avx512_vnni)
 
 
 @numba.njit
@@ -503,11 +503,18 @@ def _codes16(kind, w0, w1, o):
         return (load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32), load_u8x32_pair(w0, w1, c + 64),
                 load_u8x32_pair(w0, w1, c + 96), load_u8x32_pair(w0, w1, c + 128), load_u8x32_pair(w0, w1, c + 160),
                 load_u8x32_pair(w0, w1, c + 192), load_u8x32_pair(w0, w1, c + 224))
-    c = o + (32 if kind == Q4_1 else 16)
+    c = o + (32 if kind == Q4_1 else 48 if kind == Q5_0 else 64 if kind == Q5_1 else 16)
     v0, v1 = load_u8x32_pair(w0, w1, c), load_u8x32_pair(w0, w1, c + 32)
     v2, v3 = load_u8x32_pair(w0, w1, c + 64), load_u8x32_pair(w0, w1, c + 96)
-    return (nibbles_lo64(v0), nibbles_hi64(v0), nibbles_lo64(v1), nibbles_hi64(v1),
-            nibbles_lo64(v2), nibbles_hi64(v2), nibbles_lo64(v3), nibbles_hi64(v3))
+    n = (nibbles_lo64(v0), nibbles_hi64(v0), nibbles_lo64(v1), nibbles_hi64(v1),
+         nibbles_lo64(v2), nibbles_hi64(v2), nibbles_lo64(v3), nibbles_hi64(v3))
+    if kind == Q4_0 or kind == Q4_1:
+        return n
+    h = load_u8x32_pair(w0, w1, c - 32)  # Q5: the fifth bits, as _codes
+    return (or_u8x64(n[0], bit_to_u8(h, 0, 16)), or_u8x64(n[1], bit_to_u8(h, 1, 16)),
+            or_u8x64(n[2], bit_to_u8(h, 2, 16)), or_u8x64(n[3], bit_to_u8(h, 3, 16)),
+            or_u8x64(n[4], bit_to_u8(h, 4, 16)), or_u8x64(n[5], bit_to_u8(h, 5, 16)),
+            or_u8x64(n[6], bit_to_u8(h, 6, 16)), or_u8x64(n[7], bit_to_u8(h, 7, 16)))
 
 
 @numba.njit
@@ -534,10 +541,10 @@ def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
     i = _dot16(kind, v, y, 32 * b)
     if kind == Q8_0:
         i = sub_i32x16(i, corr)
-    elif kind == Q4_0:
+    elif kind == Q4_0 or kind == Q5_0:
         i = sub_i32x16(i, load_i32_bcast16(yoff, b))
     acc = fma16(scale, to_f32x16(i), acc)
-    if kind == Q4_1:
+    if kind == Q4_1 or kind == Q5_1:
         acc = fma16(load_fp16x8c_pair(w0, w1, o + 16), f32x16(ys), acc)
     return acc
 
@@ -662,11 +669,12 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
         xq, xd, xs, _ = quantize_rows_q8(x)
         T, nb = xd.shape
         xoff = np.empty((T, nb), np.int32)
-        for t in range(T):
+        for t in prange(T):
             _offset_sums(kind, xq[t], xoff[t])
         y = offset_activation(kind, xq)
         G = groups.shape[0]
-        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q8_0 or kind == Q4_K):  # ZMM_KINDS
+        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1 or kind == Q8_0
+                    or kind == Q4_K):  # ZMM_KINDS
             for p in prange(G // 2):
                 if kind == Q4_K:
                     _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, out, 2 * p)

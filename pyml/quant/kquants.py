@@ -35,7 +35,10 @@ import numba
 import numpy as np
 
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K, TYPE_SIZE
-from pyml.quant.simd import (add, add_i32, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, dpbusd, f32x8, fma,
+from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_f32x16, load_i32x16,
+                                load_u8x4_bcast16, load_u8x64, mul16, store_f32x16, sub_i32x16, to_f32x16,
+                                zeros_f32x16, zeros_i32x16)
+from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, dpbusd, f32x8, fma,
                              fnma, hsum, i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
                              load_i8x32, load_i16x16, load_i32x8, load_u8x4_bcast, load_u8x32, madd, maddubs,
                              minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8,
@@ -299,31 +302,35 @@ def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
     return accs
 
 
-# --- T > 1 on VNNI: Q6_K, 8 rows at a time as signed int8 tiles -----------------------------------
+# --- T > 1 on VNNI and AVX2: Q6_K, 8 or 16 rows at a time as signed int8 tiles --------------------
 # The file-layout tile above spends a vpmaddubsw, a 16-bit offset subtraction, a vpmaddwd with the
 # two 16-value scales, a conversion and two float ops on every row, group and token: 13% of the
-# vpdpbusd peak. Here each thread first transcodes 8 rows into the x8 form of Q8_0 (interleaved.py:
-# chunk k of a 32-value block = values 4k..4k+3 of each of the 8 rows) with codes - 32 as signed
-# bytes, then runs the Q8_0 GEMM's loop over it: one vpdpbusd per 8 rows x 4 values x token, the
-# two 16-value halves of a block (chunks 0-3 and 4-7) each with its own float scale d * sc per row.
-# The transcode costs ~1/T of the dots. Activations are offset by 128 as for Q8_0 on VNNI, and
-# 128 x each half's code sum comes off (the same integers as the file-layout path).
+# vpdpbusd peak. Here each thread first transcodes 8 rows (16 on the avx512_vnni path) into the x8
+# form of Q8_0 (interleaved.py: chunk k of a 32-value block = values 4k..4k+3 of each row) with
+# codes - 32 as signed bytes, then runs the Q8_0 GEMM's loop over it: one vpdpbusd per 8 (16) rows x
+# 4 values x token, the two 16-value halves of a block (chunks 0-3 and 4-7) each with its own float
+# scale d * sc per row. The transcode costs ~1/T of the dots. Activations are offset by 128 as for
+# Q8_0 on VNNI, and 128 x each half's code sum comes off (the same integers as the file-layout path).
+# On 512-bit vectors the 16 rows' chunk is one 64-byte load, as the 8 rows' is one 32-byte load.
+# On AVX2 the same tiles go through vpmaddubsw (_half): 1 thread, T = 128, Gemma's 640x2048 and
+# 1536x768, 18% -> 33-37% of the vpmaddubsw peak (the file-layout tile pays a vpmaddwd, a 16-bit
+# offset and a float scale per 16 values and row).
 
 @numba.njit
-def _transcode_q6k(w, r0, codes, scales, corr):
-    """Rows r0..r0+7 of the Q6_K matrix w [R, nsb * 210] (rows past R as zeros) -> codes uint8
-    [nb * 256] (block b: 8 chunks of [8 rows][4 bytes] of signed codes - 32), scales float32
-    [nb * 16] and corr int32 [nb * 16] (half h of block b, row r at 16b + 8h + r: d * sc and
-    128 x the half's code sum)."""
-    nb = codes.size // 256
+def _transcode_q6k(w, r0, rows, codes, scales, corr):
+    """Rows r0..r0+rows-1 (rows = 8 or 16) of the Q6_K matrix w [R, nsb * 210] (rows past R as
+    zeros) -> codes uint8 [nb * 32 * rows] (block b: 8 chunks of [rows][4 bytes] of signed codes
+    - 32), scales float32 [nb * 2 * rows] and corr int32 [nb * 2 * rows] (half h of block b, row r
+    at 2 rows b + rows h + r: d * sc and 128 x the half's code sum)."""
+    nb = codes.size // (32 * rows)
     row = np.empty(32, np.uint8)
     row32 = row.view(np.uint32)
     codes32 = codes.view(np.uint32)
-    for r in range(8):
+    for r in range(rows):
         if r0 + r >= w.shape[0]:
-            codes32[r::8] = 0
+            codes32[r::rows] = 0
             for b in range(nb):
-                scales[16 * b + r] = scales[16 * b + 8 + r] = 0.0
+                scales[2 * rows * b + r] = scales[2 * rows * b + rows + r] = 0.0
             continue
         wr = w[r0 + r]
         for s in range(nb // 8):
@@ -333,21 +340,30 @@ def _transcode_q6k(w, r0, codes, scales, corr):
                 b = 8 * s + j
                 store_i8x32(row, 0, minus_i8(_codes(Q6_K, wr, o, j), 32))
                 for k in range(8):
-                    codes32[64 * b + 8 * k + r] = row32[k]
-                scales[16 * b + r] = d * np.float32(np.int8(wr[o + 192 + 2 * j]))
-                scales[16 * b + 8 + r] = d * np.float32(np.int8(wr[o + 193 + 2 * j]))
+                    codes32[8 * rows * b + rows * k + r] = row32[k]
+                scales[2 * rows * b + r] = d * np.float32(np.int8(wr[o + 192 + 2 * j]))
+                scales[2 * rows * b + rows + r] = d * np.float32(np.int8(wr[o + 193 + 2 * j]))
     c128 = splat_u8(128)
     for b in range(nb):
-        h0, h1 = zeros_i32x8(), zeros_i32x8()
-        for k in range(4):
-            h0 = dpbusd(h0, c128, as_i8(load_u8x32(codes, 256 * b + 32 * k)))
-            h1 = dpbusd(h1, c128, as_i8(load_u8x32(codes, 256 * b + 128 + 32 * k)))
-        store_i32x8(corr, 16 * b, h0)
-        store_i32x8(corr, 16 * b + 8, h1)
+        for q in range(rows // 8):  # 8 rows (32 bytes of a chunk) at a time
+            h0, h1 = zeros_i32x8(), zeros_i32x8()
+            for k in range(4):
+                h0 = dpbusd(h0, c128, as_i8(load_u8x32(codes, 32 * rows * b + 4 * rows * k + 32 * q)))
+                h1 = dpbusd(h1, c128, as_i8(load_u8x32(codes, 32 * rows * b + 4 * rows * (k + 4) + 32 * q)))
+            store_i32x8(corr, 2 * rows * b + 8 * q, h0)
+            store_i32x8(corr, 2 * rows * b + rows + 8 * q, h1)
 
 
 @numba.njit
 def _half(codes, c, y, yo):  # I32x8: 4 chunks at byte c (16 values of 8 rows) . y[yo : yo+16], two chains
+    if not HAVE_VNNI:
+        # AVX2: vpmaddubsw of the offset activation (u8, <= 255) and the signed codes (|c| <= 32):
+        # |pair sum| <= 2 * 255 * 32 = 16320, so two add up in 16 bits before one vpmaddwd
+        p = add_i16(maddubs(load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
+                    maddubs(load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))))
+        q = add_i16(maddubs(load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64))),
+                    maddubs(load_u8x4_bcast(y, yo + 12), as_i8(load_u8x32(codes, c + 96))))
+        return add_i32(sum_pairs(p), sum_pairs(q))
     a = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
                load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64)))
     b = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))),
@@ -357,11 +373,28 @@ def _half(codes, c, y, yo):  # I32x8: 4 chunks at byte c (16 values of 8 rows) .
 
 @numba.njit
 def _q6k_block(codes, scales, corr, b, y, yd, acc):  # acc + block b of the 8 transcoded rows . token y
-    yv = f32x8(yd)
     i0 = sub_lanes_i32(_half(codes, 256 * b, y, 32 * b), load_i32x8(corr, 16 * b))
     i1 = sub_lanes_i32(_half(codes, 256 * b + 128, y, 32 * b + 16), load_i32x8(corr, 16 * b + 8))
-    acc = fma(mul(load_f32x8(scales, 16 * b), yv), to_f32(i0), acc)
-    return fma(mul(load_f32x8(scales, 16 * b + 8), yv), to_f32(i1), acc)
+    # the two halves' scales first, then the token's: 5 float ops per block and token, not 6
+    f = fma(load_f32x8(scales, 16 * b + 8), to_f32(i1), mul(load_f32x8(scales, 16 * b), to_f32(i0)))
+    return fma(f, f32x8(yd), acc)
+
+
+@numba.njit
+def _half16(codes, c, y, yo):  # I32x16: _half on 16 rows (a chunk is 64 bytes)
+    a = dpbusd16(dpbusd16(zeros_i32x16(), load_u8x4_bcast16(y, yo), as_i8x64(load_u8x64(codes, c))),
+                 load_u8x4_bcast16(y, yo + 8), as_i8x64(load_u8x64(codes, c + 128)))
+    b = dpbusd16(dpbusd16(zeros_i32x16(), load_u8x4_bcast16(y, yo + 4), as_i8x64(load_u8x64(codes, c + 64))),
+                 load_u8x4_bcast16(y, yo + 12), as_i8x64(load_u8x64(codes, c + 192)))
+    return add_i32x16(a, b)
+
+
+@numba.njit
+def _q6k_block16(codes, scales, corr, b, y, yd, acc):  # _q6k_block on 16 transcoded rows
+    i0 = sub_i32x16(_half16(codes, 512 * b, y, 32 * b), load_i32x16(corr, 32 * b))
+    i1 = sub_i32x16(_half16(codes, 512 * b + 256, y, 32 * b + 16), load_i32x16(corr, 32 * b + 16))
+    f = fma16(load_f32x16(scales, 32 * b + 16), to_f32x16(i1), mul16(load_f32x16(scales, 32 * b), to_f32x16(i0)))
+    return fma16(f, f32x16(yd), acc)
 
 
 @numba.njit
@@ -376,28 +409,48 @@ def _put(out, t, r0, acc):  # out[t, r0 : r0+8] = acc, fewer at the matrix's las
 
 
 @numba.njit
-def gemm_rows_q6k(w, r0, y, xd, out):
-    """out[:, r0 : r0+8] for Q6_K rows r0..r0+7 of w: transcoded once, then 4 tokens at a time.
-    y: the activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32]."""
-    T, nb = xd.shape
-    codes = np.empty(256 * nb, np.uint8)
-    scales = np.empty(16 * nb, np.float32)
-    corr = np.empty(16 * nb, np.int32)
-    _transcode_q6k(w, r0, codes, scales, corr)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
-        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        for b in range(nb):
-            a0 = _q6k_block(codes, scales, corr, b, y0, xd[t, b], a0)
-            a1 = _q6k_block(codes, scales, corr, b, y1, xd[t + 1, b], a1)
-            a2 = _q6k_block(codes, scales, corr, b, y2, xd[t + 2, b], a2)
-            a3 = _q6k_block(codes, scales, corr, b, y3, xd[t + 3, b], a3)
-        _put(out, t, r0, a0)
-        _put(out, t + 1, r0, a1)
-        _put(out, t + 2, r0, a2)
-        _put(out, t + 3, r0, a3)
-    for t in range(T - T % 4, T):
-        acc = zeros_f32x8()
-        for b in range(nb):
-            acc = _q6k_block(codes, scales, corr, b, y[t], xd[t, b], acc)
-        _put(out, t, r0, acc)
+def _put16(out, t, r0, acc):  # out[t, r0 : r0+16] = acc, fewer at the matrix's last rows
+    if r0 + 16 <= out.shape[1]:
+        store_f32x16(out[t], r0, acc)
+        return
+    tmp = np.empty(16, np.float32)
+    store_f32x16(tmp, 0, acc)
+    for r in range(out.shape[1] - r0):
+        out[t, r0 + r] = tmp[r]
+
+
+def _gemm_rows(rows, block, zeros, put):
+    """gemm_rows_q6k for `rows` rows (8: 256-bit vectors, 16: 512-bit), from that width's block
+    function, accumulator and store."""
+
+    @numba.njit
+    def gemm_rows(w, r0, y, xd, out):
+        T, nb = xd.shape
+        codes = np.empty(32 * rows * nb, np.uint8)
+        scales = np.empty(2 * rows * nb, np.float32)
+        corr = np.empty(2 * rows * nb, np.int32)
+        _transcode_q6k(w, r0, rows, codes, scales, corr)
+        for t in range(0, T - 3, 4):
+            y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
+            a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+            for b in range(nb):
+                a0 = block(codes, scales, corr, b, y0, xd[t, b], a0)
+                a1 = block(codes, scales, corr, b, y1, xd[t + 1, b], a1)
+                a2 = block(codes, scales, corr, b, y2, xd[t + 2, b], a2)
+                a3 = block(codes, scales, corr, b, y3, xd[t + 3, b], a3)
+            put(out, t, r0, a0)
+            put(out, t + 1, r0, a1)
+            put(out, t + 2, r0, a2)
+            put(out, t + 3, r0, a3)
+        for t in range(T - T % 4, T):
+            acc = zeros()
+            for b in range(nb):
+                acc = block(codes, scales, corr, b, y[t], xd[t, b], acc)
+            put(out, t, r0, acc)
+    return gemm_rows
+
+
+# out[:, r0 : r0+8] (16) for Q6_K rows r0.. of w: transcoded once, then 4 tokens at a time. y: the
+# activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32].
+gemm_rows_q6k = _gemm_rows(8, _q6k_block, zeros_f32x8, _put)
+gemm_rows_q6k16 = _gemm_rows(16, _q6k_block16, zeros_f32x16, _put16)

@@ -401,20 +401,23 @@ def bits_to_u8(typingctx, bits, value):
 
 @intrinsic
 def bit_to_u8(typingctx, v, bit, value):
-    """Lane-wise: `value` if bit number `bit` (0-7) of the byte is set, else 0 (value a literal)."""
+    """Lane-wise: `value` if bit number `bit` (0-7) of the byte is set, else 0 (value a literal).
+    Any unsigned byte vector (U8x32, or simd512's U8x64), returned as the same type."""
     if _literal_int(value) is None or not isinstance(bit, types.Integer):
+        return None
+    if not (isinstance(v, Vec) and v.kind == "u" and v.bits == 8):
         return None
     val = _literal_int(value)
 
     def codegen(context, builder, sig, args):
-        vt = U8x32.llvm()
+        vt = sig.args[0].llvm()
         b8 = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I8)
         mask = builder.shl(ir.Constant(_I8, 1), b8)
         maskv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), mask, _I32(0)),
-                                       ir.Constant(vt, None), _mask([0] * 32))
+                                       ir.Constant(vt, None), _mask([0] * vt.count))
         isset = builder.icmp_unsigned("!=", builder.and_(args[0], maskv), _splat(0, vt))
         return builder.select(isset, _splat(val, vt), _splat(0, vt))
-    return U8x32(v, bit, value), codegen
+    return v(v, bit, value), codegen
 
 
 @intrinsic

@@ -23,12 +23,17 @@ from numba import types
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, vector_store
+from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, _vector_load, vector_store
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
 U8x64 = Vec("u", 8, 64)
 I8x64 = Vec("i", 8, 64)
+
+
+load_u8x64 = _vector_load(U8x64, 1, "64 bytes from a uint8/int8 array as unsigned lanes.")
+load_f32x16 = _vector_load(F32x16, 4, "16 float32 values from a float32 array.")
+load_i32x16 = _vector_load(I32x16, 4, "16 int32 values from an int32 array.")
 
 
 def _pair(builder, lo, hi):
@@ -169,6 +174,7 @@ dpbusd16_generic = _op(lambda b, acc, x, y: _dpbusd_ir(b, acc, x, y, generic=Tru
                        "dpbusd16 in plain IR, whatever the path (tests compare the two).")
 nibbles_lo64 = _op(lambda b, v: b.and_(v, _splat(15, U8x64.llvm())), U8x64, (U8x64,), "Low nibble of each byte.")
 nibbles_hi64 = _op(lambda b, v: b.lshr(v, _splat(4, U8x64.llvm())), U8x64, (U8x64,), "High nibble of each byte.")
+or_u8x64 = _op(lambda b, x, y: b.or_(x, y), U8x64, (U8x64, U8x64), "a | b, lane-wise.")
 as_i8x64 = _op(lambda b, v: v, I8x64, (U8x64,), "The same bytes as signed lanes.")
 add_i32x16 = _op(lambda b, x, y: b.add(x, y), I32x16, (I32x16, I32x16), "a + b, lane-wise.")
 sub_i32x16 = _op(lambda b, x, y: b.sub(x, y), I32x16, (I32x16, I32x16), "a - b, lane-wise.")

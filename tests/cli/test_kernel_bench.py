@@ -21,3 +21,12 @@ def test_weights_are_measured_in_the_layout_the_model_uses():
     copy = kernel_bench._copy(kernel_bench._weights(rng, QuantType.Q8_0, 16, 64))
     assert not copy.groups.flags.writeable
     assert kernel_bench.gemm_gflops(QuantType.Q4_0, 16, 64, T=4, rounds=1) > 0
+
+
+def test_int8_peak_chains_do_the_products_they_count():
+    """compute_peaks counts 12 x 32 byte products per iteration: with every byte 1, each iteration
+    must add exactly 384 to the total, on the vpdpbusd chains and on the AVX2 path's vpmaddubsw ones
+    (whose inputs change every iteration, so the multiply cannot be hoisted out of the loop)."""
+    q = np.ones(384, np.uint8)
+    assert kernel_bench._int8_chains(100, q) == 384 * 100
+    assert kernel_bench._maddubs_chains(100, q) == 384 * 100

@@ -44,7 +44,8 @@ _PROBE = textwrap.dedent("""
     from pyml.quant import QuantType
     rng = np.random.default_rng(0)
     errors, digest = {}, hashlib.sha1()
-    for qtype in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0, QuantType.Q4_K, QuantType.Q6_K):
+    for qtype in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0, QuantType.Q4_K,
+                  QuantType.Q6_K):
         w = rng.standard_normal((24, 256)).astype(np.float32)
         if qtype == QuantType.Q6_K:  # gguf quantizes neither K-quant: random codes and scales, d = 0.01
             raw = rng.integers(0, 256, (24, 210), dtype=np.uint8)

@@ -34,6 +34,22 @@ def test_micro_batches_give_one_pass_logits(model):
     np.testing.assert_allclose(last, whole[-1], rtol=1e-4, atol=1e-4 * np.abs(whole).max())
 
 
+def test_the_head_runs_once_per_prompt(model, monkeypatch):
+    """Only the last micro-batch's last position needs logits: the earlier micro-batches fill the
+    cache and skip the final norm and the head (Gemma 3's is 262144 x 640)."""
+    tokens = np.random.default_rng(2).integers(1, 500, 37)
+    head, calls = model.lm_head, []
+    monkeypatch.setattr(model, "lm_head", lambda x: calls.append(x.shape) or head(x))
+    monkeypatch.setattr(model, "ubatch", 8)
+    cache = model.new_cache(64)
+    last = model.forward(tokens, cache)
+    assert calls == [(1, model.config.hidden_size)] and cache.length == 37
+    monkeypatch.setattr(model, "ubatch", 512)
+    np.testing.assert_allclose(last, model.forward(tokens, model.new_cache(64)), rtol=1e-4,
+                               atol=1e-4 * np.abs(last).max())
+    assert model.forward(tokens[:5], cache, head=False) is None and cache.length == 42
+
+
 def test_micro_batches_on_top_of_a_ring(tmp_path):
     """Gemma 3's sliding layers keep a ring (window 4 + 256 slack slots here): a 600-token prompt in
     micro-batches of 300 writes layer 0's second batch before layer 1 starts its own; each layer

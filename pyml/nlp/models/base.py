@@ -64,17 +64,20 @@ class DecoderModel:
         return KVCache(len(self.blocks), self.n_kv_heads, self.head_dim, n, kv_type or self.kv_type,
                        windows=[block.attn.window for block in self.blocks])
 
-    def forward(self, tokens, cache: KVCache, pos: int | None = None, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, pos: int | None = None, all_logits: bool = False,
+                head: bool = True) -> np.ndarray | None:
         """Logits for the last position [vocab] (or every position [T, vocab] with `all_logits`).
 
         Tokens are written to `cache` at positions pos .. pos+T-1 (default: after
-        what the cache holds).
+        what the cache holds). `head=False` only fills the cache and returns None.
         """
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         pos = cache.length if pos is None else pos
         T = tokens.shape[0]
         if T > self.ubatch:  # a long prompt in micro-batches, as llama.cpp's ubatch
-            parts = [self.forward(tokens[i:i + self.ubatch], cache, pos + i, all_logits)
+            # the head (Gemma 3: 262144 x 640) only after the last one unless every position's logits are asked for
+            parts = [self.forward(tokens[i:i + self.ubatch], cache, pos + i, all_logits,
+                                  head and (all_logits or i + self.ubatch >= T))
                      for i in range(0, T, self.ubatch)]
             return np.concatenate(parts) if all_logits else parts[-1]
         with runtime.kernel_lock(), \
@@ -88,6 +91,9 @@ class DecoderModel:
                 else:
                     for block in self.blocks:
                         x = block(x, pos, cache)
+            if not head:
+                cache.length = pos + T
+                return None
             with span.part("norm"):
                 x = self.final_norm(x if all_logits else x[-1:])
             with span.part("projection"):
