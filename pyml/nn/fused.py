@@ -354,7 +354,7 @@ def can_fuse(block) -> bool:
 
 
 class FusedBlock:
-    """A TransformerBlock's decode step as two kernels (see the module doc). Made once per block,
+    """A TransformerBlock's decode step in one compiled call (see the module doc). Made once per block,
     after the weights are packed; holds the argument lists and scratch buffers."""
 
     def __init__(self, block):

@@ -81,6 +81,20 @@ def decode_both(block, steps=3, prompt=5):
     return np.array(fused), np.array(ref), cache, other
 
 
+def span_rows(records) -> list:
+    """Per record, in delivery (end) order: its ancestors' names, then its name, details and attributes."""
+    index = {r["id"]: r for r in records}
+
+    def ancestors(r):
+        names = []
+        while r["parent"] in index:
+            r = index[r["parent"]]
+            names.append(r["name"])
+        return tuple(names)
+    keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
+    return [(ancestors(r),) + tuple(str(r.get(k)) for k in keys) for r in records]
+
+
 def close(got, ref):
     scale = np.abs(ref).max()
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
@@ -127,16 +141,7 @@ def test_fused_decode_under_trace_reports_every_op_like_the_reference():
             block(np.ones((1, 64), np.float32), 3, cache)
         finally:
             perf.remove_collector(got.append)
-        index = {r["id"]: r for r in got}
-
-        def path(r):
-            names = []
-            while r["parent"] in index:
-                r = index[r["parent"]]
-                names.append(r["name"])
-            return tuple(names)
-        keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
-        return sorted((path(r),) + tuple(str(r.get(k)) for k in keys) for r in got), got
+        return sorted(span_rows(got)), got
 
     fused, fused_recs = traced(True)
     ref, _ = traced(False)
@@ -256,21 +261,12 @@ def test_fused_step_under_trace_gives_the_span_tree_of_the_block_by_block_and_la
         finally:
             perf.remove_collector(got.append)
         index = {r["id"]: r for r in got}
-
-        def ancestors(r):
-            names = []
-            while r["parent"] in index:
-                r = index[r["parent"]]
-                names.append(r["name"])
-            return tuple(names)
-
         for r in got:  # every span inside its parent, on the µs grid the lines print
             up = index.get(r["parent"])
             if up is not None:
                 assert up["start"] <= r["start"] + 1e-9
                 assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
-        keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
-        return y, [(ancestors(r),) + tuple(str(r.get(k)) for k in keys) for r in got]
+        return y, span_rows(got)
 
     y, step = traced("step")
     y_blocks, blocks = traced("blocks")
