@@ -179,24 +179,35 @@ def read_cost_ns(n: int = 100_000) -> float:
     return _ticks_per_read(n) / cal.rate * 1e9
 
 
+class AtPos:
+    """An Op argument known only per call: `fn(position)` (POS: the position itself; a decode
+    attention's span length, which a sliding window caps)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+POS = AtPos(int)
+
+
 class Op:
     """How one op id of a compiled call is reported: the span a Python call site would open
     (the same logger, name, details format and arguments, attributes).
 
-    args may hold POS, replaced by the call's position (`pos=` in rope, kv_cache, attention)."""
+    args may hold AtPos values, replaced by their value at the call's position (`pos=` in rope,
+    kv_cache, attention; the attention's span)."""
 
     __slots__ = ("perf", "level", "name", "fmt", "args", "attrs", "pos_at")
 
     def __init__(self, logger: str, name: str, fmt: str = "", *args, level: int = perf.TRACE, **attrs):
         self.perf, self.level, self.name, self.fmt = perf.get(logger), level, name, fmt
         self.args, self.attrs = args, attrs
-        self.pos_at = tuple(i for i, a in enumerate(args) if a is POS)
+        self.pos_at = tuple(i for i, a in enumerate(args) if isinstance(a, AtPos))
 
     def enabled(self) -> bool:
         return self.perf.trace_on if self.level <= perf.TRACE else self.perf.debug_on
-
-
-POS = object()
 
 
 class EventBuffer:
@@ -253,7 +264,7 @@ def op_items(tables, pos, rows, cal) -> list:
             continue
         args = op.args
         if op.pos_at:
-            args = tuple(pos if j in op.pos_at else a for j, a in enumerate(args))
+            args = tuple(a.fn(pos) if j in op.pos_at else a for j, a in enumerate(args))
         items.append((op.perf, op.level, op.name, op.fmt, args, op.attrs,
                       t_ref + (k0 - k_ref) * per_tick, t_ref + (k1 - k_ref) * per_tick))
     return items

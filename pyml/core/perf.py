@@ -231,16 +231,6 @@ def frame():
         return _stack(), _tls.ctx, _tls.ident
 
 
-class Mark:
-    """An open span whose record is made later (by a `defer` entry), on the stack while open so
-    that Python spans opened inside take its id as their parent and count it in their depth."""
-
-    __slots__ = ("id", "t0")
-
-    def __init__(self):
-        self.id, self.t0 = 0, 0.0
-
-
 def _on_grid(t: float, up: bool = False) -> float:
     """A time on the µs grid logs and reports keep. Spans timed in compiled code follow each
     other with no gap (a feed-forward is its three ops, to the ns): rounded one by one, the

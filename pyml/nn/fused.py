@@ -12,10 +12,9 @@ block's decode step runs as
 over the same kernels the layers call (pyml.quant's KernelSets and x8 kernels, core.ops' row
 kernels) and buffers allocated once per block. Untimed, the three are one compiled call per
 block (decode_layer), and FusedStep runs each stretch of like blocks (SmolLM2: all 30) as one
-call (decode_layers: every layer's arrays reached by address from the first one's). With spans
-on, pre_attention and post_attention are two calls with the attention between them in Python,
-opening its spans. The layer-by-layer path stays the reference (tests hold this one to it on
-every architecture and weight type).
+call (decode_layers: every layer's arrays reached by address from the first one's), timed or
+not: with spans on, the same call times every op from inside. The layer-by-layer path stays the
+reference (tests hold this one to it on every architecture and weight type).
 
 Kernels are made per block *shape* (which norms, which weight types and layouts, which
 activation), never per weight: a factory's closure holds only the shape's ints (shape_key), and
@@ -25,13 +24,14 @@ captured the KernelSet's dispatchers would be recompiled by every process: its c
 pickles them differently each time). SmolLM2 needs one kernel of each kind; a Q4_K_M file, with
 Q6_K mixed in, a few.
 
-Timing: when the block's spans are on, each kernel reads the time-stamp counter around every
-op and (at trace) writes (op id, layer, start, end) into the block's EventBuffer (core/clock.py).
-The step itself only hands those rows and ticks to perf.defer; when the perf buffer is drained,
-after the step, _pre_spans / _post_spans turn them into the spans the layer-by-layer path opens
-- the same names, details, attributes and nesting (attention::forward holds the qkv projection,
-the q/k norms, RoPE, the cache write and attention, and o_proj) - and the block's `attn` / `ffn`
-parts. With logging off no counter is read.
+Timing: when any of a block's spans is on, decode_layers reads the time-stamp counter around
+every op - the cache write and the attention apart - and each layer's start, middle and end, and
+(at trace) writes (op id, layer, start, end) into the run's EventBuffer (core/clock.py): no block
+returns to Python. The step itself only hands those rows and ticks to perf.defer; when the perf
+buffer is drained, after the step, _layer_spans turns them into the spans the layer-by-layer
+path opens - the same names, details, attributes and nesting (attention::forward holds the qkv
+projection, the q/k norms, RoPE, kv_cache::update, attention::sdpa and o_proj) - and the block's
+`attn` / `ffn` parts. With logging off no counter is read (`timed` is a runtime argument).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.block")
 _ATTN_PERF = perf.get("pyml.nn.attention")
+_KV_PERF, _SDPA_PERF = perf.get("pyml.nn.kv_cache"), perf.get("pyml.quant.attention_ops")
 _PAIRS = clock.clock_pairs()
 _NO_EVENTS = np.zeros((1, 4), np.int64)  # a debug step's op events: counted, never stored
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
@@ -108,6 +109,7 @@ def _bias(lin: Linear):
 # the q/k norms and RoPE; post_attention: o_proj, the norms, the feed-forward's ops, its span.
 A_NORM, A_MM, A_QNORM, A_KNORM, A_ROPE_Q, A_ROPE_K = 0, 1, 7, 8, 9, 10
 B_MM_O, B_POST_ATTN, B_NORM, B_MM_1, B_ACT, B_MM_DOWN, B_FFN, B_POST_FFN = 0, 2, 3, 4, 8, 9, 11, 12
+C_KV, C_SDPA = 0, 1  # between them, a timed decode_layers call's cache write and attention
 
 
 @numba.njit(inline="always")
@@ -130,9 +132,9 @@ def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNor
 
 # --- the two halves of a block, written once ---------------------------------------------------
 # A block's shape reaches the bodies as a literal string of its ints (shape_key): the overloads
-# below turn it back into ints at compile time, so every kernel that runs a half - the timed pair
-# pre_attention / post_attention, the untimed decode_layer - shares one body, and the kernels'
-# closures hold strings only (Numba's cache keys them by value: a second process loads them).
+# below turn it back into ints at compile time, so every kernel that runs a half - decode_layer,
+# decode_layers - shares one body, and the kernels' closures hold strings only (Numba's cache
+# keys them by value: a second process loads them).
 
 def shape_key(shape: tuple) -> str:
     return ",".join(str(int(v)) for v in shape)
@@ -237,35 +239,7 @@ def _post_step_overload(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, 
     return post_attention
 
 
-# --- the kernels: the timed pair, and the untimed layer ------------------------------------------
-
-@lru_cache(maxsize=None)
-def pre_attention_kernel(shape: tuple):
-    """norm -> qkv -> (q/k norm) -> RoPE for one token; `shape` is PreShape's tuple of ints."""
-    key = shape_key(shape)
-
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def pre_attention(x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
-                      h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer):
-        return _pre_step(key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
-                         h, qkv, q2, k2, q3, k3, nq, nkv, events, trace, layer)
-
-    return pre_attention
-
-
-@lru_cache(maxsize=None)
-def post_attention_kernel(shape: tuple):
-    """o_proj -> (post norm) -> residual -> norm -> feed-forward -> (post norm) -> residual."""
-    key = shape_key(shape)
-
-    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def post_attention(ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
-                       pfn_w, pfn_eps, y, h, gu, a, events, trace, layer):
-        return _post_step(key, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, w1, t1, b1, w2, t2, b2, wd, td, bd,
-                          pfn_w, pfn_eps, y, h, gu, a, events, trace, layer)
-
-    return post_attention
-
+# --- the kernels: one block untimed, and a run of blocks (timed when asked) ----------------------
 
 @lru_cache(maxsize=None)
 def decode_layer_kernel(pre_shape: tuple, post_shape: tuple):
@@ -327,39 +301,44 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
     """decode_layer over consecutive blocks of one shape, in one compiled call: each layer's
     weights and cache arrays are the first layer's, rebased to its own addresses (pre_at, post_at,
     kv_at: int64 [layers, arrays]); the scratch buffers are shared, the layers running in turn.
-    `timed` (LOG=debug): each layer's start, middle and end ticks go to `ticks` [layers, 3] for
-    its block span, the ops' own events to a buffer that only counts them (no op span is on)."""
+    `timed`: each layer's start, middle and end ticks go to `ticks` [layers, 3] (its block span)
+    and every op's event to `events` (LOG=trace: an EventBuffer's rows, layer = layer0 + the
+    run's index, the model's layer; LOG=debug: a buffer that only counts them), the cache write
+    and the attention apart (write_kv, then decode_into with nothing to write) as the
+    layer-by-layer path's kv_cache::update and attention::sdpa."""
     pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
 
     @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
     def decode_layers(x, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, start, pos, scale, splits, ctx, out,
-                      events, timed, ticks):
+                      events, timed, ticks, layer0):
         h, qkv, q2, k2, q3, k3, nq, nkv, v3, y, gu, a = bufs
         out[:] = x
         for layer in range(pre_at.shape[0]):
             nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq = _rebased(pre_w, pre_at[layer])
             t0 = _pre_step(pre_key, out, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq,
-                           pos, h, qkv, q2, k2, q3, k3, nq, nkv, events, timed, layer)
+                           pos, h, qkv, q2, k2, q3, k3, nq, nkv, events, timed, layer0 + layer)
             keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
-            attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
-                                      ctx)
+            if timed:  # the cache write and the attention timed apart
+                t = clock.start(timed)
+                attention_ops.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
+                clock.done(events, timed, C_KV, layer0 + layer, t)
+                t = clock.start(timed)
+                attention_ops.decode_into(q3[0], k3[:0], v3[:0], keys, k_scale, values, v_scale, start, pos + 1, 0,
+                                          scale, splits, ctx)
+                clock.done(events, timed, C_SDPA, layer0 + layer, t)
+            else:
+                attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale,
+                                          splits, ctx)
             (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
              pfn_eps) = _rebased(post_w, post_at[layer])
             t_mid, t_end = _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, fnw, fnb,
                                       f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w, pfn_eps, y, h, gu, a, events,
-                                      timed, layer)
+                                      timed, layer0 + layer)
             if timed:
                 ticks[layer, 0], ticks[layer, 1], ticks[layer, 2] = t0, t_mid, t_end
         return out
 
     return decode_layers
-
-
-def attend(attn: Attention, cache, layer: int, pos: int, q3, k3, v3) -> np.ndarray:
-    """KV write + decode attention for one token: q3 [1, H, hd], k3, v3 [1, Hkv, hd] -> ctx [H * hd].
-    The one place the fused path calls into the attention code (its cache layout and kernels are
-    Attention's and KVCache's)."""
-    return attn.decode(q3[0], k3, v3, pos, cache, layer).reshape(-1)
 
 
 def can_fuse(block) -> bool:
@@ -375,7 +354,7 @@ def can_fuse(block) -> bool:
 
 
 class FusedBlock:
-    """A TransformerBlock's decode step as two kernels (see the module doc). Made once per block,
+    """A TransformerBlock's decode step in one compiled call (see the module doc). Made once per block,
     after the weights are packed; holds the argument lists and scratch buffers."""
 
     def __init__(self, block):
@@ -402,7 +381,6 @@ class FusedBlock:
         pre_shape = (_norm_kind(norm), int(getattr(norm, "unit_offset", False)), len(projs),
                      ws[0][0], ws[0][1], ws[1][0], ws[1][1], ws[2][0], ws[2][1],
                      int(qk_norm), int(qk_norm and attn.q_norm.unit_offset), rope)
-        self.pre = pre_attention_kernel(pre_shape)
         self.pre_args = (norm.weight, _norm_bias(norm), norm.eps,
                          ws[0][2], ws[0][3], bs[0], ws[1][2], ws[1][3], bs[1], ws[2][2], ws[2][3], bs[2],
                          attn.q_norm.weight if qk_norm else _EMPTY, attn.k_norm.weight if qk_norm else _EMPTY,
@@ -425,7 +403,6 @@ class FusedBlock:
                       _norm_kind(fnorm), int(getattr(fnorm, "unit_offset", False)), mlp,
                       w1[0], w1[1], w2[0], w2[1], wd[0], wd[1], act, int(pfn is not None),
                       int(pfn is not None and pfn.unit_offset))
-        self.post = post_attention_kernel(post_shape)
         self.post_args = (wo[2], wo[3], _bias(attn.o_proj))
         self.post_args2 = (_EMPTY if pan is None else pan.weight, 0.0 if pan is None else pan.eps,
                            fnorm.weight, _norm_bias(fnorm), fnorm.eps,
@@ -439,12 +416,15 @@ class FusedBlock:
         self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
-        self.op_loggers.add(_ATTN_PERF)
-        # every op of a table writes one event a call: a traced call's events take these many rows
+        self.op_loggers |= {_ATTN_PERF, _KV_PERF, _SDPA_PERF}
+        self._attn_tables = {}  # kv type -> the cache write's and attention's Ops (_attention_ops)
+        # every op of a table writes one event a call, and the cache write and attention one each:
+        # a traced call's events take these many rows per layer
         self.n_pre, self.n_post = (sum(op is not None for op in table) for table in self.tables)
-        self.n_events = self.n_pre + self.n_post
-        self.events = clock.EventBuffer(64 * self.n_events)  # 64 steps: records are made later (_timed)
-        self._block_mark, self._attn_mark = perf.Mark(), perf.Mark()
+        self.n_events = self.n_pre + 2 + self.n_post
+        self.events = clock.EventBuffer(64 * self.n_events)  # 64 steps: records are made later (_run_spans)
+        self.ticks = np.zeros((1, 3), np.int64)  # a timed call's (start, middle, end)
+        self._run = None  # this block alone as a decode_layers run (_solo)
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         # generations on several threads may share a model: they take turns in a block (its
@@ -456,7 +436,7 @@ class FusedBlock:
         block, events = self.block, self.events.events
         ops_on = any(p.trace_on for p in self.op_loggers)
         if ops_on or _perf.debug_on:
-            return self._timed(x, pos, cache, ops_on)
+            return _call(self._solo(), x, pos, cache, cache.addresses(), ops_on, True, self.ticks)
         i, attn = block.index, block.attn
         cache.claim(i, pos)  # the kernel writes the position's key and value
         start = max(0, pos + 1 - self.window) if self.window else 0
@@ -464,78 +444,57 @@ class FusedBlock:
         return self.layer(x, *self.pre_args, pos, *self.pre_bufs, self.v3, *cache.layer(i), start, attn.scale,
                           splits, self.ctx, *self.post_args, self.x, *self.post_args2, events, i)
 
-    def _timed(self, x, pos, cache, ops_on):
-        """The step with its spans on. Nothing is made here: the kernels' ticks (the block's start,
-        middle and end; at trace every op's event, left in the event buffer) and the few Python
-        fields the records need go to perf.defer, and _pre_spans / _post_spans make the spans
-        when the perf buffer is drained, after the step. Two Marks stand for the block's and the
-        attention's spans on the stack meanwhile, so the Python spans of the attention call
-        (kv_cache::update, attention::sdpa) nest under them as on the layer-by-layer path."""
-        i = self.block.index
-        stack, ctx, thread = perf.frame()
-        parent = stack[-1] if stack else None
-        depth = len(stack)
-        block_id = perf.new_id() if _perf.debug_on else None
-        attn_id = perf.new_id() if ops_on and _ATTN_PERF.trace_on else None
-        if ops_on:
-            events, row = self.events.reserve(self.n_events)
-        else:  # debug: the block's own times only; the ops' events go nowhere
-            events, row = _NO_EVENTS, 0
-        t0 = self.pre(x, *self.pre_args, pos, *self.pre_bufs, events, True, i)
-        if ops_on:
-            perf.defer((self._pre_spans, events, row, parent, depth, ctx, thread, block_id, attn_id, pos))
-        pushed = 0
-        for mark, span_id in ((self._block_mark, block_id), (self._attn_mark, attn_id)):
-            if span_id is not None:
-                mark.id = span_id
-                stack.append(mark)
-                pushed += 1
-        try:
-            ctx_out = attend(self.block.attn, cache, i, pos, self.q3, self.k3, self.v3)
-        finally:
-            if pushed:
-                del stack[-pushed:]
-        self.x[:] = x
-        t_mid, t_end = self.post(ctx_out, *self.post_args, self.x, *self.post_args2, events, True, i)
-        perf.defer((self._post_spans, events, row if ops_on else 0, parent, depth, ctx, thread, block_id, attn_id,
-                    pos, t0, t_mid, t_end))
-        if t_end > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
-            _PAIRS.note()
-        return self.x
+    def _solo(self) -> tuple:
+        """This block as a run of one (FusedStep.runs' tuple): its timed step is FusedStep's."""
+        if self._run is None:
+            i = self.block.index
+            self._run = (self, decode_layers_kernel(*self.shapes), range(i, i + 1),
+                         np.array([_addresses(self.pre_args)], np.int64),
+                         np.array([_addresses(self.post_weights())], np.int64), [self])
+        return self._run
 
-    def _pre_spans(self, events, row, parent, depth, ctx, thread, block_id, attn_id, pos):
-        """The spans of pre_attention's events: the attention norm (the block's own op), then the
-        projections, q/k norms and RoPE (the attention's)."""
-        cal = clock.calibration()
-        table = {self.block.index: self.tables[0]}
-        rows = events[row:row + self.n_pre].tolist()
-        to_s = _seconds(cal, rows[0][2])
-        up, up_depth, floor = _parent_of(parent, depth, block_id, to_s(rows[0][2]))
-        out = perf.nest(clock.op_items(table, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
-        if attn_id is not None:
-            up, up_depth, floor = attn_id, up_depth + 1, perf._on_grid(to_s(rows[1][2]), up=True)
-        return out + perf.nest(clock.op_items(table, pos, rows[1:], cal), up, up_depth, ctx, thread, floor)
+    def _attention_ops(self, kv_type: str) -> list:
+        """The Ops of a timed call's cache write and attention (C_KV, C_SDPA), as KVCache.update and
+        attention_ops.attend_decode name them for this cache type."""
+        ops_ = self._attn_tables.get(kv_type)
+        if ops_ is None:
+            a, i = self.block.attn, self.block.index
+            window = self.window
+            span = clock.AtPos((lambda pos: min(pos + 1, window)) if window else (lambda pos: pos + 1))
+            ops_ = self._attn_tables[kv_type] = [
+                clock.Op(_KV_PERF.name, "kv_cache::update", "layer={} pos={} {}", i, clock.POS, kv_type, layer=i,
+                         op="kv_cache"),
+                clock.Op(_SDPA_PERF.name, "attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}", a.n_heads, a.head_dim,
+                         a.n_kv_heads, span, a.head_dim, kv_type, op="sdpa")]
+        return ops_
 
-    def _post_spans(self, events, row, parent, depth, ctx, thread, block_id, attn_id, pos, t0, t_mid, t_end):
-        """The spans of post_attention's events: o_proj (the attention's last op), the attention
-        span, the feed-forward and norms (the block's), and the block span with its parts."""
-        cal = clock.calibration()
+    def _layer_spans(self, rows, parent, depth, ctx, thread, pos, kv_type, t0, t_mid, t_end, cal) -> list:
+        """The spans of one layer of a timed call, in end order, as the layer-by-layer path opens
+        them: the attention norm (the block's), the projections, q/k norms, RoPE, the cache write,
+        the attention and o_proj (the attention span's), the attention span, the feed-forward and
+        norms (the block's), the block span with its `attn` / `ffn` parts. `rows`: the layer's
+        event rows (pre_attention's, the cache write's and attention's, post_attention's), empty
+        at debug; t0, t_mid, t_end: its ticks."""
         to_s = _seconds(cal, t0)
         s0, s_mid, s_end = to_s(t0), to_s(t_mid), to_s(t_end)
+        block_id = perf.new_id() if _perf.debug_on else None
         up, up_depth, floor = _parent_of(parent, depth, block_id, s0)
         out = []
-        if row:
-            table = {self.block.index: self.tables[1]}
-            first = int(events[row + 1, 2])  # the first projection's start
-            rows = events[row + self.n_pre:row + self.n_pre + self.n_post].tolist()
-            if attn_id is not None:
-                attn = to_s(first), to_s(rows[1][3])  # .. o_proj's end
-                out += perf.nest(clock.op_items(table, pos, rows[:2], cal), attn_id, up_depth + 1, ctx, thread,
-                                 perf._on_grid(attn[0], up=True))
+        if rows:
+            i, n_pre, (pre, post) = self.block.index, self.n_pre, self.tables
+            attention = (clock.op_items({i: pre}, pos, rows[1:n_pre], cal)
+                         + clock.op_items({i: self._attention_ops(kv_type)}, pos, rows[n_pre:n_pre + 2], cal)
+                         + clock.op_items({i: post}, pos, rows[n_pre + 2:n_pre + 4], cal))
+            out += perf.nest(clock.op_items({i: pre}, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
+            if _ATTN_PERF.trace_on:
+                attn_id = perf.new_id()
+                attn = to_s(rows[1][2]), to_s(rows[n_pre + 3][3])  # the first projection's start .. o_proj's end
+                out += perf.nest(attention, attn_id, up_depth + 1, ctx, thread, perf._on_grid(attn[0], up=True))
                 out.append(perf.span_at(*_attention_span(self.block, pos), *attn, up, up_depth, ctx, thread,
                                         span_id=attn_id, floor=floor))
-                rows = rows[2:]
-            out += perf.nest(clock.op_items(table, pos, rows, cal), up, up_depth, ctx, thread, floor)
+            else:
+                out += perf.nest(attention, up, up_depth, ctx, thread, floor)
+            out += perf.nest(clock.op_items({i: post}, pos, rows[n_pre + 4:], cal), up, up_depth, ctx, thread, floor)
         if block_id is not None:  # its ends pushed out to the µs grid: its parts and ops fit inside
             b = self.block
             out.append(perf.span_at(_perf, logging.DEBUG, b._event, "", (),
@@ -545,7 +504,6 @@ class FusedBlock:
                                     span_id=block_id, parts={"attn": s_mid - s0, "ffn": s_end - s_mid},
                                     floor=_floor(parent)))
         return out
-
 
     def post_weights(self) -> tuple:
         """post_attention's weights and constants: post_args and post_args2 without the buffers."""
@@ -586,12 +544,13 @@ class FusedStep:
     signature (SmolLM2: all 30; Gemma 3: its sliding and global layers apart) is one
     decode_layers call, where FusedBlock makes one per block. What that leaves out per block - a
     Python call chain, ~60 arguments unboxed, a lock, a copy - was ~7 us of SmolLM2's ~100 us
-    layers. Spans on, or a block set to the reference path, and the blocks run one by one."""
+    layers. Timed (spans on) the same calls time every op from inside (_call); a block set to the
+    reference path, and the blocks run one by one."""
 
     def __init__(self, blocks, fused):
         self.blocks, self.fused = blocks, fused
         self.op_loggers = set().union(*(f.op_loggers for f in fused))
-        self.runs = []  # (first FusedBlock, its kernel, layer indices, pre_at, post_at)
+        self.runs = []  # (first FusedBlock, its kernel, layer indices, pre_at, post_at, the run's FusedBlocks)
         i = 0
         while i < len(fused):
             j = i + 1
@@ -600,43 +559,64 @@ class FusedStep:
             first = fused[i]
             self.runs.append((first, decode_layers_kernel(*first.shapes), range(i, j),
                               np.array([_addresses(f.pre_args) for f in fused[i:j]], np.int64),
-                              np.array([_addresses(f.post_weights()) for f in fused[i:j]], np.int64)))
+                              np.array([_addresses(f.post_weights()) for f in fused[i:j]], np.int64), fused[i:j]))
+            # a traced call writes the whole run's events into its first block's buffer: 64 steps' worth
+            first.events = clock.EventBuffer(64 * (j - i) * first.n_events)
             i = j
         self.ticks = np.zeros((len(fused), 3), np.int64)  # a timed run's (start, middle, end) per layer
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
-        if any(p.trace_on for p in self.op_loggers) or not all(b.fused_decode for b in self.blocks):
+        if not all(b.fused_decode for b in self.blocks):
             for block in self.blocks:
                 x = block(x, pos, cache)
             return x
-        timed = _perf.debug_on  # debug: block spans from the kernel's ticks, made after the step
+        ops_on = any(p.trace_on for p in self.op_loggers)
+        timed = ops_on or _perf.debug_on
         kv_at = cache.addresses()
-        for first, kernel, layers, pre_at, post_at in self.runs:
-            for i in layers:
-                cache.claim(i, pos)  # the kernel writes the position's keys and values
-            start = max(0, pos + 1 - first.window) if first.window else 0
-            attn = first.block.attn
-            splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start)
-            with first._busy:  # a model shared by threads: its buffers are one set
-                x = kernel(x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
-                           cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], start, pos, attn.scale, splits,
-                           first.ctx, first.x, _NO_EVENTS if timed else first.events.events, timed,
-                           self.ticks).copy()
-            if timed:
-                self._defer_blocks(layers, pos)
+        for run in self.runs:
+            with run[0]._busy:  # a model shared by threads: its buffers are one set
+                x = _call(run, x, pos, cache, kv_at, ops_on, timed, self.ticks).copy()
         return x
 
-    def _defer_blocks(self, layers, pos):
-        """The block spans of a timed run (debug), from its ticks: perf makes them after the step,
-        as FusedBlock._timed's at debug level."""
+
+def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks):
+    """One decode_layers call over a run of like blocks (FusedStep.runs' tuple). Timed, nothing is
+    made here: the layers' ticks, the rows their events took in the run's EventBuffer (at trace)
+    and the few Python fields the records need go to perf.defer, and _run_spans makes the spans
+    when the perf buffer is drained, after the step."""
+    first, kernel, layers, pre_at, post_at, fused = run
+    for i in layers:
+        cache.claim(i, pos)  # the kernel writes the position's keys and values
+    start = max(0, pos + 1 - first.window) if first.window else 0
+    attn = first.block.attn
+    splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start)
+    if ops_on:
+        events, row = first.events.reserve(len(layers) * first.n_events)
+    else:  # untimed: never written; debug: the ops' events counted and dropped
+        events, row = (_NO_EVENTS if timed else first.events.events), 0
+    out = kernel(x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at, cache.layer(layers[0]),
+                 kv_at[layers[0]:layers[-1] + 1], start, pos, attn.scale, splits, first.ctx, first.x, events, timed,
+                 ticks, layers[0])
+    if timed:
+        layer_ticks = ticks[:len(layers)].tolist()
         stack, ctx, thread = perf.frame()
-        parent = stack[-1] if stack else None
-        for k, i in enumerate(layers):
-            t0, t_mid, t_end = self.ticks[k].tolist()
-            perf.defer((self.fused[i]._post_spans, _NO_EVENTS, 0, parent, len(stack), ctx, thread, perf.new_id(),
-                        None, pos, t0, t_mid, t_end))
-        if t_end > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
+        perf.defer((_run_spans, fused, events, row, layer_ticks, stack[-1] if stack else None, len(stack), ctx,
+                    thread, pos, cache.kv_type))
+        if layer_ticks[-1][2] > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
             _PAIRS.note()
+    return out
+
+
+def _run_spans(fused, events, row, layer_ticks, parent, depth, ctx, thread, pos, kv_type) -> list:
+    """The spans of a timed decode_layers call (perf.defer's entry), layer after layer."""
+    cal = clock.calibration()
+    n = fused[0].n_events
+    rows = events[row:row + len(fused) * n].tolist() if row else []
+    out = []
+    for k, f in enumerate(fused):
+        out += f._layer_spans(rows[k * n:(k + 1) * n], parent, depth, ctx, thread, pos, kv_type, *layer_ticks[k],
+                              cal)
+    return out
 
 
 def _norm_kind(norm) -> int:

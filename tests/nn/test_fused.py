@@ -81,6 +81,20 @@ def decode_both(block, steps=3, prompt=5):
     return np.array(fused), np.array(ref), cache, other
 
 
+def span_rows(records) -> list:
+    """Per record, in delivery (end) order: its ancestors' names, then its name, details and attributes."""
+    index = {r["id"]: r for r in records}
+
+    def ancestors(r):
+        names = []
+        while r["parent"] in index:
+            r = index[r["parent"]]
+            names.append(r["name"])
+        return tuple(names)
+    keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
+    return [(ancestors(r),) + tuple(str(r.get(k)) for k in keys) for r in records]
+
+
 def close(got, ref):
     scale = np.abs(ref).max()
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
@@ -127,16 +141,7 @@ def test_fused_decode_under_trace_reports_every_op_like_the_reference():
             block(np.ones((1, 64), np.float32), 3, cache)
         finally:
             perf.remove_collector(got.append)
-        index = {r["id"]: r for r in got}
-
-        def path(r):
-            names = []
-            while r["parent"] in index:
-                r = index[r["parent"]]
-                names.append(r["name"])
-            return tuple(names)
-        keys = ("name", "details", "module", "op", "layer", "kind", "dtype")
-        return sorted((path(r),) + tuple(str(r.get(k)) for k in keys) for r in got), got
+        return sorted(span_rows(got)), got
 
     fused, fused_recs = traced(True)
     ref, _ = traced(False)
@@ -219,3 +224,58 @@ def test_fused_step_under_debug_reports_the_blocks_like_one_by_one():
     ref, one_by_one = debug_step(False)
     close(y, ref)
     assert whole == one_by_one == [(f"transformer[{i}]::forward", i, "global", ["attn", "ffn"]) for i in range(3)]
+
+
+@pytest.mark.parametrize("shape, qtype, kw", [
+    ("llama", QuantType.Q4_0, {}),                                   # one run over every block
+    ("gemma3", QuantType.Q8_0, {}),                                  # q/k norms, sandwich norms, a window; 3 runs
+    ("gpt2", QuantType.F32, dict(bias=True)),                        # LayerNorm, GELU MLP, biases, no RoPE
+])
+def test_fused_step_under_trace_gives_the_span_tree_of_the_block_by_block_and_layer_by_layer_paths(shape, qtype, kw):
+    """LOG=trace through the one-call step: every op of every layer timed inside decode_layers
+    (the cache write and attention too) and made into spans after the step - the same names,
+    details, attributes, nesting, counts and end order as the blocks called one by one and as
+    the layer-by-layer reference, whose spans are opened in Python."""
+    def traced(path):
+        blocks = [make_block(qtype, shape=shape, seed=i, index=i, **kw) for i in range(4)]
+        if shape == "gemma3":
+            blocks[2].attn.window = None  # a global layer between sliding ones: the model's layer
+        step = FusedStep(blocks, [b.fused() for b in blocks])  # indices in the events, past run 0
+        assert len(step.runs) == (3 if shape == "gemma3" else 1)
+        a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
+        cache = KVCache(4, a.n_kv_heads, a.head_dim, 8, windows=[b.attn.window for b in blocks])
+        x = np.random.default_rng(4).standard_normal((6, d)).astype(np.float32)
+        for block in blocks:  # prefill past the window: the attention's span is capped by it
+            x = block(x, 0, cache)
+        got = []
+        perf.add_collector(got.append)
+        try:
+            with perf.get("pyml.nlp.model").debug("model::forward", "", op="model"):
+                y = np.ones((1, d), np.float32)
+                if path == "step":
+                    y = step(y, 6, cache)
+                else:
+                    for block in blocks:
+                        block.fused_decode = path == "blocks"
+                        y = block(y, 6, cache)
+        finally:
+            perf.remove_collector(got.append)
+        index = {r["id"]: r for r in got}
+        for r in got:  # every span inside its parent, on the µs grid the lines print
+            up = index.get(r["parent"])
+            if up is not None:
+                assert up["start"] <= r["start"] + 1e-9
+                assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+        return y, span_rows(got)
+
+    y, step = traced("step")
+    y_blocks, blocks = traced("blocks")
+    y_ref, ref = traced("reference")
+    close(y, y_ref)
+    close(y_blocks, y_ref)
+    assert step == blocks == ref  # in end order: the lines come out in the same order
+    names = [r[1] for r in step]
+    assert names.count("kv_cache::update") == names.count("attention::sdpa") == names.count("attention::forward") == 4
+    assert [r[5] for r in step if r[1] == f"transformer[{r[5]}]::forward"] == ["0", "1", "2", "3"]
+    sdpa = [r[2] for r in step if r[1] == "attention::sdpa"]  # the span attended: 7 positions, or the window's 4
+    assert sdpa == [f"q=[4, 16] kv=[2, {4 if shape == 'gemma3' and i != 2 else 7}, 16] f16" for i in range(4)]
