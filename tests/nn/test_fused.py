@@ -4,6 +4,7 @@ The whole models are held to transformers by tests/nlp (their decode steps run f
 
 import logging
 
+import numba
 import numpy as np
 import pytest
 
@@ -219,3 +220,51 @@ def test_fused_step_under_debug_reports_the_blocks_like_one_by_one():
     ref, one_by_one = debug_step(False)
     close(y, ref)
     assert whole == one_by_one == [(f"transformer[{i}]::forward", i, "global", ["attn", "ffn"]) for i in range(3)]
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+@pytest.mark.parametrize("shape, qtype, kw", [
+    ("llama", QuantType.Q4_0, {}),                                   # SmolLM2's Q4_0 file
+    ("llama", QuantType.Q4_1, dict(bias=True)),                      # mins, biases
+    ("gemma3", QuantType.Q4_K, {}),                                  # sandwich and q/k norms, GeGLU, window
+    ("gpt2", QuantType.Q8_0, dict(bias=True)),                       # LayerNorm, an up alone, Q8_0's offset bytes
+])
+def test_one_region_step_equals_layer_by_layer(shape, qtype, kw, threads):
+    """The one-region step (decode_region: threads claim each op's pieces from counters) against
+    the layer-by-layer path, over spans long enough to be split between threads, and on one
+    thread, where the single thread must take every piece itself."""
+    blocks = [make_block(qtype, shape=shape, seed=seed, **kw) for seed in range(3)]
+    for i, block in enumerate(blocks):
+        block.index = i
+        for lin in block.linears():
+            lin.pack()
+    step = FusedStep(blocks, [b.fused() for b in blocks])
+    assert all(r is not None for r in step.regions)  # the region is what runs
+    a, prompt, steps = blocks[0].attn, 150, 4
+    d = blocks[0].attn_norm.weight.shape[0]
+    windows = [b.attn.window for b in blocks]
+    cache, other = (KVCache(3, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((prompt, d)).astype(np.float32)
+    for block in blocks:
+        x = block(x, 0, cache)
+    for i in range(3):
+        other.k[i][:], other.v[i][:] = cache.k[i], cache.v[i]
+        other.written[i] = cache.written[i]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for t in range(steps):
+            x = rng.standard_normal((1, d)).astype(np.float32)
+            got = step(x.copy(), prompt + t, cache)
+            ref = x.copy()
+            for block in blocks:
+                block.fused_decode = False
+                ref = block(ref, prompt + t, other)
+                block.fused_decode = True
+            close(got, ref)
+    finally:
+        numba.set_num_threads(before)
+    for i in range(3):
+        close(cache.k[i], other.k[i])
+        close(cache.v[i], other.v[i])
