@@ -163,15 +163,21 @@ def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
         blocks[2].attn.window = None  # Gemma 3's global layer: a run of its own
     step = FusedStep(blocks, [b.fused() for b in blocks])
     assert len(step.runs) == (3 if shape == "gemma3" else 1)
-    a, prompt, steps = blocks[0].attn, 5, 3
-    d = blocks[0].attn_norm.weight.shape[0]
+    step_against_blocks(blocks, step, prompt=5, steps=3, seed=2)
+
+
+def step_against_blocks(blocks, step, prompt, steps, seed):
+    """Prefill `prompt` positions layer by layer, then `steps` decode steps through `step` and
+    block by block from copies of the cache: outputs and caches held equal."""
+    n = len(blocks)
+    a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
     windows = [b.attn.window for b in blocks]
-    cache, other = (KVCache(4, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
-    rng = np.random.default_rng(2)
+    cache, other = (KVCache(n, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((prompt, d)).astype(np.float32)
     for block in blocks:
         x = block(x, 0, cache)
-    for i in range(4):
+    for i in range(n):
         other.k[i][:], other.v[i][:] = cache.k[i], cache.v[i]
         other.written[i] = cache.written[i]
     for t in range(steps):
@@ -183,7 +189,7 @@ def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
             ref = block(ref, prompt + t, other)
             block.fused_decode = True
         close(got, ref)
-    for i in range(4):
+    for i in range(n):
         close(cache.k[i], other.k[i])
         close(cache.v[i], other.v[i])
 
@@ -240,31 +246,9 @@ def test_one_region_step_equals_layer_by_layer(shape, qtype, kw, threads):
             lin.pack()
     step = FusedStep(blocks, [b.fused() for b in blocks])
     assert all(r is not None for r in step.regions)  # the region is what runs
-    a, prompt, steps = blocks[0].attn, 150, 4
-    d = blocks[0].attn_norm.weight.shape[0]
-    windows = [b.attn.window for b in blocks]
-    cache, other = (KVCache(3, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((prompt, d)).astype(np.float32)
-    for block in blocks:
-        x = block(x, 0, cache)
-    for i in range(3):
-        other.k[i][:], other.v[i][:] = cache.k[i], cache.v[i]
-        other.written[i] = cache.written[i]
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        for t in range(steps):
-            x = rng.standard_normal((1, d)).astype(np.float32)
-            got = step(x.copy(), prompt + t, cache)
-            ref = x.copy()
-            for block in blocks:
-                block.fused_decode = False
-                ref = block(ref, prompt + t, other)
-                block.fused_decode = True
-            close(got, ref)
+        step_against_blocks(blocks, step, prompt=150, steps=4, seed=3)
     finally:
         numba.set_num_threads(before)
-    for i in range(3):
-        close(cache.k[i], other.k[i])
-        close(cache.v[i], other.v[i])
