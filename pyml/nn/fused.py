@@ -47,13 +47,13 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from pyml import quant
-from pyml.core import clock, ops, perf
+from pyml.core import atomics, clock, ops, perf
 from pyml.core.jit import FASTMATH
 from pyml.nn.attention import Attention
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
-from pyml.quant import attention_ops
+from pyml.quant import attention_ops, interleaved
 
 _perf = perf.get("pyml.nn.block")
 _ATTN_PERF = perf.get("pyml.nn.attention")
@@ -341,6 +341,190 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
     return decode_layers
 
 
+# --- the untimed step as one parallel region ---------------------------------------------------
+# decode_layers makes ~5 parallel launches a layer (the q|k|v GEMV, the attention's parts, o_proj,
+# gate|up, down), each ~1.5 µs to start on this machine plus the wait at its join for the slower
+# thread. decode_region runs a whole stretch of layers in one region instead: its threads take
+# each op's pieces (8-row groups of a matrix, the attention's (kv head, part) items) from an
+# atomic counter, and wait at the op's end until its pieces are counted done (core/atomics.py);
+# the one-thread steps between (norms, the activations' quantization, RoPE, the KV write, the
+# softmax merge, residuals) are taken by whichever thread comes first. No thread waits for the
+# other to start: a thread that comes late finds the pieces taken, so the region is also right
+# on one thread. Taken when every matrix of the block is in the x8 layout with no tail rows and
+# the projections are fused (q|k|v, gate|up or an up alone): SmolLM2's Q4_0 / Q4_1 / Q8_0 files.
+
+_PHASES = 11  # counters per layer: see _region_layer
+_SLOT = 16  # int64s between counters: claim and done counts on cache lines of their own
+PIECES_PER_THREAD = 4  # a matrix's groups are claimed in about this many pieces per thread
+
+
+@numba.njit(inline="always")
+def _first(counters, ph):
+    """Whether this thread takes one-thread step `ph` (the first to ask does)."""
+    return atomics.fetch_add(counters, _SLOT * ph, 1) == 0
+
+
+@numba.njit(inline="always")
+def _finish(counters, ph):
+    atomics.fetch_add(counters, _SLOT * ph + _SLOT // 2, 1)
+
+
+@numba.njit(inline="always")
+def _wait(counters, ph, n):
+    """Until n pieces of step `ph` are done (by any thread)."""
+    while atomics.load(counters, _SLOT * ph + _SLOT // 2) < n:
+        atomics.pause()
+
+
+@numba.njit(inline="always")
+def _quantize(kind, x, act):
+    xq, xd, xs, xp, xoff, y8 = act
+    interleaved.gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
+
+
+@numba.njit(inline="always")
+def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads):
+    """Step `ph`: out = W x over the x8 `groups`, in pieces claimed from the counter; x as
+    interleaved.gemv_activation left it in `act`. Returns when every piece is done."""
+    xq, xd, xs, xp, xoff, y8 = act
+    y = interleaved.activation_bytes(kind, xq, y8)
+    G = groups.shape[0]
+    n = min(G, PIECES_PER_THREAD * n_threads)
+    while True:
+        c = atomics.fetch_add(counters, _SLOT * ph, 1)
+        if c >= n:
+            break
+        for g in range(c * G // n, (c + 1) * G // n):
+            interleaved.gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
+        _finish(counters, ph)
+    _wait(counters, ph, n)
+
+
+@numba.njit(inline="always")
+def _add_bias(out, bias):  # out += bias (a loop: no array expression for parallel=True to turn into a launch)
+    for i in range(bias.size):
+        out[i] += bias[i]
+
+
+def _region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s,
+                   start, pos, scale, splits, ctx, out, counters, n_threads):
+    """One thread's walk through decode_region's layers (the module's one-region section)."""
+
+
+@overload(_region_layers, prefer_literal=True, jit_options=_BODY_OPTIONS)
+def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
+                            attn_s, start, pos, scale, splits, ctx, out, counters, n_threads):
+    if not isinstance(pre_key, types.StringLiteral) or not isinstance(post_key, types.StringLiteral):
+        return None
+    norm, unit_offset, _, kq, _, _, _, _, _, qk_norm, qk_unit, rope = _shape_of(pre_key)
+    (ko, _, post_attn, pan_unit, fnorm, f_unit, mlp, k1, _, _, _, kd, _, act, post_ffn, pfn_unit) = _shape_of(post_key)
+
+    def region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
+                      attn_s, start, pos, scale, splits, ctx, out, counters, n_threads):
+        h, qkv, q2, k2, q3, k3, nq, nkv, v3, y, gu, a = bufs
+        qs, qpos, m, l, acc, scores = attn_s
+        n_kv = kv[2].shape[0]
+        items = n_kv * splits
+        end = pos + 1
+        flat_ctx = ctx.reshape(ctx.size)
+        for layer in range(pre_at.shape[0]):
+            nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq = _rebased(pre_w, pre_at[layer])
+            keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
+            (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
+             pfn_eps) = _rebased(post_w, post_at[layer])
+            ph = _PHASES * layer
+            if _first(counters, ph):  # the attention norm; its output quantized for q|k|v
+                _norm(norm, unit_offset, out, nw, nb, eps, h)
+                _quantize(kq, h[0], act_d)
+                _finish(counters, ph)
+            _wait(counters, ph, 1)
+            _gemv_pieces(counters, ph + 1, kq, wq, act_d, qkv, n_threads)
+            if _first(counters, ph + 2):  # bias, q/k norms, RoPE, the KV write, the query rows
+                _add_bias(qkv, bq)
+                if qk_norm:
+                    ops.rms_norm_rows(q2, qn, qk_eps, qk_unit, q2)
+                    ops.rms_norm_rows(k2, kn, qk_eps, qk_unit, k2)
+                if rope:
+                    ops.rope_rows(q3, pos, inv_freq, rope == 2)
+                    ops.rope_rows(k3, pos, inv_freq, rope == 2)
+                attention_ops.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
+                attention_ops.decode_begin(q3[0], scale, end, qs, qpos)
+                _finish(counters, ph + 2)
+            _wait(counters, ph + 2, 1)
+            group = q3.shape[1] // n_kv
+            while True:  # the attention's (kv head, part) items
+                c = atomics.fetch_add(counters, _SLOT * (ph + 3), 1)
+                if c >= items:
+                    break
+                attention_ops.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, 0,
+                                          m, l, acc, scores)
+                _finish(counters, ph + 3)
+            _wait(counters, ph + 3, items)
+            if _first(counters, ph + 4):  # the parts merged; the context quantized for o_proj
+                attention_ops.decode_merge(n_kv, splits, group, m, l, acc, ctx)
+                _quantize(ko, flat_ctx, act_q)
+                _finish(counters, ph + 4)
+            _wait(counters, ph + 4, 1)
+            _gemv_pieces(counters, ph + 5, ko, wo, act_q, y[0], n_threads)
+            if _first(counters, ph + 6):  # bias, post norm, residual, the FFN norm, quantized
+                _add_bias(y[0], bo)
+                if post_attn:
+                    ops.rms_norm_rows(y, pan_w, pan_eps, pan_unit, y)
+                _add_bias(out[0], y[0])
+                _norm(fnorm, f_unit, out, fnw, fnb, f_eps, h)
+                _quantize(k1, h[0], act_d)
+                _finish(counters, ph + 6)
+            _wait(counters, ph + 6, 1)
+            _gemv_pieces(counters, ph + 7, k1, w1, act_d, gu[0], n_threads)
+            if _first(counters, ph + 8):  # bias, the activation, quantized for down
+                _add_bias(gu[0], b1)
+                ops.act_row(gu[0], act, mlp != 0, a[0])
+                _quantize(kd, a[0], act_f)
+                _finish(counters, ph + 8)
+            _wait(counters, ph + 8, 1)
+            _gemv_pieces(counters, ph + 9, kd, wd, act_f, y[0], n_threads)
+            if _first(counters, ph + 10):  # bias, post norm, residual
+                _add_bias(y[0], bd)
+                if post_ffn:
+                    ops.rms_norm_rows(y, pfn_w, pfn_eps, pfn_unit, y)
+                _add_bias(out[0], y[0])
+                _finish(counters, ph + 10)
+            _wait(counters, ph + 10, 1)
+
+    return region_layers
+
+
+@lru_cache(maxsize=None)
+def decode_region_kernel(pre_shape: tuple, post_shape: tuple):
+    """decode_layers (untimed) as one parallel region over its layers (see above); the shapes must
+    pass region_shapes_ok."""
+    pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_region(x, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s, start, pos,
+                      scale, splits, ctx, out, counters, n_threads):
+        # n_threads: numba.get_num_threads() from Python (called in here it is a ctypes pointer,
+        # which keeps the kernel out of the disk cache)
+        for i in range(counters.size):
+            counters[i] = 0
+        for i in range(x.shape[1]):
+            out[0, i] = x[0, i]
+        for _ in numba.prange(n_threads):
+            _region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
+                           attn_s, start, pos, scale, splits, ctx, out, counters, n_threads)
+        return out
+
+    return decode_region
+
+
+def region_shapes_ok(pre_shape: tuple, post_shape: tuple) -> bool:
+    """Whether decode_region implements blocks of these shapes: fused projections, every matrix
+    in the x8 layout (the tails are checked by the caller: FusedBlock.region_ok)."""
+    n_proj, lq = pre_shape[2], pre_shape[4]
+    lo, mlp, l1, ld = post_shape[1], post_shape[6], post_shape[8], post_shape[12]
+    return n_proj == 1 and lq == 1 and lo == 1 and mlp in (0, 1) and l1 == 1 and ld == 1
+
+
 def can_fuse(block) -> bool:
     """Whether a block is made of the layers the fused kernels implement."""
     attn, ffn = block.attn, block.ffn
@@ -505,6 +689,12 @@ class FusedBlock:
                                     floor=_floor(parent)))
         return out
 
+
+    def region_ok(self) -> bool:
+        """Whether decode_region implements this block (region_shapes_ok, and no tail rows)."""
+        tails = (self.pre_args[4], self.post_args[1], self.post_args2[6], self.post_args2[12])
+        return region_shapes_ok(*self.shapes) and all(t.shape[0] == 0 for t in tails)
+
     def post_weights(self) -> tuple:
         """post_attention's weights and constants: post_args and post_args2 without the buffers."""
         return self.post_args + self.post_args2[:-4]
@@ -564,6 +754,39 @@ class FusedStep:
             first.events = clock.EventBuffer(64 * (j - i) * first.n_events)
             i = j
         self.ticks = np.zeros((len(fused), 3), np.int64)  # a timed run's (start, middle, end) per layer
+        # the untimed step of a run whose blocks decode_region implements: (kernel, counters,
+        # activation buffers, attention scratch), or None
+        self.regions = [self._region(first, len(layers)) for first, _, layers, *_ in self.runs]
+
+    @staticmethod
+    def _region(first, n_layers):
+        if not first.region_ok():
+            return None
+        attn = first.block.attn
+        d, f = first.h.shape[1], first.a.shape[1]
+        return [decode_region_kernel(*first.shapes), np.zeros(n_layers * _PHASES * _SLOT, np.int64),
+                interleaved.gemv_buffers(d), interleaved.gemv_buffers(attn.n_heads * attn.head_dim),
+                interleaved.gemv_buffers(f), None]
+
+    def _attention_scratch(self, region, first, cache, layer, items):
+        """The region's attention buffers, made (again) when the cache's head_dim or the items grow."""
+        attn, hdp = first.block.attn, cache.layer(layer)[2].shape[2]
+        s = region[5]
+        if s is None or s[0].shape[2] != hdp or s[2].shape[0] < items:
+            region[5] = s = attention_ops.decode_scratch(attn.n_heads, attn.n_kv_heads, hdp, items)
+        return s
+
+    def _region_call(self, run, region, x, pos, cache, kv_at):
+        """One decode_region call over a run of like blocks (untimed)."""
+        first, _, layers, pre_at, post_at, _ = run
+        start = _claim(first, layers, pos, cache)
+        attn = first.block.attn
+        splits = attention_ops.decode_splits(attn.n_kv_heads, pos + 1 - start)
+        scratch = self._attention_scratch(region, first, cache, layers[0], attn.n_kv_heads * splits)
+        return region[0](x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
+                         cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], region[2], region[3], region[4],
+                         scratch, start, pos, attn.scale, splits, first.ctx, first.x, region[1],
+                         numba.get_num_threads())
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         if not all(b.fused_decode for b in self.blocks):
@@ -573,10 +796,21 @@ class FusedStep:
         ops_on = any(p.trace_on for p in self.op_loggers)
         timed = ops_on or _perf.debug_on
         kv_at = cache.addresses()
-        for run in self.runs:
+        for run, region in zip(self.runs, self.regions):
             with run[0]._busy:  # a model shared by threads: its buffers are one set
-                x = _call(run, x, pos, cache, kv_at, ops_on, timed, self.ticks).copy()
+                if region is not None and not timed:
+                    x = self._region_call(run, region, x, pos, cache, kv_at).copy()
+                else:
+                    x = _call(run, x, pos, cache, kv_at, ops_on, timed, self.ticks).copy()
         return x
+
+
+def _claim(first, layers, pos, cache) -> int:
+    """Claims the position in each layer's cache (the kernel writes its keys and values); returns
+    the first position the attention reads (a sliding window's start)."""
+    for i in layers:
+        cache.claim(i, pos)
+    return max(0, pos + 1 - first.window) if first.window else 0
 
 
 def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks):
@@ -585,9 +819,7 @@ def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks):
     and the few Python fields the records need go to perf.defer, and _run_spans makes the spans
     when the perf buffer is drained, after the step."""
     first, kernel, layers, pre_at, post_at, fused = run
-    for i in layers:
-        cache.claim(i, pos)  # the kernel writes the position's keys and values
-    start = max(0, pos + 1 - first.window) if first.window else 0
+    start = _claim(first, layers, pos, cache)
     attn = first.block.attn
     splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start)
     if ops_on:

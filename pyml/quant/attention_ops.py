@@ -314,7 +314,7 @@ def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, wi
 # --- decode: one query position, the span split over threads --------------------------
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+def decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
                  m, l, acc, scores):
     kv, part = item // splits, item % splits
     step = ((end - start + splits - 1) // splits + CHUNK - 1) // CHUNK * CHUNK
@@ -328,23 +328,45 @@ def _decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, 
                      m[item], l[item], acc[item], scores[item])
 
 
+def decode_scratch(n_heads: int, n_kv: int, hd: int, items: int) -> tuple:
+    """(qs, qpos, m, l, acc, scores): the buffers of a decode step of up to `items` (kv head, part)
+    items (hd: the cache's, padded to 16), for callers that keep them (nn/fused.py's one-region
+    step); decode_begin, decode_item and decode_merge use them."""
+    R = (n_heads // n_kv + ROWS - 1) // ROWS * ROWS
+    return (np.zeros((n_kv, R, hd), np.float32), np.zeros(R, np.int64), np.empty((items, R), np.float32),
+            np.empty((items, R), np.float32), np.empty((items, R, hd), np.float32),
+            np.empty((items, R, CHUNK), np.float32))
+
+
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _decode_setup(q, values, splits, scale, end):
-    H, n_kv, hd = q.shape[0], values.shape[0], values.shape[2]
+def decode_begin(q, scale, end, qs, qpos):
+    """The query rows the items read: qs [n_kv, R, hd] = q [H, hd] x scale, a GQA group's heads
+    as rows (the padding rows and columns stay as they are: zero); every row at position end-1.
+    Returns the group size."""
+    H, n_kv = q.shape[0], qs.shape[0]
     group = H // n_kv
-    R = (group + ROWS - 1) // ROWS * ROWS
-    qs = np.zeros((n_kv, R, hd), np.float32)  # hd: the cache's, padded to 16 with zeros
     for h in range(H):
         for i in range(q.shape[1]):
             qs[h // group, h % group, i] = q[h, i] * scale
-    qpos = np.full(R, end - 1, np.int64)
+    for r in range(qpos.size):
+        qpos[r] = end - 1
+    return group
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _decode_setup(q, values, splits, scale, end):
+    H, n_kv, hd = q.shape[0], values.shape[0], values.shape[2]
+    R = (H // n_kv + ROWS - 1) // ROWS * ROWS
+    qs = np.zeros((n_kv, R, hd), np.float32)  # hd: the cache's, padded to 16 with zeros
+    qpos = np.empty(R, np.int64)
+    group = decode_begin(q, scale, end, qs, qpos)
     items = n_kv * splits
     return (group, qs, qpos, np.empty((items, R), np.float32), np.empty((items, R), np.float32),
             np.empty((items, R, hd), np.float32), np.empty((items, R, CHUNK), np.float32))
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _decode_merge(n_kv, splits, group, m, l, acc, out):
+def decode_merge(n_kv, splits, group, m, l, acc, out):
     """The split parts' (m, l, acc) -> out [H, hd]: each rescaled to the common max."""
     hd = out.shape[1]
     for kv in range(n_kv):
@@ -374,9 +396,9 @@ def _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window
     n_kv = values.shape[0]
     group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, splits, scale, end)
     for item in numba.prange(n_kv * splits):
-        _decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+        decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
                      m, l, acc, scores)
-    return _decode_merge(n_kv, splits, group, m, l, acc, out)
+    return decode_merge(n_kv, splits, group, m, l, acc, out)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -385,9 +407,9 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
     n_kv = values.shape[0]
     group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, 1, scale, end)
     for item in range(n_kv):
-        _decode_item(item, 1, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
+        decode_item(item, 1, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
                      m, l, acc, scores)
-    return _decode_merge(n_kv, 1, group, m, l, acc, out)
+    return decode_merge(n_kv, 1, group, m, l, acc, out)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")

@@ -68,7 +68,7 @@ from numba import prange
 from pyml.core import derived
 from pyml.core.mapping import release_pages
 from pyml.core.isa import ZMM
-from pyml.quant.activation import quantize_q8, quantize_rows_q8
+from pyml.quant.activation import quantize_row_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
                              fnma, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
@@ -424,6 +424,51 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
     return acc
 
 
+# The GEMV in two steps, so that compiled code which shares out a matrix's groups between threads
+# itself (nn/fused.py's one-region decode step) quantizes the activation once, into buffers it
+# keeps, and calls the same group kernel the GEMV's prange does.
+
+@numba.njit(cache=True)
+def gemv_buffers(n):
+    """(xq, xd, xs, xp, xoff, y8): what gemv_activation fills for an activation of n values."""
+    return (np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
+            np.empty(n // 2, np.int16), np.empty(n // 32, np.int32), np.empty(n, np.uint8))
+
+
+@numba.njit
+def activation_bytes(kind, xq, y8):
+    """The bytes the dots of `kind` load: y8, filled by gemv_activation (Q8_0 on VNNI: the codes
+    offset by 128, _dot_vnni), or the codes themselves."""
+    numba.literally(kind)
+    if kind == Q8_0 and HAVE_VNNI:
+        return y8
+    return xq.view(np.uint8)
+
+
+@numba.njit
+def gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8):
+    """x [n] f32 quantized into the gemv_buffers (activation.py's blocks, the code offsets'
+    sums); returns activation_bytes."""
+    numba.literally(kind)
+    quantize_row_q8(x, xq, xd, xs, xp)
+    _offset_sums(kind, xq, xoff)
+    if kind == Q8_0 and HAVE_VNNI:
+        codes = xq.view(np.uint8)
+        for i in range(codes.size):
+            y8[i] = codes[i] ^ np.uint8(128)
+    return activation_bytes(kind, xq, y8)
+
+
+@numba.njit
+def gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out):
+    """out[8g .. 8g+7] = rows 8g .. 8g+7 of W x, x given as gemv_activation left it."""
+    numba.literally(kind)
+    if kind == Q4_K:
+        store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
+    else:
+        store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], y, xd, xs, xoff))
+
+
 # --- T > 1 ---------------------------------------------------------------------------------
 
 @numba.njit
@@ -653,15 +698,10 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv(groups, x, out):
-        xq, xd, xs, _ = quantize_q8(x)
-        xoff = np.empty(xd.size, np.int32)
-        _offset_sums(kind, xq, xoff)
-        y = offset_activation(kind, xq)
+        xq, xd, xs, xp, xoff, y8 = gemv_buffers(x.size)
+        y = gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
         for g in prange(groups.shape[0]):
-            if kind == Q4_K:
-                store_f32x8(out, 8 * g, _gemv_group_k(groups[g], xq, xd, xs))
-            else:
-                store_f32x8(out, 8 * g, _gemv_group(kind, groups[g], y, xd, xs, xoff))
+            gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)

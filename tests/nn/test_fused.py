@@ -4,6 +4,7 @@ The whole models are held to transformers by tests/nlp (their decode steps run f
 
 import logging
 
+import numba
 import numpy as np
 import pytest
 
@@ -167,15 +168,21 @@ def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
         blocks[2].attn.window = None  # Gemma 3's global layer: a run of its own
     step = FusedStep(blocks, [b.fused() for b in blocks])
     assert len(step.runs) == (3 if shape == "gemma3" else 1)
-    a, prompt, steps = blocks[0].attn, 5, 3
-    d = blocks[0].attn_norm.weight.shape[0]
+    step_against_blocks(blocks, step, prompt=5, steps=3, seed=2)
+
+
+def step_against_blocks(blocks, step, prompt, steps, seed):
+    """Prefill `prompt` positions layer by layer, then `steps` decode steps through `step` and
+    block by block from copies of the cache: outputs and caches held equal."""
+    n = len(blocks)
+    a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
     windows = [b.attn.window for b in blocks]
-    cache, other = (KVCache(4, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
-    rng = np.random.default_rng(2)
+    cache, other = (KVCache(n, a.n_kv_heads, a.head_dim, prompt + steps, windows=windows) for _ in range(2))
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((prompt, d)).astype(np.float32)
     for block in blocks:
         x = block(x, 0, cache)
-    for i in range(4):
+    for i in range(n):
         other.k[i][:], other.v[i][:] = cache.k[i], cache.v[i]
         other.written[i] = cache.written[i]
     for t in range(steps):
@@ -187,7 +194,7 @@ def test_fused_step_over_several_blocks_equals_layer_by_layer(shape, qtype, kw):
             ref = block(ref, prompt + t, other)
             block.fused_decode = True
         close(got, ref)
-    for i in range(4):
+    for i in range(n):
         close(cache.k[i], other.k[i])
         close(cache.v[i], other.v[i])
 
@@ -279,3 +286,29 @@ def test_fused_step_under_trace_gives_the_span_tree_of_the_block_by_block_and_la
     assert [r[5] for r in step if r[1] == f"transformer[{r[5]}]::forward"] == ["0", "1", "2", "3"]
     sdpa = [r[2] for r in step if r[1] == "attention::sdpa"]  # the span attended: 7 positions, or the window's 4
     assert sdpa == [f"q=[4, 16] kv=[2, {4 if shape == 'gemma3' and i != 2 else 7}, 16] f16" for i in range(4)]
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+@pytest.mark.parametrize("shape, qtype, kw", [
+    ("llama", QuantType.Q4_0, {}),                                   # SmolLM2's Q4_0 file
+    ("llama", QuantType.Q4_1, dict(bias=True)),                      # mins, biases
+    ("gemma3", QuantType.Q4_K, {}),                                  # sandwich and q/k norms, GeGLU, window
+    ("gpt2", QuantType.Q8_0, dict(bias=True)),                       # LayerNorm, an up alone, Q8_0's offset bytes
+])
+def test_one_region_step_equals_layer_by_layer(shape, qtype, kw, threads):
+    """The one-region step (decode_region: threads claim each op's pieces from counters) against
+    the layer-by-layer path, over spans long enough to be split between threads, and on one
+    thread, where the single thread must take every piece itself."""
+    blocks = [make_block(qtype, shape=shape, seed=seed, **kw) for seed in range(3)]
+    for i, block in enumerate(blocks):
+        block.index = i
+        for lin in block.linears():
+            lin.pack()
+    step = FusedStep(blocks, [b.fused() for b in blocks])
+    assert all(r is not None for r in step.regions)  # the region is what runs
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        step_against_blocks(blocks, step, prompt=150, steps=4, seed=3)
+    finally:
+        numba.set_num_threads(before)
