@@ -34,8 +34,9 @@ FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
 _PACKAGE = Path(__file__).resolve().parents[1]
 _KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: the fused decode kernels
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
-_KERNEL_SOURCES = ("core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py", "quant/activation.py",
-                   "quant/attention_ops.py", "quant/blocks32.py", "quant/floats.py", "quant/ggml_types.py",
+_KERNEL_SOURCES = ("core/atomics.py", "core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py",
+                   "quant/activation.py", "quant/attention_ops.py", "quant/bf16.py", "quant/blocks32.py",
+                   "quant/floats.py", "quant/ggml_types.py",
                    "quant/interleaved.py", "quant/kernel_set.py", "quant/kquants.py", "quant/quantizers.py",
                    "quant/simd.py", "quant/simd512.py", "nn/fused.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never

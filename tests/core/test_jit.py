@@ -37,6 +37,16 @@ def test_kernels_use_the_package_stamped_cache():
         assert locator.get_source_stamp() == jit.FINGERPRINT
 
 
+def test_every_module_that_makes_kernel_code_is_in_the_fingerprint():
+    """A module of core/quant/nn that defines jitted functions, overloads or intrinsics puts code
+    inside other modules' kernels: an edit there must recompile them (core/atomics.py and
+    quant/bf16.py were once missing)."""
+    makers = ("@numba.njit", "@njit", "@intrinsic", "@overload", "numba.njit(")
+    found = {f"{d.name}/{f.name}" for d in jit._KERNEL_DIRS for f in d.glob("*.py")
+             if any(m in f.read_text() for m in makers)}
+    assert found <= set(jit._KERNEL_SOURCES), sorted(found - set(jit._KERNEL_SOURCES))
+
+
 def test_an_edit_to_an_inlined_helper_recompiles_in_a_user_cache_dir(tmp_path):
     """NUMBA_CACHE_DIR set (as CI sets it): an edit to simd.py, whose helpers are inlined into
     the block kernels (kernel_set.py), must recompile them - Numba's own stamp (kernel_set.py
