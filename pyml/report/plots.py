@@ -61,7 +61,9 @@ def write_plots(run, out_dir: Path) -> list:
         if dec:
             ax.bar([r["layer"] + w / 2 for r in dec], [r["mean"] for r in dec], width=w, label="decode (mean/step)")
             ax.errorbar([r["layer"] + w / 2 for r in dec], [r["mean"] for r in dec],
-                        yerr=[[r["mean"] - r["min"] for r in dec], [r["max"] - r["mean"] for r in dec]],
+                        # max(0, ...): a mean of equal steps can round a hair below their min
+                        yerr=[[max(0.0, r["mean"] - r["min"]) for r in dec],
+                              [max(0.0, r["max"] - r["mean"]) for r in dec]],
                         fmt="none", ecolor="black", capsize=2, linewidth=0.8, label="decode min–max")
         ax.set_xlabel("layer")
         ax.set_ylabel("ms")
