@@ -11,6 +11,11 @@ the cache entries of pyml/core, pyml/quant and pyml/nn (the fused decode kernels
 with a fingerprint of all their kernel source files as this process read them at import: an
 entry written from other sources is treated as absent and recompiled.
 
+Because the stamp says which sources an entry came from, the entries are also filed by package
+folder rather than by absolute path: a fresh clone of the same sources (CI's) finds the kernels an
+earlier clone compiled. Two different versions run at once share the entries (each recompiles what
+the other wrote, correct but slow): give them separate NUMBA_CACHE_DIRs.
+
 The stamp holds in every place Numba may keep the cache (a NUMBA_CACHE_DIR, as CI sets, too:
 a CI cache kept across runs once served kernels compiled before a NaN fix in simd.py). This
 goes through Numba's cache-locator hook (the one NUMBA_CACHE_LOCATOR_CLASSES uses); if that
@@ -74,6 +79,13 @@ def _stamped(base: type) -> type:
 
         def get_source_stamp(self):
             return FINGERPRINT
+
+        @classmethod
+        def get_suitable_cache_subpath(cls, py_file):
+            # Numba names the folder after a hash of the source's absolute path, so every fresh clone
+            # (CI's among them) recompiled every kernel, ~8 minutes on 2 cores. The fingerprint
+            # already says whether an entry was compiled from these sources, wherever they live.
+            return f"pyml_{Path(py_file).resolve().parent.name}"
 
     PackageStampedLocator.__qualname__ = f"PackageStamped{base.__name__}"
     return PackageStampedLocator
