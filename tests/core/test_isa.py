@@ -78,15 +78,25 @@ def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(capsy
     with capsys.disabled():  # said in the test output, not skipped silently
         print(f"\nISA paths run here: {', '.join(available)}; not on this CPU: {', '.join(unavailable) or 'none'}")
     stamps, digests = {}, set()
-    for path in available:
-        env = dict(os.environ, PYML_ISA=path)
-        out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-2000:]
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-        assert got["isa"] == path
-        # int8 activations: within the bound of the activation rounding (quant docstring)
-        assert max(got["errors"].values()) <= 1.0, got
-        stamps[path] = got["fingerprint"]
-        digests.add(got["digest"])
+    # The paths' probes run at once: each mostly compiles its kernels, on one core, for ~30 s cold
+    # (run one after another they were CI's slowest test, 128 s).
+    probes = {path: subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, PYML_ISA=path, NUMBA_NUM_THREADS="1"))
+              for path in available}
+    try:
+        for path, probe in probes.items():
+            stdout, stderr = probe.communicate(timeout=900)
+            assert probe.returncode == 0, stderr[-2000:]
+            got = json.loads(stdout.strip().splitlines()[-1])
+            assert got["isa"] == path
+            # int8 activations: within the bound of the activation rounding (quant docstring)
+            assert max(got["errors"].values()) <= 1.0, got
+            stamps[path] = got["fingerprint"]
+            digests.add(got["digest"])
+    finally:
+        for probe in probes.values():
+            if probe.poll() is None:
+                probe.kill()
+                probe.communicate()
     assert len(set(stamps.values())) == len(stamps)  # no path loads another's machine code
     assert len(digests) == 1  # the integer dots are exact on every path: the same floats, bit for bit
