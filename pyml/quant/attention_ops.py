@@ -34,7 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-from pyml.core import perf
+from pyml.core import atomics, perf
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32
 from pyml.quant import simd
@@ -424,36 +424,53 @@ def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, sca
 # --- prefill: tiles of queries x the key tiles they see ---------------------------------
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out):
-    """q [T, H, hd] at positions pos .. pos+T-1 -> out [T, H, hd]; items (kv head, TILE_Q queries)."""
+def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads):
+    """q [T, H, hd] at positions pos .. pos+T-1 -> out [T, H, hd]; items (kv head, TILE_Q queries).
+
+    Causal items are unequal (the last tile of a 512-token prompt sees 64x the keys of the
+    first), so a static split of the items by count left one thread with ~3/4 of the work. Each
+    thread instead claims the next item from a shared counter, the heaviest (latest) tiles first:
+    the threads end within about one light item of each other, and a thread the OS descheduled
+    leaves its share to the other rather than holding it."""
     T, H, hd = q.shape
     n_kv, hdp = values.shape[0], values.shape[2]  # the cache's head_dim, padded to 16 with zeros
     group = H // n_kv
     n_tiles = (T + TILE_Q - 1) // TILE_Q
+    n_items = n_kv * n_tiles
     R = (TILE_Q * group + ROWS - 1) // ROWS * ROWS
-    for item in numba.prange(n_kv * n_tiles):
-        kv, tile = item // n_tiles, item % n_tiles
-        t0 = tile * TILE_Q
-        nt = min(TILE_Q, T - t0)
+    claimed = np.zeros(1, np.int64)
+    for _worker in numba.prange(min(n_threads, n_items)):
         qs = np.zeros((R, hdp), np.float32)
-        qpos = np.full(R, pos + t0 + nt - 1, np.int64)
-        for t in range(nt):
-            for g in range(group):
-                qpos[t * group + g] = pos + t0 + t
-                for i in range(hd):
-                    qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
-        m = np.full(R, -np.inf, np.float32)
-        l = np.zeros(R, np.float32)
-        acc = np.zeros((R, hdp), np.float32)
+        qpos = np.empty(R, np.int64)
+        m = np.empty(R, np.float32)
+        l = np.empty(R, np.float32)
+        acc = np.empty((R, hdp), np.float32)
         scores = np.empty((R, CHUNK), np.float32)
-        lo = max(0, pos + t0 - window + 1) if window > 0 else 0
-        _attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
-                     m, l, acc, scores)
-        for t in range(nt):
-            for g in range(group):
-                r = t * group + g
-                for i in range(hd):
-                    out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
+        while True:
+            item = atomics.fetch_add(claimed, 0, 1)
+            if item >= n_items:
+                break
+            kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
+            t0 = tile * TILE_Q
+            nt = min(TILE_Q, T - t0)
+            qs[:, :] = 0.0
+            qpos[:] = pos + t0 + nt - 1
+            for t in range(nt):
+                for g in range(group):
+                    qpos[t * group + g] = pos + t0 + t
+                    for i in range(hd):
+                        qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
+            m[:] = -np.inf
+            l[:] = 0.0
+            acc[:, :] = 0.0
+            lo = max(0, pos + t0 - window + 1) if window > 0 else 0
+            _attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
+                         m, l, acc, scores)
+            for t in range(nt):
+                for g in range(group):
+                    r = t * group + g
+                    for i in range(hd):
+                        out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
     return out
 
 
@@ -507,4 +524,4 @@ def attend_tiled(q: np.ndarray, pos: int, keys: np.ndarray, k_scale: np.ndarray,
     with _perf.trace("attention::sdpa", "q=[{}, {}, {}] kv=[{}, {}, {}] {} tiled", *q.shape, values.shape[0],
                      pos + q.shape[0], q.shape[2], _TYPE_NAMES[values.dtype.type], op="sdpa"):
         return _tiled(np.ascontiguousarray(q), pos, keys, k_scale, values, v_scale, window, np.float32(scale),
-                      np.empty(q.shape, np.float32))
+                      np.empty(q.shape, np.float32), numba.get_num_threads())
