@@ -424,6 +424,36 @@ def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, sca
 
 # --- prefill: tiles of queries x the key tiles they see ---------------------------------
 
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos):
+    """A prefill item's query rows: item -> (kv head, tile's first query t0, its queries nt), the
+    latest tiles first; qs [R, hdp] <- its queries' heads of that group (scaled, zero padding rows),
+    qpos their positions (padding rows: the tile's last)."""
+    T, H, hd = q.shape
+    group = H // n_kv
+    kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
+    t0 = tile * TILE_Q
+    nt = min(TILE_Q, T - t0)
+    qs[:, :] = 0.0
+    qpos[:] = pos + t0 + nt - 1
+    for t in range(nt):
+        for g in range(group):
+            qpos[t * group + g] = pos + t0 + t
+            for i in range(hd):
+                qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
+    return kv, t0, nt
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _item_out(acc, l, kv, t0, nt, group, out):
+    """out[t0 .. t0+nt, kv head kv's group of heads] = acc / l of the item's rows."""
+    for t in range(nt):
+        for g in range(group):
+            r = t * group + g
+            for i in range(out.shape[2]):
+                out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
+
+
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads):
     """q [T, H, hd] at positions pos .. pos+T-1 -> out [T, H, hd]; items (kv head, TILE_Q queries).
@@ -451,27 +481,14 @@ def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads
             item = atomics.fetch_add(claimed, 0, 1)
             if item >= n_items:
                 break
-            kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
-            t0 = tile * TILE_Q
-            nt = min(TILE_Q, T - t0)
-            qs[:, :] = 0.0
-            qpos[:] = pos + t0 + nt - 1
-            for t in range(nt):
-                for g in range(group):
-                    qpos[t * group + g] = pos + t0 + t
-                    for i in range(hd):
-                        qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
+            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
             m[:] = -np.inf
             l[:] = 0.0
             acc[:, :] = 0.0
             lo = max(0, pos + t0 - window + 1) if window > 0 else 0
             _attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
                          m, l, acc, scores)
-            for t in range(nt):
-                for g in range(group):
-                    r = t * group + g
-                    for i in range(hd):
-                        out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
+            _item_out(acc, l, kv, t0, nt, group, out)
     return out
 
 
@@ -556,17 +573,8 @@ def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
             item = atomics.fetch_add(claimed, 0, 1)
             if item >= n_items:
                 break
-            kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
-            t0 = tile * TILE_Q
-            nt = min(TILE_Q, T - t0)
-            n_rows = nt * group
-            qs[:, :] = 0.0
-            qpos[:] = pos + t0 + nt - 1
-            for t in range(nt):
-                for g in range(group):
-                    qpos[t * group + g] = pos + t0 + t
-                    for i in range(hd):
-                        qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
+            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
+            n_rows = nt * q.shape[1] // n_kv
             for r in range(R):
                 u = qs[r].view(np.uint32)
                 for i in range(hdp):
@@ -628,11 +636,7 @@ def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
                     for i in range(hdw):
                         acc[r, i] += pv[r, i]
                 c0 += CHUNK
-            for t in range(nt):
-                for g in range(group):
-                    r = t * group + g
-                    for i in range(hd):
-                        out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
+            _item_out(acc, l, kv, t0, nt, group, out)
     return out
 
 
