@@ -169,6 +169,36 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
     return x
 
 
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _rope_table(pos, inv_freq, cos, sin):  # cos, sin [T, half] for positions pos .. pos+T-1
+    for t in numba.prange(cos.shape[0]):
+        for i in range(inv_freq.shape[0]):
+            angle = (pos + t) * inv_freq[i]  # float64, as _rope_rows
+            cos[t, i], sin[t, i] = np.float32(math.cos(angle)), np.float32(math.sin(angle))
+    return cos, sin
+
+
+# by a table, a rotation is 4 multiplies a pair (Gemma 3's q of 512 positions: 60 µs on one
+# thread), less than a parallel region costs on a loaded machine: it stays on the calling thread
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def _rope_apply(x, cos, sin, interleaved):  # x [T, H, hd] in place, by the table of its T positions
+    T, H, _ = x.shape
+    half = cos.shape[1]
+    for t in range(T):
+        for h in range(H):
+            for i in range(half):
+                c, s = cos[t, i], sin[t, i]
+                if interleaved:
+                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    x[t, h, 2 * i] = a * c - b * s
+                    x[t, h, 2 * i + 1] = b * c + a * s
+                else:
+                    a, b = x[t, h, i], x[t, h, i + half]
+                    x[t, h, i] = a * c - b * s
+                    x[t, h, i + half] = b * c + a * s
+    return x
+
+
 # The row kernels the fused decode step (nn/fused.py) calls from inside its own kernels.
 rms_norm_rows, layer_norm_rows, rope_rows, act_row = _rms_norm_rows, _layer_norm_rows, _rope_rows, _act_row
 
@@ -252,6 +282,20 @@ def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleaved: bool) -> np
     return _rope_rows(x, pos, inv_freq, interleaved)
 
 
+def rope_table(pos: int, T: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [T, len(inv_freq)] of positions pos .. pos+T-1 (the angles as `rope`'s)."""
+    with _perf.trace("rope_table", "T={} pairs={}", T, inv_freq.shape[0]):
+        half = inv_freq.shape[0]
+        return _rope_table(pos, inv_freq, np.empty((T, half), np.float32), np.empty((T, half), np.float32))
+
+
+def rope_by_table(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotate x [T, n_heads, head_dim] in place by a rope_table of its T positions: a prefill's q and
+    k, and every layer of one kind, share one table, where `rope` computes a float64 cos and sin per
+    pair and call, on one thread (5.5% of Gemma 3's pp512; 1.95 -> 0.06 ms a layer, 1 thread)."""
+    return _rope_apply(x, cos, sin, interleaved)
+
+
 def warmup():
     """Compile the jitted ops on tiny inputs (see RuntimeConfig.warmup_thread_pool)."""
     x = np.ones((2, 8), np.float32)
@@ -266,3 +310,6 @@ def warmup():
     inv = np.ones(4, np.float64)
     _rope_rows(q, 0, inv, True)
     _rope_rows(q, 0, inv, False)
+    cos, sin = _rope_table(0, inv, np.empty((2, 4), np.float32), np.empty((2, 4), np.float32))
+    _rope_apply(q, cos, sin, True)
+    _rope_apply(q, cos, sin, False)

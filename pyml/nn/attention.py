@@ -18,7 +18,11 @@ class Attention:
     qkv: one fused Linear producing [q | k | v], or a (q, k, v) tuple of Linears.
     q_norm / k_norm: per-head norms applied before RoPE (Gemma 3); rope: None for GPT-2.
     window: keys at distance >= window from the query are masked (sliding layers).
+    prefill_bf16: a prefill's QK^T and PV on vdpbf16ps (attention_ops.attend_tiled; set by the model's
+    float compute, quant.attention_compute), else float32.
     """
+
+    prefill_bf16 = False
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, qkv, o_proj: Linear,
                  scale: float, rope=None, q_norm=None, k_norm=None, window: int | None = None,
@@ -76,5 +80,5 @@ class Attention:
                 t1 = min(T, t0 + piece)
                 cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
                 ctx[t0:t1] = attention_ops.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
-                                                        self.window or 0)
+                                                        self.window or 0, self.prefill_bf16)
             return self.o_proj(ctx.reshape(T, -1))

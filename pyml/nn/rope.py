@@ -35,8 +35,20 @@ class RoPE:
                 raise ModelFormatError(f"RoPE frequency divisors must be {inv_freq.size} positive numbers, "
                                        f"got {freq_divisors.size}")
             self.inv_freq = self.inv_freq / freq_divisors
+        self._table = (0, 0, None, None)  # the last prefill's (pos, T, cos, sin): its layers share it
+
+    def table(self, pos: int, T: int):
+        """cos, sin [T, rotary_dim / 2] of positions pos .. pos+T-1, made once for every layer of a
+        forward pass that shares this RoPE (and for both its q and k)."""
+        last = self._table
+        if last[0] != pos or last[1] != T:
+            last = (pos, T, *ops.rope_table(pos, T, self.inv_freq))
+            self._table = last
+        return last[2], last[3]
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""
         with _perf.trace("rope", "{} pos={} {}", x.shape, pos, self.style, op="rope"):
-            return ops.rope(x, pos, self.inv_freq, self.style == "interleaved")
+            if x.shape[0] == 1:  # a decode step: one position's angles, on the calling thread
+                return ops.rope(x, pos, self.inv_freq, self.style == "interleaved")
+            return ops.rope_by_table(x, *self.table(pos, x.shape[0]), self.style == "interleaved")

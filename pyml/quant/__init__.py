@@ -199,6 +199,19 @@ def float_compute(mode: str, qtype) -> str:
     return "bf16" if mode == "bf16" or qtype in _AUTO_BF16 else "f32"
 
 
+def attention_compute(mode: str, qtypes) -> str:
+    """What a prefill's attention (QK^T and PV) computes in under float-compute `mode`, for a model whose
+    weights are of `qtypes`: "bf16" (vdpbf16ps, quant/attention_ops.py) or "f32", as float_compute decides
+    for weights: bf16 needs the avx512_bf16 path; auto is bf16 unless every weight is F32 (a float32 file
+    asks for float32 accuracy; a quantized or 16-bit one already carries a larger error than bf16's
+    rounding of q, k, v and the probabilities: docs/performance.md, "Gemma 3's prefill attention")."""
+    if mode not in FLOAT_COMPUTE:
+        raise ValueError(f"float compute {mode!r}: use one of {', '.join(FLOAT_COMPUTE)}")
+    if not BF16_AVAILABLE or mode == "f32":
+        return "f32"
+    return "bf16" if mode == "bf16" or any(t != QuantType.F32 for t in qtypes) else "f32"
+
+
 def pack_bf16(raw: np.ndarray, qtype, n_cols: int, key: str | None = None) -> BF16Packed:
     """Float weights as bf16 blocks for the prefill GEMM (quant/bf16.py), a derived array under `key`."""
     kind = int(qtype)

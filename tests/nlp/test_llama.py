@@ -88,12 +88,13 @@ def test_real_smollm2_logits_match_transformers(kind, smollm2_gguf, requantized,
 
 
 def test_real_smollm2_exact_kernels_match_transformers(smollm2_gguf, monkeypatch, torch):
-    """With float32 activations (pyml.quant's exact path) only summation order differs."""
+    """With float32 activations (pyml.quant's exact path) and float32 attention only summation order
+    differs."""
     import functools
 
     from pyml import quant
     monkeypatch.setattr(quant, "matmul", functools.partial(quant.matmul, exact=True))
-    lm = pyml.load_model(gguf=str(smollm2_gguf), warmup=False, kv_type="f32")
+    lm = pyml.load_model(gguf=str(smollm2_gguf), warmup=False, kv_type="f32", float_compute="f32")
     hf = hf_gguf_model(smollm2_gguf)
     for prompt in PROMPTS[:2]:
         ids = lm.encode(prompt)

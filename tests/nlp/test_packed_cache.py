@@ -19,7 +19,7 @@ from pyml import load_model, quant
 from pyml.cli.standins import write_gpt2, write_llama_gguf
 from pyml.core import derived
 from pyml.core.mapping import _mapping_of
-from pyml.nlp.api import build_gguf
+from pyml.nlp.api import build_gguf, check_float_compute
 from pyml.nlp.loaders import packed_cache
 from pyml.quant import interleaved
 
@@ -43,9 +43,10 @@ def load(path):
 
 
 def reference_logits(path):
-    """Logits of the model packed in process memory (no cache in play): what every load must give."""
+    """Logits of the model packed in process memory (no cache in play): what every load must give
+    (load_model's float compute, auto: the prefill's attention as a load computes it)."""
     model = build_gguf(path, with_tokenizer=False).model
-    model.pack_weights()
+    model.pack_weights(check_float_compute("auto"))
     return model.forward(IDS, model.new_cache(8))
 
 

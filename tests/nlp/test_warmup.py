@@ -15,13 +15,14 @@ import json, sys
 from pyml import load_model
 from pyml.quant import attention_ops
 lm = load_model(gguf=sys.argv[1], threads=1, warmup=sys.argv[2] == "warm")
-seen = {"load": [len(attention_ops._tiled.signatures), lm.warmup_s]}
+tiled = lambda: len(attention_ops._tiled.signatures) + len(attention_ops._tiled_bf16.signatures)  # f32 or bf16
+seen = {"load": [tiled(), lm.warmup_s]}
 lm.generate([5], max_tokens=3)
-seen["one-token prompt"] = [len(attention_ops._tiled.signatures), lm.warmup_s]
+seen["one-token prompt"] = [tiled(), lm.warmup_s]
 lm.generate([5, 9, 33], max_tokens=3)
-seen["three-token prompt"] = [len(attention_ops._tiled.signatures), lm.warmup_s]
+seen["three-token prompt"] = [tiled(), lm.warmup_s]
 lm.generate([7, 8], max_tokens=2)
-seen["again"] = [len(attention_ops._tiled.signatures), lm.warmup_s]
+seen["again"] = [tiled(), lm.warmup_s]
 print(json.dumps(seen))
 """
 

@@ -1,12 +1,14 @@
 """Attention over the KV cache (quant/attention_ops.py) against float64 NumPy attention written out
 here: the stored codes against the gguf package's Q8_0 quantizer and NumPy's float16; decode and
 tiled prefill against softmax(q K^T s + mask) V on the same stored keys (float32 tolerance), and
-against the float32 keys within each type's documented bound."""
+against the float32 keys within each type's documented bound; the prefill's bf16 path (vdpbf16ps,
+where the CPU has AVX-512 BF16) against the same float64 reference within bf16's bound."""
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from pyml.core import isa
 from pyml.nn.kv_cache import KVCache
 from pyml.quant import attention_ops
 
@@ -14,6 +16,12 @@ TYPES = ["f32", "f16", "q8_0"]
 # max |error| of a context vector (unit-normal keys, values and queries, scale 1/8) against float32
 # keys and values: f16 rounds each to 11 bits, q8_0 to 1/254 of its 32-value block's max
 BOUND_VS_F32 = {"f32": 2e-5, "f16": 3e-3, "q8_0": 6e-2}
+# the bf16 prefill rounds q (scaled), keys, values and the probabilities to 8 significant bits (RNE,
+# relative error <= 2^-9 each); scores, softmax and sums stay float32. max |error| of a context
+# vector against float64 on the stored keys, the same unit-normal inputs (measured: <= 2.2e-2, T = 1..512)
+BOUND_BF16 = 3e-2
+needs_bf16 = pytest.mark.skipif(not attention_ops.HAVE_BF16, reason=f"no avx512_bf16 on ISA path {isa.ISA}: "
+                                "the bf16 prefill attention cannot run (the float32 path is tested)")
 
 
 def reference(q, keys, values, qpos, scale, window=0):
@@ -109,7 +117,7 @@ def test_tiled_matches_the_reference(kv_type, T, heads, kv_heads, hd, window):
     rng = np.random.default_rng(T * 7 + heads)
     cache, k, v = filled(kv_type, kv_heads, hd, T, rng)
     q = rng.standard_normal((T, heads, hd), np.float32)
-    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window)
+    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=False)
     stored_k, stored_v = cache.view(0, T)
     qpos = np.arange(T)
     np.testing.assert_allclose(got, reference(q, stored_k, stored_v, qpos, 0.125, window), rtol=2e-5, atol=2e-6)
@@ -122,9 +130,38 @@ def test_tiled_on_top_of_a_cached_context(pos, T, window):
     rng = np.random.default_rng(pos + T)
     cache, k, v = filled("f32", 2, 64, pos + T, rng)
     q = rng.standard_normal((T, 6, 64), np.float32)
-    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window)
+    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=False)
     expect = reference(q, k, v, np.arange(pos, pos + T), 0.125, window)
     np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
+
+
+@needs_bf16
+@pytest.mark.parametrize("T", [1, 2, 9, 64, 65, 130])
+@pytest.mark.parametrize("kv_type,heads,kv_heads,hd,window",
+                         [(t, *shape) for t in TYPES for shape in [(9, 3, 64, 0), (4, 1, 256, 0), (4, 2, 32, 20)]]
+                         + [(t, 3, 1, 48, 0) for t in ("f32", "f16")])  # q8_0 needs hd % 32 == 0
+def test_tiled_bf16_matches_the_reference(kv_type, T, heads, kv_heads, hd, window):
+    """Tiny shapes and remainders: rows not a multiple of the 8-row tile, hd not of its 32 lanes."""
+    rng = np.random.default_rng(T * 7 + heads)
+    cache, k, v = filled(kv_type, kv_heads, hd, T, rng)
+    q = rng.standard_normal((T, heads, hd), np.float32)
+    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=True)
+    stored_k, stored_v = cache.view(0, T)
+    assert np.abs(got - reference(q, stored_k, stored_v, np.arange(T), 0.125, window)).max() < BOUND_BF16
+
+
+@needs_bf16
+@pytest.mark.parametrize("pos,T,window", [(100, 9, 0), (64, 64, 0), (37, 30, 16), (200, 65, 48), (500, 257, 512)])
+def test_tiled_bf16_on_top_of_a_cached_context(pos, T, window):
+    """After pos cached positions, and a sliding window's ring (Gemma 3: 512 + 256 slots)."""
+    rng = np.random.default_rng(pos + T)
+    cache, k, v = filled("f16", 1, 256, pos + T, rng, window=window or None)
+    q = rng.standard_normal((T, 4, 256), np.float32)
+    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 1 / 16, window, use_bf16=True)
+    stored_k = k.astype(np.float16).astype(np.float32)  # as the f16 cache holds them
+    stored_v = v.astype(np.float16).astype(np.float32)
+    expect = reference(q, stored_k, stored_v, np.arange(pos, pos + T), 1 / 16, window)
+    assert np.abs(got - expect).max() < BOUND_BF16
 
 
 @pytest.mark.parametrize("kv_type", TYPES)

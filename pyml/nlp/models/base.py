@@ -17,6 +17,7 @@ from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
 from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
+from pyml import quant
 from pyml.quant import Packed
 
 _perf = perf.get("pyml.nlp.model")
@@ -120,8 +121,12 @@ class DecoderModel:
 
     def pack_weights(self, float_compute: str = "f32") -> int:
         """Re-lay the weights of every Linear that has a faster layout (Linear.pack); returns how many.
-        The head gets no bf16 blocks (`float_compute`): a generation runs it on the last token only."""
+        The head gets no bf16 blocks (`float_compute`): a generation runs it on the last token only.
+        The prefill's attention computes as quant.attention_compute(float_compute) says."""
         self.float_compute = float_compute
+        attention = quant.attention_compute(float_compute, {lin.weight.qtype for lin in self.linears()[:-1]})
+        for b in self.blocks:
+            b.attn.prefill_bf16 = attention == "bf16"
         return sum(lin.pack(float_compute) for b in self.blocks for lin in b.linears()) + self.lm_head.pack()
 
     def describe(self) -> str:
@@ -133,5 +138,6 @@ class DecoderModel:
         bf16 = sum(1 for lin in linears if lin.prefill_weight is not None)
         return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
                 f"types={dict(types)} fusions={fusions} packed_x8={packed} "
-                f"float_compute={self.float_compute} prefill_bf16={bf16}")
+                f"float_compute={self.float_compute} prefill_bf16={bf16} "
+                f"attention={'bf16' if any(b.attn.prefill_bf16 for b in self.blocks) else 'f32'}")
 
