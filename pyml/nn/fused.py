@@ -27,7 +27,8 @@ Q6_K mixed in, a few.
 Timing: when any of a block's spans is on, decode_layers reads the time-stamp counter around
 every op - the cache write and the attention apart - and each layer's start, middle and end, and
 (at trace) writes (op id, layer, start, end) into the run's EventBuffer (core/clock.py): no block
-returns to Python. The step itself only hands those rows and ticks to perf.defer; when the perf
+returns to Python. decode_region (a run of x8 blocks as one parallel region) writes the same
+ticks and rows from whichever thread takes each one-thread step (see its section). The step itself only hands those rows and ticks to perf.defer; when the perf
 buffer is drained, after the step, _layer_spans turns them into the spans the layer-by-layer
 path opens - the same names, details, attributes and nesting (attention::forward holds the qkv
 projection, the q/k norms, RoPE, kv_cache::update, attention::sdpa and o_proj) - and the block's
@@ -341,7 +342,7 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
     return decode_layers
 
 
-# --- the untimed step as one parallel region ---------------------------------------------------
+# --- the step as one parallel region ------------------------------------------------------------
 # decode_layers makes ~5 parallel launches a layer (the q|k|v GEMV, the attention's parts, o_proj,
 # gate|up, down), each ~1.5 µs to start on this machine plus the wait at its join for the slower
 # thread. decode_region runs a whole stretch of layers in one region instead: its threads take
