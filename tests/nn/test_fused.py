@@ -96,6 +96,16 @@ def span_rows(records) -> list:
     return [(ancestors(r),) + tuple(str(r.get(k)) for k in keys) for r in records]
 
 
+def assert_inside_parents(records):
+    """Every span inside its parent, on the µs grid the lines print."""
+    index = {r["id"]: r for r in records}
+    for r in records:
+        up = index.get(r["parent"])
+        if up is not None:
+            assert up["start"] <= r["start"] + 1e-9
+            assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+
+
 def close(got, ref):
     scale = np.abs(ref).max()
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
@@ -267,12 +277,7 @@ def test_fused_step_under_trace_gives_the_span_tree_of_the_block_by_block_and_la
                         y = block(y, 6, cache)
         finally:
             perf.remove_collector(got.append)
-        index = {r["id"]: r for r in got}
-        for r in got:  # every span inside its parent, on the µs grid the lines print
-            up = index.get(r["parent"])
-            if up is not None:
-                assert up["start"] <= r["start"] + 1e-9
-                assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+        assert_inside_parents(got)
         return y, span_rows(got)
 
     y, step = traced("step")
@@ -353,12 +358,7 @@ def _step_records(blocks, path, level, pos=6):
                 y = step(y, pos, cache)
     finally:
         perf.remove_collector(got.append)
-    index = {r["id"]: r for r in got}
-    for r in got:  # every span inside its parent, on the µs grid the lines print
-        up = index.get(r["parent"])
-        if up is not None:
-            assert up["start"] <= r["start"] + 1e-9
-            assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+    assert_inside_parents(got)
     return y, got, step
 
 
