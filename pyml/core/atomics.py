@@ -9,7 +9,8 @@ replaces them with a few shared-cache-line operations (nn/fused.py, `decode_regi
 
 The counters are int64 arrays; `fetch_add` is a sequentially consistent `lock xadd`, `load` an
 acquire load: the writes a thread makes before it counts a piece done are seen by a thread that
-reads the count after them. `pause` is x86's spin-wait hint (nothing elsewhere).
+reads the count after them. `fetch_max` keeps the largest value written (a traced region's
+"last piece done" tick). `pause` is x86's spin-wait hint (nothing elsewhere).
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def fetch_add(typingctx, counters, index, value):
         ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         v = context.cast(builder, args[2], sig.args[2], types.int64)
         return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return types.int64(counters, index, value), codegen
+
+
+@intrinsic
+def fetch_max(typingctx, counters, index, value):
+    """counters[index] = max(counters[index], value), atomically (signed); returns the value before."""
+    if not (isinstance(counters, types.Array) and counters.dtype == types.int64
+            and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("max", ptr, v, "seq_cst")
 
     return types.int64(counters, index, value), codegen
 

@@ -27,7 +27,8 @@ Q6_K mixed in, a few.
 Timing: when any of a block's spans is on, decode_layers reads the time-stamp counter around
 every op - the cache write and the attention apart - and each layer's start, middle and end, and
 (at trace) writes (op id, layer, start, end) into the run's EventBuffer (core/clock.py): no block
-returns to Python. The step itself only hands those rows and ticks to perf.defer; when the perf
+returns to Python. decode_region (a run of x8 blocks as one parallel region) writes the same
+ticks and rows from whichever thread takes each one-thread step (see its section). The step itself only hands those rows and ticks to perf.defer; when the perf
 buffer is drained, after the step, _layer_spans turns them into the spans the layer-by-layer
 path opens - the same names, details, attributes and nesting (attention::forward holds the qkv
 projection, the q/k norms, RoPE, kv_cache::update, attention::sdpa and o_proj) - and the block's
@@ -341,7 +342,7 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
     return decode_layers
 
 
-# --- the untimed step as one parallel region ---------------------------------------------------
+# --- the step as one parallel region ------------------------------------------------------------
 # decode_layers makes ~5 parallel launches a layer (the q|k|v GEMV, the attention's parts, o_proj,
 # gate|up, down), each ~1.5 µs to start on this machine plus the wait at its join for the slower
 # thread. decode_region runs a whole stretch of layers in one region instead: its threads take
@@ -355,7 +356,14 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
 
 _PHASES = 11  # counters per layer: see _region_layer
 _SLOT = 16  # int64s between counters: claim and done counts on cache lines of their own
+_LAST = 1  # a step's slot (timed): the latest tick a thread finished one of its pieces at
 PIECES_PER_THREAD = 4  # a matrix's groups are claimed in about this many pieces per thread
+
+
+def region_counters(n_layers: int) -> np.ndarray:
+    """decode_region's counters for a run of n_layers: _PHASES steps a layer, and one slot more
+    (timed: the latest tick recorded, _now)."""
+    return np.zeros((n_layers * _PHASES + 1) * _SLOT, np.int64)
 
 
 @numba.njit(inline="always")
@@ -376,6 +384,53 @@ def _wait(counters, ph, n):
         atomics.pause()
 
 
+# --- timing inside the region ---------------------------------------------------------------
+# Only the thread that takes a one-thread step records (the steps are ordered by the counters:
+# what one wrote before its _finish the next one reads after its _wait), so the layer's ticks
+# and its ops' events are written by one thread at a time. A step's pieces run on every thread:
+# each piece, timed, puts its end into the step's _LAST slot (an atomic max) before counting
+# itself done, and the next one-thread step reads the latest one - the op ran from its
+# activation's quantization (the gemv's first work, as decode_layers times it) to its last
+# piece done. Every tick is taken no earlier than the last one recorded (the counters' last
+# slot): ticks read on two cores stay ordered, whatever their counters' skew.
+
+@numba.njit(inline="always")
+def _now(on, counters):
+    """The counter (not before the latest tick recorded) when `on`, else 0 and no read."""
+    if not on:
+        return 0
+    at = counters.size - _SLOT
+    t = max(clock.ticks(), counters[at])
+    counters[at] = t
+    return t
+
+
+@numba.njit(inline="always")
+def _pieces_done(counters, ph):
+    """The tick step ph's last piece was done at (timed), taken as the latest tick recorded."""
+    at = counters.size - _SLOT
+    t = max(atomics.load(counters, _SLOT * ph + _LAST), counters[at])
+    counters[at] = t
+    return t
+
+
+@numba.njit(inline="always")
+def _piece_done(counters, ph, timed):
+    if timed:
+        atomics.fetch_max(counters, _SLOT * ph + _LAST, clock.ticks())
+    _finish(counters, ph)
+
+
+@numba.njit(inline="always")
+def _event(events, trace, r, op, layer, t0, t1):
+    """Event row r (a slot of the layer's rows, decode_layers' end order): op ran from t0 to t1."""
+    if trace:
+        events[r, 0] = op
+        events[r, 1] = layer
+        events[r, 2] = t0
+        events[r, 3] = t1
+
+
 @numba.njit(inline="always")
 def _quantize(kind, x, act):
     xq, xd, xs, xp, xoff, y8 = act
@@ -383,7 +438,7 @@ def _quantize(kind, x, act):
 
 
 @numba.njit(inline="always")
-def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads):
+def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads, timed):
     """Step `ph`: out = W x over the x8 `groups`, in pieces claimed from the counter; x as
     interleaved.gemv_activation left it in `act`. Returns when every piece is done."""
     xq, xd, xs, xp, xoff, y8 = act
@@ -396,7 +451,7 @@ def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads):
             break
         for g in range(c * G // n, (c + 1) * G // n):
             interleaved.gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
-        _finish(counters, ph)
+        _piece_done(counters, ph, timed)
     _wait(counters, ph, n)
 
 
@@ -406,21 +461,41 @@ def _add_bias(out, bias):  # out += bias (a loop: no array expression for parall
         out[i] += bias[i]
 
 
+def region_slots(pre_shape: tuple, post_shape: tuple) -> tuple:
+    """Where each event of a layer goes among its rows in a traced region (decode_layers' end
+    order, which FusedBlock._layer_spans slices): (norm, q|k|v quant, linear, q norm, k norm,
+    rope q, rope k, kv write, sdpa, o quant, linear, post-attention norm, ffn norm, up quant,
+    linear, activation, down quant, linear, feed_forward, post-ffn norm, rows a layer); the
+    slot of an op the shape lacks is -1."""
+    qk_norm, rope = pre_shape[9], pre_shape[11]
+    post_attn, post_ffn = post_shape[2], post_shape[14]
+    slots, k = [], 0
+    for present in (1, 1, 1, qk_norm, qk_norm, rope, rope, 1, 1, 1, 1, post_attn, 1, 1, 1, 1, 1, 1, 1, post_ffn):
+        slots.append(k if present else -1)
+        k += bool(present)
+    return tuple(slots) + (k,)
+
+
 def _region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s,
-                   start, pos, scale, splits, ctx, out, counters, n_threads):
+                   start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks, layer0):
     """One thread's walk through decode_region's layers (the module's one-region section)."""
 
 
 @overload(_region_layers, prefer_literal=True, jit_options=_BODY_OPTIONS)
 def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
-                            attn_s, start, pos, scale, splits, ctx, out, counters, n_threads):
+                            attn_s, start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace,
+                            timed, ticks, layer0):
     if not isinstance(pre_key, types.StringLiteral) or not isinstance(post_key, types.StringLiteral):
         return None
-    norm, unit_offset, _, kq, _, _, _, _, _, qk_norm, qk_unit, rope = _shape_of(pre_key)
-    (ko, _, post_attn, pan_unit, fnorm, f_unit, mlp, k1, _, _, _, kd, _, act, post_ffn, pfn_unit) = _shape_of(post_key)
+    pre_shape, post_shape = _shape_of(pre_key), _shape_of(post_key)
+    norm, unit_offset, _, kq, _, _, _, _, _, qk_norm, qk_unit, rope = pre_shape
+    (ko, _, post_attn, pan_unit, fnorm, f_unit, mlp, k1, _, _, _, kd, _, act, post_ffn, pfn_unit) = post_shape
+    (e_norm, e_qkv, e_qkv_lin, e_qn, e_kn, e_rq, e_rk, e_kv, e_sdpa, e_o, e_o_lin, e_pan, e_fn, e_up, e_up_lin, e_act,
+     e_down, e_down_lin, e_ffn, e_pfn, n_ev) = region_slots(pre_shape, post_shape)
 
     def region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
-                      attn_s, start, pos, scale, splits, ctx, out, counters, n_threads):
+                      attn_s, start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed,
+                      ticks, layer0):
         h, qkv, q2, k2, q3, k3, nq, nkv, v3, y, gu, a = bufs
         qs, qpos, m, l, acc, scores = attn_s
         n_kv = kv[2].shape[0]
@@ -433,22 +508,48 @@ def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post
             (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
              pfn_eps) = _rebased(post_w, post_at[layer])
             ph = _PHASES * layer
+            li, r = layer0 + layer, row + layer * n_ev  # the model's layer; its first event row
             if _first(counters, ph):  # the attention norm; its output quantized for q|k|v
+                t = _now(timed, counters)
+                if timed:
+                    ticks[layer, 0] = t
                 _norm(norm, unit_offset, out, nw, nb, eps, h)
+                t_mm = _now(trace, counters)
+                _event(events, trace, r + e_norm, A_NORM, li, t, t_mm)
                 _quantize(kq, h[0], act_d)
+                if trace:
+                    events[r + e_qkv, 2] = t_mm
                 _finish(counters, ph)
             _wait(counters, ph, 1)
-            _gemv_pieces(counters, ph + 1, kq, wq, act_d, qkv, n_threads)
+            _gemv_pieces(counters, ph + 1, kq, wq, act_d, qkv, n_threads, trace)
             if _first(counters, ph + 2):  # bias, q/k norms, RoPE, the KV write, the query rows
+                t_mm = 0
+                if trace:
+                    t_mm = events[r + e_qkv, 2]
+                    _event(events, trace, r + e_qkv, A_MM, li, t_mm, _pieces_done(counters, ph + 1))
                 _add_bias(qkv, bq)
+                t = _now(trace, counters)
+                _event(events, trace, r + e_qkv_lin, A_MM + 1, li, t_mm, t)
                 if qk_norm:
                     ops.rms_norm_rows(q2, qn, qk_eps, qk_unit, q2)
+                    t_q = _now(trace, counters)
+                    _event(events, trace, r + e_qn, A_QNORM, li, t, t_q)
                     ops.rms_norm_rows(k2, kn, qk_eps, qk_unit, k2)
+                    t = _now(trace, counters)
+                    _event(events, trace, r + e_kn, A_KNORM, li, t_q, t)
                 if rope:
                     ops.rope_rows(q3, pos, inv_freq, rope == 2)
+                    t_q = _now(trace, counters)
+                    _event(events, trace, r + e_rq, A_ROPE_Q, li, t, t_q)
                     ops.rope_rows(k3, pos, inv_freq, rope == 2)
+                    t = _now(trace, counters)
+                    _event(events, trace, r + e_rk, A_ROPE_K, li, t_q, t)
                 attention_ops.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
+                t_kv = _now(trace, counters)
+                _event(events, trace, r + e_kv, C_KV, li, t, t_kv)
                 attention_ops.decode_begin(q3[0], scale, end, qs, qpos)
+                if trace:
+                    events[r + e_sdpa, 2] = t_kv
                 _finish(counters, ph + 2)
             _wait(counters, ph + 2, 1)
             group = q3.shape[1] // n_kv
@@ -458,36 +559,79 @@ def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post
                     break
                 attention_ops.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, 0,
                                           m, l, acc, scores)
-                _finish(counters, ph + 3)
+                _piece_done(counters, ph + 3, False)
             _wait(counters, ph + 3, items)
             if _first(counters, ph + 4):  # the parts merged; the context quantized for o_proj
                 attention_ops.decode_merge(n_kv, splits, group, m, l, acc, ctx)
+                t_mm = _now(trace, counters)
+                if trace:
+                    _event(events, trace, r + e_sdpa, C_SDPA, li, events[r + e_sdpa, 2], t_mm)
+                    events[r + e_o, 2] = t_mm
                 _quantize(ko, flat_ctx, act_q)
                 _finish(counters, ph + 4)
             _wait(counters, ph + 4, 1)
-            _gemv_pieces(counters, ph + 5, ko, wo, act_q, y[0], n_threads)
+            _gemv_pieces(counters, ph + 5, ko, wo, act_q, y[0], n_threads, trace)
             if _first(counters, ph + 6):  # bias, post norm, residual, the FFN norm, quantized
+                t_mm = 0
+                if trace:
+                    t_mm = events[r + e_o, 2]
+                    _event(events, trace, r + e_o, B_MM_O, li, t_mm, _pieces_done(counters, ph + 5))
                 _add_bias(y[0], bo)
+                t = _now(trace, counters)
+                _event(events, trace, r + e_o_lin, B_MM_O + 1, li, t_mm, t)
                 if post_attn:
                     ops.rms_norm_rows(y, pan_w, pan_eps, pan_unit, y)
+                    t_q = _now(trace, counters)
+                    _event(events, trace, r + e_pan, B_POST_ATTN, li, t, t_q)
                 _add_bias(out[0], y[0])
+                t = _now(timed, counters)
+                if timed:
+                    ticks[layer, 1] = t
                 _norm(fnorm, f_unit, out, fnw, fnb, f_eps, h)
+                t_mm = _now(trace, counters)
+                _event(events, trace, r + e_fn, B_NORM, li, t, t_mm)
                 _quantize(k1, h[0], act_d)
+                if trace:
+                    events[r + e_up, 2] = t_mm
+                    events[r + e_ffn, 2] = t_mm
                 _finish(counters, ph + 6)
             _wait(counters, ph + 6, 1)
-            _gemv_pieces(counters, ph + 7, k1, w1, act_d, gu[0], n_threads)
+            _gemv_pieces(counters, ph + 7, k1, w1, act_d, gu[0], n_threads, trace)
             if _first(counters, ph + 8):  # bias, the activation, quantized for down
+                t_mm = 0
+                if trace:
+                    t_mm = events[r + e_up, 2]
+                    _event(events, trace, r + e_up, B_MM_1, li, t_mm, _pieces_done(counters, ph + 7))
                 _add_bias(gu[0], b1)
+                t = _now(trace, counters)
+                _event(events, trace, r + e_up_lin, B_MM_1 + 1, li, t_mm, t)
                 ops.act_row(gu[0], act, mlp != 0, a[0])
+                t_mm = _now(trace, counters)
+                _event(events, trace, r + e_act, B_ACT, li, t, t_mm)
                 _quantize(kd, a[0], act_f)
+                if trace:
+                    events[r + e_down, 2] = t_mm
                 _finish(counters, ph + 8)
             _wait(counters, ph + 8, 1)
-            _gemv_pieces(counters, ph + 9, kd, wd, act_f, y[0], n_threads)
+            _gemv_pieces(counters, ph + 9, kd, wd, act_f, y[0], n_threads, trace)
             if _first(counters, ph + 10):  # bias, post norm, residual
+                t_mm = 0
+                if trace:
+                    t_mm = events[r + e_down, 2]
+                    _event(events, trace, r + e_down, B_MM_DOWN, li, t_mm, _pieces_done(counters, ph + 9))
                 _add_bias(y[0], bd)
+                t = _now(trace, counters)
+                if trace:
+                    _event(events, trace, r + e_down_lin, B_MM_DOWN + 1, li, t_mm, t)
+                    _event(events, trace, r + e_ffn, B_FFN, li, events[r + e_ffn, 2], t)
                 if post_ffn:
                     ops.rms_norm_rows(y, pfn_w, pfn_eps, pfn_unit, y)
+                    t_q = _now(trace, counters)
+                    _event(events, trace, r + e_pfn, B_POST_FFN, li, t, t_q)
                 _add_bias(out[0], y[0])
+                t = _now(timed, counters)
+                if timed:
+                    ticks[layer, 2] = t
                 _finish(counters, ph + 10)
             _wait(counters, ph + 10, 1)
 
@@ -496,13 +640,16 @@ def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post
 
 @lru_cache(maxsize=None)
 def decode_region_kernel(pre_shape: tuple, post_shape: tuple):
-    """decode_layers (untimed) as one parallel region over its layers (see above); the shapes must
-    pass region_shapes_ok."""
+    """decode_layers as one parallel region over its layers (see above); the shapes must pass
+    region_shapes_ok. `timed`: each layer's start, middle and end ticks go to `ticks` [layers, 3],
+    as decode_layers writes them; `trace`: every op's event too, into `events` from `row` on
+    (region_slots' rows a layer, in decode_layers' order; layer = layer0 + the run's index)."""
     pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
+    n_ev = region_slots(pre_shape, post_shape)[-1]
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
     def decode_region(x, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s, start, pos,
-                      scale, splits, ctx, out, counters, n_threads):
+                      scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks, layer0):
         # n_threads: numba.get_num_threads() from Python (called in here it is a ctypes pointer,
         # which keeps the kernel out of the disk cache)
         for i in range(counters.size):
@@ -511,7 +658,10 @@ def decode_region_kernel(pre_shape: tuple, post_shape: tuple):
             out[0, i] = x[0, i]
         for _ in numba.prange(n_threads):
             _region_layers(pre_key, post_key, pre_w, pre_at, bufs, post_w, post_at, kv, kv_at, act_d, act_q, act_f,
-                           attn_s, start, pos, scale, splits, ctx, out, counters, n_threads)
+                           attn_s, start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace,
+                           timed, ticks, layer0)
+        if trace:  # the rows written: as decode_layers' appends would have counted them
+            events[0, 0] = row - 1 + pre_at.shape[0] * n_ev
         return out
 
     return decode_region
@@ -734,8 +884,11 @@ class FusedStep:
     signature (SmolLM2: all 30; Gemma 3: its sliding and global layers apart) is one
     decode_layers call, where FusedBlock makes one per block. What that leaves out per block - a
     Python call chain, ~60 arguments unboxed, a lock, a copy - was ~7 us of SmolLM2's ~100 us
-    layers. Timed (spans on) the same calls time every op from inside (_call); a block set to the
-    reference path, and the blocks run one by one."""
+    layers. A run whose blocks decode_region implements is one parallel region instead, timed or
+    not. Timed (spans on) the same calls time every op from inside; a block set to the reference
+    path, and the blocks run one by one."""
+
+    timed_in_region = True  # False: timed steps through decode_layers (as before; to compare them)
 
     def __init__(self, blocks, fused):
         self.blocks, self.fused = blocks, fused
@@ -753,9 +906,11 @@ class FusedStep:
             # a traced call writes the whole run's events into its first block's buffer: 64 steps' worth
             first.events = clock.EventBuffer(64 * (j - i) * first.n_events)
             i = j
-        self.ticks = np.zeros((len(fused), 3), np.int64)  # a timed run's (start, middle, end) per layer
-        # the untimed step of a run whose blocks decode_region implements: (kernel, counters,
-        # activation buffers, attention scratch), or None
+        # a timed call's (start, middle, end) per layer: one array per run, written and read under
+        # the run's lock (one array for the step was written by two threads' runs at once)
+        self.ticks = [np.zeros((len(layers), 3), np.int64) for _, _, layers, *_ in self.runs]
+        # the step of a run whose blocks decode_region implements: (kernel, counters, activation
+        # buffers, attention scratch), or None
         self.regions = [self._region(first, len(layers)) for first, _, layers, *_ in self.runs]
 
     @staticmethod
@@ -764,7 +919,7 @@ class FusedStep:
             return None
         attn = first.block.attn
         d, f = first.h.shape[1], first.a.shape[1]
-        return [decode_region_kernel(*first.shapes), np.zeros(n_layers * _PHASES * _SLOT, np.int64),
+        return [decode_region_kernel(*first.shapes), region_counters(n_layers),
                 interleaved.gemv_buffers(d), interleaved.gemv_buffers(attn.n_heads * attn.head_dim),
                 interleaved.gemv_buffers(f), None]
 
@@ -776,17 +931,22 @@ class FusedStep:
             region[5] = s = attention_ops.decode_scratch(attn.n_heads, attn.n_kv_heads, hdp, items)
         return s
 
-    def _region_call(self, run, region, x, pos, cache, kv_at):
-        """One decode_region call over a run of like blocks (untimed)."""
+    def _region_call(self, run, region, x, pos, cache, kv_at, ops_on, timed, ticks):
+        """One decode_region call over a run of like blocks; timed, what it recorded is deferred
+        as _call's is (the same rows and ticks)."""
         first, _, layers, pre_at, post_at, _ = run
         start = _claim(first, layers, pos, cache)
         attn = first.block.attn
         splits = attention_ops.decode_splits(attn.n_kv_heads, pos + 1 - start)
         scratch = self._attention_scratch(region, first, cache, layers[0], attn.n_kv_heads * splits)
-        return region[0](x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
-                         cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], region[2], region[3], region[4],
-                         scratch, start, pos, attn.scale, splits, first.ctx, first.x, region[1],
-                         numba.get_num_threads())
+        events, row = _event_rows(first, layers, ops_on)
+        out = region[0](x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
+                        cache.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1], region[2], region[3], region[4],
+                        scratch, start, pos, attn.scale, splits, first.ctx, first.x, region[1],
+                        numba.get_num_threads(), events, row, ops_on, timed, ticks, layers[0])
+        if timed:
+            _defer(run, events, row, ticks, pos, cache)
+        return out
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         if not all(b.fused_decode for b in self.blocks):
@@ -795,13 +955,14 @@ class FusedStep:
             return x
         ops_on = any(p.trace_on for p in self.op_loggers)
         timed = ops_on or _perf.debug_on
+        in_region = self.timed_in_region or not timed
         kv_at = cache.addresses()
-        for run, region in zip(self.runs, self.regions):
-            with run[0]._busy:  # a model shared by threads: its buffers are one set
-                if region is not None and not timed:
-                    x = self._region_call(run, region, x, pos, cache, kv_at).copy()
+        for run, region, ticks in zip(self.runs, self.regions, self.ticks):
+            with run[0]._busy:  # a model shared by threads: its buffers (and ticks) are one set
+                if region is not None and in_region:
+                    x = self._region_call(run, region, x, pos, cache, kv_at, ops_on, timed, ticks).copy()
                 else:
-                    x = _call(run, x, pos, cache, kv_at, ops_on, timed, self.ticks).copy()
+                    x = _call(run, x, pos, cache, kv_at, ops_on, timed, ticks).copy()
         return x
 
 
@@ -813,6 +974,14 @@ def _claim(first, layers, pos, cache) -> int:
     return max(0, pos + 1 - first.window) if first.window else 0
 
 
+def _event_rows(first, layers, ops_on) -> tuple:
+    """(events array, first row) a call over `layers` writes its op events to: the run's
+    EventBuffer's next rows when tracing, else rows never written (row 0)."""
+    if ops_on:
+        return first.events.reserve(len(layers) * first.n_events)
+    return first.events.events, 0
+
+
 def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks):
     """One decode_layers call over a run of like blocks (FusedStep.runs' tuple). Timed, nothing is
     made here: the layers' ticks, the rows their events took in the run's EventBuffer (at trace)
@@ -822,21 +991,25 @@ def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks):
     start = _claim(first, layers, pos, cache)
     attn = first.block.attn
     splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start)
-    if ops_on:
-        events, row = first.events.reserve(len(layers) * first.n_events)
-    else:  # untimed: never written; debug: the ops' events counted and dropped
-        events, row = (_NO_EVENTS if timed else first.events.events), 0
+    events, row = _event_rows(first, layers, ops_on)
+    if timed and not ops_on:  # debug: the ops' events counted and dropped
+        events = _NO_EVENTS
     out = kernel(x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at, cache.layer(layers[0]),
                  kv_at[layers[0]:layers[-1] + 1], start, pos, attn.scale, splits, first.ctx, first.x, events, timed,
                  ticks, layers[0])
     if timed:
-        layer_ticks = ticks[:len(layers)].tolist()
-        stack, ctx, thread = perf.frame()
-        perf.defer((_run_spans, fused, events, row, layer_ticks, stack[-1] if stack else None, len(stack), ctx,
-                    thread, pos, cache.kv_type))
-        if layer_ticks[-1][2] > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
-            _PAIRS.note()
+        _defer(run, events, row, ticks, pos, cache)
     return out
+
+
+def _defer(run, events, row, ticks, pos, cache):
+    """A timed call's ticks (copied: the array is the run's), event rows and context to perf.defer."""
+    layer_ticks = ticks[:len(run[2])].tolist()
+    stack, ctx, thread = perf.frame()
+    perf.defer((_run_spans, run[5], events, row, layer_ticks, stack[-1] if stack else None, len(stack), ctx,
+                thread, pos, cache.kv_type))
+    if layer_ticks[-1][2] > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
+        _PAIRS.note()
 
 
 def _run_spans(fused, events, row, layer_ticks, parent, depth, ctx, thread, pos, kv_type) -> list:

@@ -96,6 +96,16 @@ def span_rows(records) -> list:
     return [(ancestors(r),) + tuple(str(r.get(k)) for k in keys) for r in records]
 
 
+def assert_inside_parents(records):
+    """Every span inside its parent, on the µs grid the lines print."""
+    index = {r["id"]: r for r in records}
+    for r in records:
+        up = index.get(r["parent"])
+        if up is not None:
+            assert up["start"] <= r["start"] + 1e-9
+            assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+
+
 def close(got, ref):
     scale = np.abs(ref).max()
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
@@ -267,12 +277,7 @@ def test_fused_step_under_trace_gives_the_span_tree_of_the_block_by_block_and_la
                         y = block(y, 6, cache)
         finally:
             perf.remove_collector(got.append)
-        index = {r["id"]: r for r in got}
-        for r in got:  # every span inside its parent, on the µs grid the lines print
-            up = index.get(r["parent"])
-            if up is not None:
-                assert up["start"] <= r["start"] + 1e-9
-                assert r["start"] + r["dur_ms"] / 1e3 <= up["start"] + up["dur_ms"] / 1e3 + 1e-9
+        assert_inside_parents(got)
         return y, span_rows(got)
 
     y, step = traced("step")
@@ -312,3 +317,106 @@ def test_one_region_step_equals_layer_by_layer(shape, qtype, kw, threads):
         step_against_blocks(blocks, step, prompt=150, steps=4, seed=3)
     finally:
         numba.set_num_threads(before)
+
+
+def _packed_blocks(shape, qtype, n, kw):
+    blocks = [make_block(qtype, shape=shape, seed=i, index=i, **kw) for i in range(n)]
+    for block in blocks:
+        for lin in block.linears():
+            lin.pack()
+    if shape == "gemma3":
+        blocks[2].attn.window = None  # a global layer between sliding ones: a run of its own
+    return blocks
+
+
+def _step_records(blocks, path, level, pos=6):
+    """One decode step at `pos` after a layer-by-layer prefill, recorded at `level`: through the
+    region ("region"), decode_layers ("layers": the step's regions taken away) or the reference;
+    returns the output, the records, and the step."""
+    step = FusedStep(blocks, [b.fused() for b in blocks])
+    if path == "region":
+        assert all(r is not None for r in step.regions)
+    elif path == "layers":
+        step.regions = [None] * len(step.runs)
+    a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
+    cache = KVCache(len(blocks), a.n_kv_heads, a.head_dim, pos + 2, windows=[b.attn.window for b in blocks])
+    x = np.random.default_rng(4).standard_normal((pos, d)).astype(np.float32)
+    for block in blocks:
+        block.fused_decode = True
+        x = block(x, 0, cache)
+    got = []
+    perf.add_collector(got.append, level=level)
+    try:
+        with perf.get("pyml.nlp.model").debug("model::forward", "", op="model"):
+            y = np.ones((1, d), np.float32)
+            if path == "reference":
+                for block in blocks:
+                    block.fused_decode = False
+                    y = block(y, pos, cache)
+                    block.fused_decode = True
+            else:
+                y = step(y, pos, cache)
+    finally:
+        perf.remove_collector(got.append)
+    assert_inside_parents(got)
+    return y, got, step
+
+
+REGION_SHAPES = [
+    ("llama", QuantType.Q4_0, {}),                # SmolLM2's Q4_0 file: one run
+    ("gemma3", QuantType.Q4_K, {}),               # q/k norms, sandwich norms, a window; 3 runs
+]
+
+
+@pytest.mark.parametrize("shape, qtype, kw", REGION_SHAPES)
+def test_region_under_debug_gives_the_block_spans_of_decode_layers(shape, qtype, kw):
+    """LOG=debug through the one-region step: each layer's (start, middle, end) ticks, written by
+    whichever thread takes the layer's one-thread steps, become the block spans decode_layers'
+    ticks make - same names, layers, parts, parent - ordered and inside the step."""
+    blocks = _packed_blocks(shape, qtype, 4, kw)
+    y, got, step = _step_records(blocks, "region", logging.DEBUG)
+    y_layers, got_layers, _ = _step_records(blocks, "layers", logging.DEBUG)
+    close(y, y_layers)
+
+    def rows(records):
+        top = next(r for r in records if r["name"] == "model::forward")
+        return [(r["name"], r["layer"], r["kind"], sorted(r["parts"]), r["parent"] == top["id"]) for r in records
+                if r is not top]
+    assert rows(got) == rows(got_layers) == [(f"transformer[{i}]::forward", i, blocks[i].attn.kind, ["attn", "ffn"],
+                                              True) for i in range(4)]
+    ticks = np.concatenate(step.ticks)  # the kernel's own: start <= middle <= end, layer after layer
+    assert (ticks > 0).all() and (np.diff(ticks.ravel()) >= 0).all()
+    blocks_recs = [r for r in got if r["name"].startswith("transformer[")]
+    assert all(0 < r["parts"]["attn"] and 0 < r["parts"]["ffn"] for r in blocks_recs)
+    assert all(sum(r["parts"].values()) <= r["dur_ms"] + 1e-6 for r in blocks_recs)
+
+
+@pytest.mark.parametrize("shape, qtype, kw", REGION_SHAPES)
+def test_region_under_trace_gives_the_span_tree_of_decode_layers_and_the_reference(shape, qtype, kw):
+    """LOG=trace through the one-region step: every op's event made inside the region (a GEMV's
+    from its activation's quantization to its last piece done, on either thread) - the same
+    names, details, attributes, nesting and end order as decode_layers and the layer-by-layer
+    path, every span inside its parent."""
+    blocks = _packed_blocks(shape, qtype, 4, kw)
+    y, got, _ = _step_records(blocks, "region", perf.TRACE)
+    y_layers, got_layers, _ = _step_records(blocks, "layers", perf.TRACE)
+    y_ref, got_ref, _ = _step_records(blocks, "reference", perf.TRACE)
+    close(y, y_ref)
+    close(y_layers, y_ref)
+    assert span_rows(got) == span_rows(got_layers) == span_rows(got_ref)
+
+
+def test_region_with_logging_off_writes_no_tick_and_no_event():
+    """Logging off, the region takes `timed` False: no counter is read, so nothing is written."""
+    blocks = _packed_blocks("llama", QuantType.Q4_0, 3, {})
+    perf.configure("")
+    step = FusedStep(blocks, [b.fused() for b in blocks])
+    for ticks in step.ticks:
+        ticks[:] = -1
+    first = step.runs[0][0]
+    first.events.events[:] = 0
+    a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
+    cache = KVCache(3, a.n_kv_heads, a.head_dim, 4)
+    step(np.ones((1, d), np.float32), 0, cache)
+    assert all((t == -1).all() for t in step.ticks) and not first.events.events.any()
+    assert not step.regions[0][1][-16:].any()  # the latest-tick slot never written
