@@ -31,34 +31,29 @@ def _element_pointer(context, builder, array_type, array, index_type, index):
     return builder.gep(arr.data, [i])
 
 
-@intrinsic
-def fetch_add(typingctx, counters, index, value):
-    """counters[index] += value, atomically; returns the value before (int64)."""
-    if not (isinstance(counters, types.Array) and counters.dtype == types.int64
-            and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
-        return None
+def _read_modify_write(operation: str, doc: str):
+    """An intrinsic doing `counters[index] = operation(counters[index], value)` atomically and
+    returning the value before (int64)."""
+    def typer(typingctx, counters, index, value):
+        if not (isinstance(counters, types.Array) and counters.dtype == types.int64
+                and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = context.cast(builder, args[2], sig.args[2], types.int64)
+            return builder.atomic_rmw(operation, ptr, v, "seq_cst")
 
-    return types.int64(counters, index, value), codegen
+        return types.int64(counters, index, value), codegen
+
+    typer.__doc__ = doc
+    typer.__name__ = typer.__qualname__ = f"fetch_{operation}"  # the two intrinsics keep distinct names
+    return intrinsic(typer)
 
 
-@intrinsic
-def fetch_max(typingctx, counters, index, value):
-    """counters[index] = max(counters[index], value), atomically (signed); returns the value before."""
-    if not (isinstance(counters, types.Array) and counters.dtype == types.int64
-            and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("max", ptr, v, "seq_cst")
-
-    return types.int64(counters, index, value), codegen
+fetch_add = _read_modify_write("add", "counters[index] += value, atomically; returns the value before (int64).")
+fetch_max = _read_modify_write("max", "counters[index] = max(counters[index], value), atomically (signed); "
+                                      "returns the value before.")
 
 
 @intrinsic
