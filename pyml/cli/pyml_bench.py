@@ -320,8 +320,8 @@ def write_outputs(rows, info, peers, out: Path):
 
 def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
     """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
-    levels off / debug / trace / profile interleaved over `rounds` (a shared machine drifts;
-    interleaving spreads the drift over all of them), every block over the same cache positions.
+    levels off / debug / trace / profile interleaved over `rounds`, in a rotating order (a shared
+    machine drifts; interleaving spreads the drift over all of them), every block over the same cache positions.
     Lines go to os.devnull: the cost of making them, not of a terminal. `profile` is what
     `--profile` records: every span at trace level into a collector like the profile's, no text.
     The steps' own time (wall and this process's CPU time: on a loaded machine the CPU time is
@@ -345,8 +345,11 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
             cache = lm.new_cache(steps + 8)
             lm.model.forward([1, 2, 3], cache)
             got = {"off": [], "debug": [], "trace": [], "profile": []}
-            for _ in range(rounds):
-                for level in got:
+            levels = list(got)
+            for r in range(rounds):
+                # each round starts one level later: no level always runs right after another (a
+                # block's cache and frequency state carry into the next one)
+                for level in levels[r % 4:] + levels[:r % 4]:
                     perf.configure(level if level in ("debug", "trace") else "warning")
                     records = RecordSink()
                     if level == "profile":
