@@ -149,6 +149,16 @@ def _act_row(x, act, gated, out):  # the branches are loop-invariant: LLVM hoist
         out[i] = a * x[n + i] if gated else a
 
 
+@numba.njit(inline="always")
+def _rotate(x, t, h, i, half, c, s, interleaved):
+    """Pair i of x[t, h] turned by the angle whose cosine and sine are c, s: the pair (2i, 2i+1)
+    when interleaved (ggml's normal mode), else (i, i + half) (NeoX mode, transformers' rotate_half)."""
+    j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+    a, b = x[t, h, j], x[t, h, k]
+    x[t, h, j] = a * c - b * s
+    x[t, h, k] = b * c + a * s
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
     T, H, _ = x.shape
@@ -158,14 +168,7 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
             angle = (pos + t) * inv_freq[i]
             c, s = np.float32(math.cos(angle)), np.float32(math.sin(angle))
             for h in range(H):
-                if interleaved:
-                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
-                    x[t, h, 2 * i] = a * c - b * s
-                    x[t, h, 2 * i + 1] = b * c + a * s
-                else:
-                    a, b = x[t, h, i], x[t, h, i + half]
-                    x[t, h, i] = a * c - b * s
-                    x[t, h, i + half] = b * c + a * s
+                _rotate(x, t, h, i, half, c, s, interleaved)
     return x
 
 
@@ -187,15 +190,7 @@ def _rope_apply(x, cos, sin, interleaved):  # x [T, H, hd] in place, by the tabl
     for t in range(T):
         for h in range(H):
             for i in range(half):
-                c, s = cos[t, i], sin[t, i]
-                if interleaved:
-                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
-                    x[t, h, 2 * i] = a * c - b * s
-                    x[t, h, 2 * i + 1] = b * c + a * s
-                else:
-                    a, b = x[t, h, i], x[t, h, i + half]
-                    x[t, h, i] = a * c - b * s
-                    x[t, h, i + half] = b * c + a * s
+                _rotate(x, t, h, i, half, cos[t, i], sin[t, i], interleaved)
     return x
 
 
