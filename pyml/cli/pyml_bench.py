@@ -439,7 +439,8 @@ def build_parser() -> Parser:
     p.add_argument("-m", "--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
     p.add_argument("-t", "--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=None,
+                   help="repetitions per test (default 5); with --log-cost, rounds of each level (default 6)")
     p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
     p.add_argument("-p", "--n-prompt", default="128", help="prompt lengths, comma-separated (pp tests)")
     p.add_argument("-n", "--n-gen", default="128", help="generated tokens, comma-separated (tg tests)")
@@ -484,14 +485,15 @@ def run_bench(args) -> int:
     n_prompts, n_gens = _int_list(args.n_prompt, "--n-prompt", 1), _int_list(args.n_gen, "--n-gen", 1)
     depths = _int_list(args.depth, "--depth", 0)
     kinds = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
-    if args.reps < 1 or not kinds:
+    reps = args.reps if args.reps is not None else 6 if args.log_cost else 5
+    if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.cold:
-        sys.stdout.write(bench_cold.cold(models, MODELS, args.reps, peers, threads[0], Path(args.out)))
+        sys.stdout.write(bench_cold.cold(models, MODELS, reps, peers, threads[0], Path(args.out)))
         return 0
     if args.log_cost or args.memory:
         if args.log_cost:
-            table, name = "".join(log_cost(models, t) for t in threads), "log-cost.md"
+            table, name = "".join(log_cost(models, t, rounds=reps) for t in threads), "log-cost.md"
         else:
             table, name = "".join(memory(models, t, n_prompts[0], n_gens[0], depths) for t in threads), "memory.md"
         out = Path(args.out)
@@ -499,7 +501,7 @@ def run_bench(args) -> int:
         (out / name).write_text(table)
         sys.stdout.write(table)
         return 0
-    rows, info = run(models, threads, args.reps, peers, plan(kinds, n_prompts, n_gens, depths),
+    rows, info = run(models, threads, reps, peers, plan(kinds, n_prompts, n_gens, depths),
                      progress=sys.stderr.isatty(), float_compute=args.float_compute)
     write_outputs(rows, info, peers, Path(args.out))
     sys.stdout.write(markdown(rows, info, peers))

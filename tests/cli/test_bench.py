@@ -59,10 +59,11 @@ def test_bandwidth_probe_reads_in_vector_lanes():
 
 
 def test_log_cost_table(tmp_path, smollm2_gguf):
-    r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--out", str(tmp_path))
+    r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--reps", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    levels = [line.split("|")[3].strip() for line in r.stdout.splitlines()[2:]]
-    assert levels == ["off", "debug", "trace", "profile"]
+    rows = [line.split("|") for line in r.stdout.splitlines()[2:]]
+    assert [row[3].strip() for row in rows] == ["off", "debug", "trace", "profile"]
+    assert all(len(row[-2].split()) == 2 for row in rows)  # --reps: the rounds, one block each
     assert (tmp_path / "log-cost.md").read_text() == r.stdout
     assert "[perf]" not in r.stderr  # the lines went to os.devnull
 
