@@ -12,13 +12,12 @@ import numpy as np
 from collections import Counter
 from dataclasses import dataclass
 
+from pyml import quant
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
 from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
-from pyml import quant
-from pyml.quant import Packed
 
 _perf = perf.get("pyml.nlp.model")
 
@@ -134,7 +133,7 @@ class DecoderModel:
         linears = self.linears()
         types = Counter(lin.weight.type_name for lin in linears)
         fusions = sum(1 for lin in linears if lin.name.endswith(("qkv_proj", "gate_up_proj")))
-        packed = sum(1 for lin in linears if isinstance(lin.weight.data, Packed))
+        packed = sum(1 for lin in linears if isinstance(lin.weight.data, quant.Packed))
         bf16 = sum(1 for lin in linears if lin.prefill_weight is not None)
         return (f"{self.arch}: layers={len(self.blocks)} linears={len(linears)} "
                 f"types={dict(types)} fusions={fusions} packed_x8={packed} "
