@@ -71,14 +71,14 @@ from pyml.core.isa import ZMM
 from pyml.quant.activation import quantize_row_q8, quantize_rows_q8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
-                             fnma, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
+                             fnma, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
                              load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
-                             splat_u8, store_f32x8, store_i32x8, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
+                             splat_u8, store_f32x8, store_i32x8, store_u8x32, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
                              zeros_i32x8)
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
                                 load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
-                                load_u8x8_f32_pair, load_u8x32_pair, mul16, nibbles_hi64, nibbles_lo64, or_u8x64,
-                                store_f32x16, sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
+                                load_u8x8_f32_pair, load_u8x32_pair, load_f32x16, load_u8x64, mul16, nibbles_hi64, nibbles_lo64, or_u8x64,
+                                store_f32x16, store_u8x64, sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
 
 FIELDS = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}  # fp16 fields first: d (, m)
 Q4_K_SUPERBLOCK = 1184  # bytes of 8 rows x 256 values: scales and mins one per byte (module doc)
@@ -471,6 +471,39 @@ def gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out):
 
 # --- T > 1 ---------------------------------------------------------------------------------
 
+# The GEMM unpacks each row group's codes (nibbles, Q5's fifth bits) once per call into a scratch
+# of nb x 8 code vectors, and its token tiles load them from there: unpacked per tile of 4 tokens,
+# Q5_0's ~28 unpacking ops on 16 rows ran beside its 32 vpdpbusd in the same pipes. The scratch is
+# 256 bytes per block and 8 rows (Gemma 3's K = 640: 5 KB; 16 rows on 512-bit vectors 10 KB), so it
+# stays in L1/L2. Q4_K's float scales (d x sc, dmin x mn) are made once per call the same way.
+# The same integers and float ops, so the same bits. kernel_bench, 1 thread, CPU time, T = 512, old
+# and new builds alternating (docs/performance.md): Q5_0 54-55% -> 64-70% of the vpdpbusd peak,
+# Q5_1 49-55% -> 56-66%, Q4_K 45-56% -> 52-63%; Q4_0, Q4_1 and Q8_0 within the noise (57-73%).
+
+@numba.njit
+def _staged_codes(kind, w, nb):
+    """uint8 [nb * 256]: _codes of the group's nb superblocks (Q4_K: _k_codes of its nb groups of 32), block b at 256 b."""
+    numba.literally(kind)
+    st = np.empty(256 * nb, np.uint8)
+    for b in range(nb):
+        if kind == Q4_K:
+            s, j = b // 8, b % 8
+            c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
+            v = _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
+        else:
+            v = _codes(kind, w, _sb_size(kind) * b)
+        for n in range(8):
+            store_u8x32(st, 256 * b + 32 * n, v[n])
+    return st
+
+
+@numba.njit
+def _staged(st, b):  # the 8 code vectors of block b of _staged_codes
+    c = 256 * b
+    return (load_u8x32(st, c), load_u8x32(st, c + 32), load_u8x32(st, c + 64), load_u8x32(st, c + 96),
+            load_u8x32(st, c + 128), load_u8x32(st, c + 160), load_u8x32(st, c + 192), load_u8x32(st, c + 224))
+
+
 @numba.njit
 def _table_row(kind, table, b):  # I32x8: row b of a _correction_table (zeros where it is empty)
     numba.literally(kind)
@@ -481,18 +514,19 @@ def _table_row(kind, table, b):  # I32x8: row b of a _correction_table (zeros wh
 
 @numba.njit
 def _gemm_group(kind, w, xq, xd, xs, xoff, out, g):
-    """Rows 8g..8g+7 of out [T, R]: 4 activation rows at a time, each superblock unpacked once for them."""
+    """Rows 8g..8g+7 of out [T, R]: the codes unpacked once (_staged_codes), then 4 activation rows at a time."""
     numba.literally(kind)
     sb = _sb_size(kind)
     T, nb = xd.shape
     table = _correction_table(kind, w, nb)
+    st = _staged_codes(kind, w, nb)
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
         f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
         a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         for b in range(nb):
             o = sb * b
-            v = _codes(kind, w, o)
+            v = _staged(st, b)
             corr = _table_row(kind, table, b)
             a0 = _block(kind, v, corr, w, o, y0, b, xd[t, b], f0, xs[t, b], a0)
             a1 = _block(kind, v, corr, w, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
@@ -506,26 +540,43 @@ def _gemm_group(kind, w, xq, xd, xs, xoff, out, g):
         acc = zeros_f32x8()
         for b in range(nb):
             o = sb * b
-            acc = _block(kind, _codes(kind, w, o), _table_row(kind, table, b), w, o, xq[t], b, xd[t, b], xoff[t],
+            acc = _block(kind, _staged(st, b), _table_row(kind, table, b), w, o, xq[t], b, xd[t, b], xoff[t],
                          xs[t, b], acc)
         store_f32x8(out[t], 8 * g, acc)
 
 
 @numba.njit
+def _staged_scales_k(w, n):
+    """Q4_K: float32 [n * 16], group u of 32 values at 16 u: d x sc of the 8 rows, then dmin x mn.
+    Made once per call, as the codes: _k_block converted and multiplied them per token tile."""
+    sc = np.empty(16 * n, np.float32)
+    for u in range(n):
+        o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
+        store_f32x8(sc, 16 * u, mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)))
+        store_f32x8(sc, 16 * u + 8, mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)))
+    return sc
+
+
+@numba.njit
+def _k_block_s(v, sc, u, y, yd, ys, acc):
+    """_k_block, its scales from _staged_scales_k (the same float ops)."""
+    acc = fma(mul(load_f32x8(sc, 16 * u), f32x8(yd)), to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)
+    return fnma(load_f32x8(sc, 16 * u + 8), f32x8(ys), acc)
+
+
+@numba.njit
 def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superblocks of module doc
     T, n = xd.shape
+    st, sc = _staged_codes(Q4_K, w, n), _staged_scales_k(w, n)
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
         a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         for u in range(n):
-            s, j = u // 8, u % 8
-            o = Q4_K_SUPERBLOCK * s
-            c = o + 160 + 256 * (j // 2)
-            v = _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
-            a0 = _k_block(v, w, o, j, y0, u, xd[t, u], xs[t, u], a0)
-            a1 = _k_block(v, w, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
-            a2 = _k_block(v, w, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
-            a3 = _k_block(v, w, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+            v = _staged(st, u)
+            a0 = _k_block_s(v, sc, u, y0, xd[t, u], xs[t, u], a0)
+            a1 = _k_block_s(v, sc, u, y1, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block_s(v, sc, u, y2, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block_s(v, sc, u, y3, xd[t + 3, u], xs[t + 3, u], a3)
         store_f32x8(out[t], 8 * g, a0)
         store_f32x8(out[t + 1], 8 * g, a1)
         store_f32x8(out[t + 2], 8 * g, a2)
@@ -595,6 +646,30 @@ def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
 
 
 @numba.njit
+def _staged_codes16(kind, w0, w1, nb):
+    """_staged_codes of two groups on 512-bit vectors: uint8 [nb * 512], block b at 512 b."""
+    numba.literally(kind)
+    st = np.empty(512 * nb, np.uint8)
+    for b in range(nb):
+        if kind == Q4_K:
+            s, j = b // 8, b % 8
+            c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
+            v = _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
+        else:
+            v = _codes16(kind, w0, w1, _sb_size(kind) * b)
+        for n in range(8):
+            store_u8x64(st, 512 * b + 64 * n, v[n])
+    return st
+
+
+@numba.njit
+def _staged16(st, b):  # the 8 code vectors of block b of _staged_codes16
+    c = 512 * b
+    return (load_u8x64(st, c), load_u8x64(st, c + 64), load_u8x64(st, c + 128), load_u8x64(st, c + 192),
+            load_u8x64(st, c + 256), load_u8x64(st, c + 320), load_u8x64(st, c + 384), load_u8x64(st, c + 448))
+
+
+@numba.njit
 def _pair_corrections(kind, t0, t1, b):  # I32x16: rows b of two _correction_tables (zeros where empty)
     numba.literally(kind)
     if kind == Q8_0:
@@ -609,13 +684,14 @@ def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
     sb = _sb_size(kind)
     T, nb = xd.shape
     t0, t1 = _correction_table(kind, w0, nb), _correction_table(kind, w1, nb)
+    st = _staged_codes16(kind, w0, w1, nb)
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
         f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
         a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
         for b in range(nb):
             o = sb * b
-            v = _codes16(kind, w0, w1, o)
+            v = _staged16(st, b)
             corr = _pair_corrections(kind, t0, t1, b)
             a0 = _block16(kind, v, corr, w0, w1, o, y0, b, xd[t, b], f0, xs[t, b], a0)
             a1 = _block16(kind, v, corr, w0, w1, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
@@ -629,7 +705,7 @@ def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
         acc = zeros_f32x16()
         for b in range(nb):
             o = sb * b
-            acc = _block16(kind, _codes16(kind, w0, w1, o), _pair_corrections(kind, t0, t1, b), w0, w1, o, xq[t], b,
+            acc = _block16(kind, _staged16(st, b), _pair_corrections(kind, t0, t1, b), w0, w1, o, xq[t], b,
                            xd[t, b], xoff[t], xs[t, b], acc)
         store_f32x16(out[t], 8 * g, acc)
 
@@ -650,30 +726,39 @@ def _k_codes16(w0, w1, c, half):
 
 
 @numba.njit
-def _k_block16(v, w0, w1, o, j, y, u, yd, ys, acc):
-    """_k_block on 16 rows."""
-    scale = mul16(mul16(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)), f32x16(yd))
-    acc = fma16(scale, to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
-    return fnma16(mul16(load_fp16x8c_pair(w0, w1, o + 16), load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)), f32x16(ys),
-                  acc)
+def _staged_scales16_k(w0, w1, n):
+    """Q4_K, two groups: float32 [n * 32], group u of 32 values at 32 u: d x sc of the 16 rows, then
+    dmin x mn. Made once per call, as the codes: _k_block16 converted and multiplied them per token tile."""
+    sc = np.empty(32 * n, np.float32)
+    for u in range(n):
+        o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
+        store_f32x16(sc, 32 * u, mul16(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)))
+        store_f32x16(sc, 32 * u + 16, mul16(load_fp16x8c_pair(w0, w1, o + 16),
+                                            load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)))
+    return sc
+
+
+@numba.njit
+def _k_block16s(v, sc, u, y, yd, ys, acc):
+    """_k_block_s on 16 rows."""
+    acc = fma16(mul16(load_f32x16(sc, 32 * u), f32x16(yd)), to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
+    return fnma16(load_f32x16(sc, 32 * u + 16), f32x16(ys), acc)
 
 
 @numba.njit
 def _gemm_pair_k(w0, w1, xq, xd, xs, out, g):
     """Q4_K: rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1)."""
     T, n = xd.shape
+    st, sc = _staged_codes16(Q4_K, w0, w1, n), _staged_scales16_k(w0, w1, n)
     for t in range(0, T - 3, 4):
         y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
         a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
         for u in range(n):
-            s, j = u // 8, u % 8
-            o = Q4_K_SUPERBLOCK * s
-            c = o + 160 + 256 * (j // 2)
-            v = _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
-            a0 = _k_block16(v, w0, w1, o, j, y0, u, xd[t, u], xs[t, u], a0)
-            a1 = _k_block16(v, w0, w1, o, j, y1, u, xd[t + 1, u], xs[t + 1, u], a1)
-            a2 = _k_block16(v, w0, w1, o, j, y2, u, xd[t + 2, u], xs[t + 2, u], a2)
-            a3 = _k_block16(v, w0, w1, o, j, y3, u, xd[t + 3, u], xs[t + 3, u], a3)
+            v = _staged16(st, u)
+            a0 = _k_block16s(v, sc, u, y0, xd[t, u], xs[t, u], a0)
+            a1 = _k_block16s(v, sc, u, y1, xd[t + 1, u], xs[t + 1, u], a1)
+            a2 = _k_block16s(v, sc, u, y2, xd[t + 2, u], xs[t + 2, u], a2)
+            a3 = _k_block16s(v, sc, u, y3, xd[t + 3, u], xs[t + 3, u], a3)
         store_f32x16(out[t], 8 * g, a0)
         store_f32x16(out[t + 1], 8 * g, a1)
         store_f32x16(out[t + 2], 8 * g, a2)

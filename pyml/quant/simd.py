@@ -140,6 +140,7 @@ load_i16x16 = _vector_load(I16x16, 2, "16 int16 values from an int16 array.")
 load_f32x8 = _vector_load(F32x8, 4, "8 float32 values from a float32 array.")
 load_i32x8 = _vector_load(I32x8, 4, "8 int32 values from an int32 array.")
 store_i8x32 = vector_store(I8x32, 1, "Store 32 byte lanes (I8x32) into a uint8/int8 array at idx.")
+store_u8x32 = vector_store(U8x32, 1, "Store 32 byte lanes (U8x32) into a uint8/int8 array at idx.")
 store_i32x8 = vector_store(I32x8, 4, "Store 8 int32 lanes into an int32 array at idx.")
 store_f32x8 = vector_store(F32x8, 4, "Store 8 float lanes into a float32 array at idx.")
 

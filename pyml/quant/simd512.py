@@ -120,6 +120,7 @@ def f32x16(typingctx, s):
 
 
 store_f32x16 = vector_store(F32x16, 4, "Store 16 float lanes into a float32 array at idx.")
+store_u8x64 = vector_store(U8x64, 1, "Store 64 byte lanes (U8x64) into a uint8/int8 array at idx.")
 
 
 def _zeros(vec: Vec):
