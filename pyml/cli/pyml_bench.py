@@ -318,17 +318,21 @@ def write_outputs(rows, info, peers, out: Path):
     (out / "bench.json").write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=2))
 
 
-def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str:
-    """The cost of logging, measured: decode steps of one loaded model in blocks of `steps`, the
-    levels off / debug / trace / profile interleaved over `rounds`, in a rotating order (a shared
-    machine drifts; interleaving spreads the drift over all of them), every block over the same cache positions.
-    Lines go to os.devnull: the cost of making them, not of a terminal. `profile` is what
-    `--profile` records: every span at trace level into a collector like the profile's, no text.
-    The steps' own time (wall and this process's CPU time: on a loaded machine the CPU time is
-    the steadier) is apart from what making the records and lines cost after them (perf.flush:
-    the drain at the end of a generation or a profile), per step: a block's drains all come after
-    it (perf.DRAIN_EVERY_S held off meanwhile), however long it runs; a generation's come once a
-    second, between its steps.
+def log_cost(model_names, threads: int, rounds: int = 40, steps: int = 8) -> str:
+    """The cost of logging, measured: decode steps of one loaded model in short blocks of `steps`,
+    the levels off / debug / trace / profile interleaved over `rounds`, in a rotating order, every
+    step at the same cache position: the same work. `profile` is what `--profile` records: every
+    span at trace level into a collector like the profile's, no text. Lines go to os.devnull: the
+    cost of making them, not of a terminal.
+    A shared machine drifts by more than the targets (blocks of 32 steps spread by 15-20% between
+    rounds), so each level is compared with the off block of its own round, a few milliseconds
+    apart, and "vs off" is the median of those paired ratios; the middle half of them shows the
+    spread. A block starts with one untimed step after the level is set: the drain of the
+    previous block's records (perf.flush) leaves the caches cold for one step, whatever the level.
+    The steps' own time (wall and this process's CPU time) is apart from what making the records
+    and lines costs after them (perf.flush: the drain at the end of a generation or a profile),
+    per step: a block's drains all come after it (perf.DRAIN_EVERY_S held off meanwhile), where a
+    generation's come once a second, between its steps.
     Returns a Markdown table of medians and the change against off."""
     sink = open(os.devnull, "w")
     root = logging.getLogger("pyml")
@@ -336,43 +340,52 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
     root.handlers[:] = []
     perf.configure("warning", stream=sink)
     drain_every = perf.DRAIN_EVERY_S
-    lines = ["| model | threads | LOG | ms/step (median) | vs off | CPU ms/step | vs off (CPU) "
-             "| made after the steps, ms/step | per-block ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | threads | LOG | ms/step (median) | vs off | vs off, middle half of rounds | CPU ms/step "
+             "| vs off (CPU) | made after the steps, ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    levels = ["off", "debug", "trace", "profile"]
     try:
         for name in model_names:
             model = MODELS[name]
             lm = load_model(threads=threads, **{model.kind: str(model.locate())})
-            cache = lm.new_cache(steps + 8)
+            cache = lm.new_cache(16)
             lm.model.forward([1, 2, 3], cache)
-            got = {"off": [], "debug": [], "trace": [], "profile": []}
-            levels = list(got)
-            for r in range(rounds):
-                # each round starts one level later: no level always runs right after another (a
-                # block's cache and frequency state carry into the next one)
+            # per level: (wall ms, CPU ms, made-after ms) of each round's block, per step
+            got = {level: [] for level in levels}
+            for r in tqdm(range(rounds), desc=f"log cost {name}", unit="round", leave=False,
+                          disable=not sys.stderr.isatty()):
+                # each round starts one level later: no level always runs right after another
                 for level in levels[r % 4:] + levels[:r % 4]:
                     perf.configure(level if level in ("debug", "trace") else "warning")
                     records = RecordSink()
                     if level == "profile":
                         perf.add_collector(records, level=perf.TRACE)
-                    cache.length = 3  # every block decodes the same positions: the same work
                     perf.DRAIN_EVERY_S = math.inf
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    for _ in range(steps):
-                        lm.model.forward([5], cache)
-                    t1, c1 = time.perf_counter(), time.process_time()
-                    perf.DRAIN_EVERY_S = drain_every
+                    cache.length = 3
+                    lm.model.forward([5], cache)  # untimed: the caches after the last drain
                     perf.flush()
-                    got[level].append(((t1 - t0) / steps * 1e3, (c1 - c0) / steps * 1e3,
+                    walls = []
+                    c0 = time.process_time()
+                    for _ in range(steps):
+                        cache.length = 3
+                        t0 = time.perf_counter()
+                        lm.model.forward([5], cache)
+                        walls.append(time.perf_counter() - t0)
+                    c1 = time.process_time()
+                    perf.DRAIN_EVERY_S = drain_every
+                    t1 = time.perf_counter()
+                    perf.flush()
+                    got[level].append((statistics.median(walls) * 1e3, (c1 - c0) / steps * 1e3,
                                        (time.perf_counter() - t1) / steps * 1e3))
                     if level == "profile":
                         perf.remove_collector(records)
             perf.configure("warning")
-            off = [statistics.median(m[j] for m in got["off"]) for j in (0, 1)]
-            for level, ms in got.items():
-                wall, cpu, made = (statistics.median(m[j] for m in ms) for j in (0, 1, 2))
-                lines.append(f"| {name} | {threads} | {level} | {wall:.2f} | {(wall / off[0] - 1) * 100:+.1f}% "
-                             f"| {cpu:.2f} | {(cpu / off[1] - 1) * 100:+.1f}% | {made:.2f} | "
-                             + " ".join(f"{m[0]:.1f}" for m in ms) + " |")
+            for level, blocks in got.items():
+                wall, cpu, made = (statistics.median(b[j] for b in blocks) for j in (0, 1, 2))
+                paired = [[b[j] / o[j] - 1 for b, o in zip(blocks, got["off"])] for j in (0, 1)]
+                q1, _, q3 = statistics.quantiles(paired[0], n=4) if len(paired[0]) > 1 else paired[0] * 3
+                lines.append(f"| {name} | {threads} | {level} | {wall:.2f} | {statistics.median(paired[0]) * 100:+.1f}% "
+                             f"| {q1 * 100:+.1f}% .. {q3 * 100:+.1f}% | {cpu:.2f} "
+                             f"| {statistics.median(paired[1]) * 100:+.1f}% | {made:.2f} |")
             lm = None
             gc.collect()
     finally:
@@ -380,6 +393,8 @@ def log_cost(model_names, threads: int, rounds: int = 6, steps: int = 32) -> str
         root.handlers[:] = saved
         perf.refresh()
         sink.close()
+    lines += ["", f"{rounds} rounds per level of {steps} timed steps at one cache position, each paired with the "
+              "off block of its round; 'vs off' is the median of those ratios."]
     return "\n".join(lines) + "\n"
 
 
@@ -440,7 +455,7 @@ def build_parser() -> Parser:
                    help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
     p.add_argument("-t", "--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=None,
-                   help="repetitions per test (default 5); with --log-cost, rounds of each level (default 6)")
+                   help="repetitions per test (default 5); with --log-cost, rounds of each level (default 40)")
     p.add_argument("--tests", default="pp,tg", help="pp, tg or both")
     p.add_argument("-p", "--n-prompt", default="128", help="prompt lengths, comma-separated (pp tests)")
     p.add_argument("-n", "--n-gen", default="128", help="generated tokens, comma-separated (tg tests)")
@@ -485,7 +500,7 @@ def run_bench(args) -> int:
     n_prompts, n_gens = _int_list(args.n_prompt, "--n-prompt", 1), _int_list(args.n_gen, "--n-gen", 1)
     depths = _int_list(args.depth, "--depth", 0)
     kinds = [t.strip() for t in args.tests.split(",") if t.strip() in ("pp", "tg")]
-    reps = args.reps if args.reps is not None else 6 if args.log_cost else 5
+    reps = args.reps if args.reps is not None else 40 if args.log_cost else 5
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.cold:

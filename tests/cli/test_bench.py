@@ -61,9 +61,11 @@ def test_bandwidth_probe_reads_in_vector_lanes():
 def test_log_cost_table(tmp_path, smollm2_gguf):
     r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--reps", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [line.split("|") for line in r.stdout.splitlines()[2:]]
+    rows = [line.split("|") for line in r.stdout.splitlines()[2:6]]
     assert [row[3].strip() for row in rows] == ["off", "debug", "trace", "profile"]
-    assert all(len(row[-2].split()) == 2 for row in rows)  # --reps: the rounds, one block each
+    assert rows[0][5].strip() == "+0.0%" and rows[0][6].strip() == "+0.0% .. +0.0%"  # off against itself
+    assert all(float(row[4]) > 0 and ".." in row[6] for row in rows)
+    assert "2 rounds per level" in r.stdout  # --reps: the rounds
     assert (tmp_path / "log-cost.md").read_text() == r.stdout
     assert "[perf]" not in r.stderr  # the lines went to os.devnull
 
