@@ -166,14 +166,37 @@ def random_tokens(rng, vocab: int, n: int) -> list:
     return rng.integers(0, min(vocab, 32000), n).tolist()
 
 
-def bench_engine(engine, test: Test, reps: int, rng) -> list:
-    rates = []
-    for _ in range(reps):
-        if test.kind == "pp":
-            rates.append(test.n / engine.pp(random_tokens(rng, engine.vocab, test.n)))
-        else:
-            rates.append(test.n / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), test.n))
+def bench_once(engine, test: Test, seed: int) -> float:
+    """One repetition of a test, in tokens per second; its prompt or first token drawn from `seed`,
+    so every engine gets the same input for the same repetition."""
+    rng = np.random.default_rng(seed)
+    if test.kind == "pp":
+        return test.n / engine.pp(random_tokens(rng, engine.vocab, test.n))
+    return test.n / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), test.n)
+
+
+def bench_turns(engines: dict, test: Test, reps: int) -> dict:
+    """{engine name: rates}: `reps` repetitions in which every engine runs the test once, taking
+    turns in an order that rotates by one each repetition. A shared machine drifts over seconds;
+    turns spread the drift over all engines, where each engine's reps in one stretch gave its
+    ratio to the others whatever the machine did in between."""
+    names = list(engines)
+    rates = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            rates[name].append(bench_once(engines[name], test, seed=rep))
     return rates
+
+
+def add_ratios(rows):
+    """On each pyml row, its ratio to every peer's row of the same model, threads and test: the
+    median of the repetitions' own ratios (the engines ran each repetition a few seconds apart)."""
+    for row in rows:
+        if row.backend == "pyml":
+            for peer in rows:
+                if peer.backend != "pyml" and (peer.model, peer.threads, peer.test) == (row.model, row.threads,
+                                                                                          row.test):
+                    row.ratio[peer.backend] = statistics.median(a / b for a, b in zip(row.runs, peer.runs))
 
 
 def model_size(path: Path) -> int:
@@ -203,52 +226,63 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
             if quant.BF16_AVAILABLE:
                 info["peaks"]["bf16_gflops"] = bf16_peak(rounds=3, n=1_000_000)
     info["float_compute"] = float_compute
-    work = [(m, t, e) for m in models for t in threads_list for e in ["pyml", *peers]]
-    bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="run")
+    work = [(m, t) for m in models for t in threads_list]
+    bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="model")
     bytes_per_token = {}
-    for name, threads, engine_name in bar:
+    with_depth = any(t.depth for t in tests)
+    room = max(t.n + (t.kind == "tg") for t in tests)
+    for name, threads in bar:
         model = MODELS[name]
-        bar.set_postfix_str(f"{name} {engine_name} t={threads}")
         path = model.locate()
-        try:
-            engine = ENGINES[engine_name](model, path, threads,
-                                          **({"float_compute": float_compute} if engine_name == "pyml" else {}))
-        except (ImportError, PymlError, OSError, ValueError) as e:
-            print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        compute = float_compute_of(engine.lm) if engine_name == "pyml" else ""
-        if engine_name == "pyml":
-            bytes_per_token[name] = (weight_bytes_per_token(engine.lm), kv_bytes_per_position(engine.lm))
-            params = sum(lin.in_features * lin.out_features for lin in engine.lm.model.linears()[:-1])
+        engines = {}  # every engine of the model loaded at once: they take turns in each repetition
+        for engine_name in ["pyml", *peers]:
+            bar.set_postfix_str(f"{name} t={threads}: loading {engine_name}")
+            try:
+                engines[engine_name] = ENGINES[engine_name](
+                    model, path, threads, **({"float_compute": float_compute} if engine_name == "pyml" else {}))
+            except (ImportError, PymlError, OSError, ValueError) as e:
+                print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        if "pyml" in engines:
+            lm = engines["pyml"].lm
+            bytes_per_token[name] = (weight_bytes_per_token(lm), kv_bytes_per_position(lm))
+            params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()[:-1])
             info.setdefault("params_m", {})[name] = params / 1e6
-        rng = np.random.default_rng(0)
-        room = max(t.n + (t.kind == "tg") for t in tests)
-        with_depth = any(t.depth for t in tests)
-        bench_engine(engine, Test("tg", 8), 1, rng)  # warm: first calls, caches, threads
+            lm = None
+        compute = float_compute_of(engines["pyml"].lm) if "pyml" in engines else ""
+        for engine in engines.values():
+            bench_once(engine, Test("tg", 8), seed=reps)  # warm: first calls, caches, threads
+        got = {}  # (engine name, test) -> rates
         for depth in sorted({t.depth for t in tests}):
-            if depth and not getattr(engine, "supports_depth", True):
-                print(f"pyml-bench: {engine_name} skipped at depth {depth} on {name}: it keeps no cache between "
-                      "calls", file=sys.stderr)
-                continue
-            # the same context for every engine: the rng is seeded per depth, not per engine
-            engine.set_context(random_tokens(np.random.default_rng(depth), engine.vocab, depth), room)
+            here = {}
+            for engine_name, engine in engines.items():
+                if depth and not getattr(engine, "supports_depth", True):
+                    print(f"pyml-bench: {engine_name} skipped at depth {depth} on {name}: it keeps no cache "
+                          "between calls", file=sys.stderr)
+                    continue
+                # the same context for every engine: the rng is seeded per depth, not per engine
+                engine.set_context(random_tokens(np.random.default_rng(depth), engine.vocab, depth), room)
+                here[engine_name] = engine
             for test in (t for t in tests if t.depth == depth):
-                rates = bench_engine(engine, test, reps, rng)
+                bar.set_postfix_str(f"{name} t={threads}: {test.label(with_depth)}, {', '.join(here)} taking turns")
+                for engine_name, rates in bench_turns(here, test, reps).items():
+                    got[engine_name, test] = rates
+        for engine_name in engines:
+            for test in tests:
+                if (engine_name, test) not in got:
+                    continue
+                rates = got[engine_name, test]
                 row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
-                          statistics.stdev(rates) if len(rates) > 1 else 0.0, rates, compute=compute)
+                          statistics.stdev(rates) if len(rates) > 1 else 0.0, rates,
+                          compute=compute if engine_name == "pyml" else "")
                 add_limit(row, test, info, bytes_per_token.get(name))
                 add_compute_share(row, test, info)
                 rows.append(row)
-        engine.close()
-        del engine
+        for engine in engines.values():
+            engine.close()
+        engines = None
         gc.collect()
-    for row in rows:
-        if row.backend == "pyml":
-            for peer in rows:
-                if peer.backend != "pyml" and (peer.model, peer.threads, peer.test) == (row.model, row.threads,
-                                                                                          row.test):
-                    row.ratio[peer.backend] = row.tok_s / peer.tok_s
+    add_ratios(rows)
     info["bytes_per_token"] = {name: weights for name, (weights, _) in bytes_per_token.items()}
     info["kv_bytes_per_position"] = {name: sum(b for b, _ in kv) for name, (_, kv) in bytes_per_token.items()}
     return rows, info
@@ -277,6 +311,10 @@ def markdown(rows, info, peers) -> str:
         cells += [f"{r.ratio[p]:.2f}x" if p in r.ratio else "" for p in peers]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    if peers:
+        lines.append("The engines take turns in every repetition (the order rotating); a pyml/peer ratio is the "
+                     "median of the repetitions' own ratios.")
+        lines.append("")
     git, machine = info.get("git"), info.get("machine") or {}
     where = f"commit {git['commit'][:12]}{' (with local changes)' if git['dirty'] else ''}" if git else "no git checkout"
     lines.append(f"Measured at {where} on {machine.get('cpu', '?')} ({machine.get('usable_cores', '?')} cores, "

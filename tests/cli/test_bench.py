@@ -113,3 +113,49 @@ def test_openvino_peer_has_a_matching_precision_for_every_bench_model(tmp_path):
     assert WEIGHT_FORMATS["Q4_0"][WEIGHT_FORMATS["Q4_0"].index("--group-size") + 1] == "32"  # ggml's block
     with pytest.raises(PymlError, match="no matching precision for IQ2_XS"):
         exported(tmp_path / "m.gguf", "IQ2_XS")
+
+
+class _Recorder:
+    """A stand-in engine: records what it was asked, in one log shared by all of them."""
+
+    vocab = 50000
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def pp(self, tokens):
+        self.log.append((self.name, tuple(tokens)))
+        return 0.5
+
+    def tg(self, first, n):
+        self.log.append((self.name, first))
+        return 0.25
+
+
+def test_engines_take_turns_on_the_same_inputs():
+    from pyml.cli.pyml_bench import Test, bench_turns
+    log = []
+    engines = {name: _Recorder(name, log) for name in ("pyml", "llama.cpp", "openvino")}
+    rates = bench_turns(engines, Test("pp", 8), reps=4)
+    assert rates == {name: [16.0] * 4 for name in engines}  # 8 tokens in 0.5 s
+    # each repetition runs every engine once, the order rotating by one
+    assert [name for name, _ in log] == ["pyml", "llama.cpp", "openvino", "llama.cpp", "openvino", "pyml",
+                                         "openvino", "pyml", "llama.cpp", "pyml", "llama.cpp", "openvino"]
+    # ... on the same prompt within a repetition, another one in the next
+    prompts = [{p for _, p in log[3 * r:3 * r + 3]} for r in range(4)]
+    assert all(len(p) == 1 for p in prompts) and len(set.union(*prompts)) == 4
+    log.clear()
+    assert bench_turns(engines, Test("tg", 32), reps=2)["openvino"] == [128.0, 128.0]
+    assert len({first for _, first in log[:3]}) == 1
+
+
+def test_ratio_is_the_median_of_the_repetitions_ratios():
+    from pyml.cli.pyml_bench import Row, add_ratios
+    def row(backend, runs, test="tg128"):
+        return Row("m", 1.0, 1.0, "Q4_0", backend, 2, test, sorted(runs)[len(runs) // 2], 0.0, runs)
+    # the machine's speed moved between repetitions: their ratios are 2.0, 1.67 and 2.0, the
+    # medians' 110 / 60 = 1.83
+    pyml, peer = row("pyml", [200.0, 100.0, 110.0]), row("llama.cpp", [100.0, 60.0, 55.0])
+    other = row("llama.cpp", [1.0, 1.0, 1.0], test="pp512")  # another test: not compared
+    add_ratios([pyml, peer, other])
+    assert pyml.ratio == {"llama.cpp": 2.0} and peer.ratio == {}
