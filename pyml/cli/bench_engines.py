@@ -174,6 +174,9 @@ class OpenVINOEngine:
         self.ov, self.genai = openvino, openvino_genai
         self.pipe = openvino_genai.LLMPipeline(str(ir), "CPU", INFERENCE_NUM_THREADS=threads)
         self.vocab = int(json.loads((ir / "config.json").read_text())["vocab_size"])
+        # what the CPU plugin computes in ("bf16" where the CPU has AVX-512 BF16 or AMX, else "f32"):
+        # the peak its float rows are a share of
+        self.compute = openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").to_string()
 
     def set_context(self, tokens, room: int):
         if tokens:

@@ -274,7 +274,8 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
                 row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
                           statistics.stdev(rates) if len(rates) > 1 else 0.0, rates,
-                          compute=compute if engine_name == "pyml" else "")
+                          compute=compute if engine_name == "pyml" else
+                          getattr(engines[engine_name], "compute", "") if model.quant in FLOAT_QUANTS else "")
                 add_limit(row, test, info, bytes_per_token.get(name))
                 add_compute_share(row, test, info)
                 rows.append(row)
@@ -328,7 +329,7 @@ def markdown(rows, info, peers) -> str:
                      f"GOP/s, float32 {info['peaks']['fp32_gflops']:.0f} GFLOP/s"
                      + (f", bf16 {info['peaks']['bf16_gflops']:.0f} GFLOP/s" if "bf16_gflops" in info["peaks"] else "")
                      + f"; --float-compute {info.get('float_compute', 'auto')} (a float row's quant names what "
-                     "its pyml prefill computes in). A pp row's % is its linear "
+                     "its prefill computes in: pyml's by this option, OpenVINO's by its CPU plugin's precision). A pp row's % is its linear "
                      "layers' rate (2 x their parameters per token) over the peak x threads: "
                      + ", ".join(f"{r.backend} {r.model} {r.test} {r.gops:.0f} GOP/s" for r in rows if r.gops)
                      + ".")
