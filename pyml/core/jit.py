@@ -12,8 +12,9 @@ with a fingerprint of all their kernel source files as this process read them at
 entry written from other sources is treated as absent and recompiled.
 
 Because the stamp says which sources an entry came from, the entries are also filed by package
-folder rather than by absolute path: a fresh clone of the same sources (CI's) finds the kernels an
-earlier clone compiled. Two different versions run at once share the entries (each recompiles what
+folder (and instruction-set path) rather than by absolute path: a fresh clone of the same sources
+(CI's) finds the kernels an earlier clone compiled, and a run with PYML_ISA set leaves the native
+path's entries alone. Two different versions run at once share the entries (each recompiles what
 the other wrote, correct but slow): give them separate NUMBA_CACHE_DIRs.
 
 The stamp holds in every place Numba may keep the cache (a NUMBA_CACHE_DIR, as CI sets, too:
@@ -85,7 +86,10 @@ def _stamped(base: type) -> type:
             # Numba names the folder after a hash of the source's absolute path, so every fresh clone
             # (CI's among them) recompiled every kernel, ~8 minutes on 2 cores. The fingerprint
             # already says whether an entry was compiled from these sources, wherever they live.
-            return f"pyml_{Path(py_file).resolve().parent.name}"
+            # A folder per instruction-set path: a function's entries share one index file, so a
+            # run on another path (PYML_ISA=avx2, test_isa's probes) overwrote the native path's
+            # index, and the next native run recompiled what it had read (20 min of CI once).
+            return f"pyml_{Path(py_file).resolve().parent.name}_{ISA}"
 
     PackageStampedLocator.__qualname__ = f"PackageStamped{base.__name__}"
     return PackageStampedLocator

@@ -68,3 +68,25 @@ def test_an_edit_to_an_inlined_helper_recompiles_in_a_user_cache_dir(tmp_path):
     with open(tree / "pyml" / "quant" / "simd.py", "a") as f:
         f.write("\n# an edit\n")
     assert probe()["misses"] == 1  # recompiled, not loaded stale
+
+
+def test_a_run_on_another_isa_path_leaves_the_native_entries_alone(tmp_path):
+    """PYML_ISA=portable (as test_isa's probes and `PYML_ISA=avx2 pyml-bench` run) compiles the
+    same functions for another path. Its entries go to a folder of their own: in one folder the
+    function's index file was rewritten with the other path's stamp, and the next native run
+    recompiled everything such a run had touched."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("PYML_ISA", None)
+
+    def probe(**extra):
+        out = subprocess.run([sys.executable, "-c", _PROBE], env=dict(env, **extra), cwd=PACKAGE.parent,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    native = probe()
+    assert native["misses"] == 1
+    other = probe(PYML_ISA="portable")
+    assert other["misses"] == 1 and other["path"] != native["path"]
+    again = probe()
+    assert (again["hits"], again["misses"]) == (1, 0)  # still on disk after the portable run
