@@ -32,6 +32,10 @@ class PymlEngine:
         self.lm.warm_up(prefill=True)  # pp calls the model itself: its kernels load here, not in a timed pass
         self.vocab = self.lm.model.lm_head.out_features
         self.set_context([], 2048)
+        # float weights: what the prefill GEMMs compute in ("bf16" or "f32"; --float-compute)
+        self.compute = ""
+        if model.float_weights:
+            self.compute = "f32" if self.lm.model.linears()[0].prefill_weight is None else "bf16"
 
     def set_context(self, tokens, room: int):
         self.cache = self.lm.new_cache(len(tokens) + room)
@@ -174,9 +178,11 @@ class OpenVINOEngine:
         self.ov, self.genai = openvino, openvino_genai
         self.pipe = openvino_genai.LLMPipeline(str(ir), "CPU", INFERENCE_NUM_THREADS=threads)
         self.vocab = int(json.loads((ir / "config.json").read_text())["vocab_size"])
-        # what the CPU plugin computes in ("bf16" where the CPU has AVX-512 BF16 or AMX, else "f32"):
-        # the peak its float rows are a share of
-        self.compute = openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").to_string()
+        # float weights: what the CPU plugin computes in ("bf16" where the CPU has AVX-512 BF16 or
+        # AMX, else "f32"), the peak its rows are a share of
+        self.compute = ""
+        if model.float_weights:
+            self.compute = openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").to_string()
 
     def set_context(self, tokens, room: int):
         if tokens:

@@ -16,12 +16,19 @@ from pyml.cli.pyml_quantize import requantized
 from pyml.nlp.loaders.hub import cache_dir, resolve_gguf
 
 
+FLOAT_QUANTS = ("F32", "F16", "BF16")
+
+
 @dataclass(frozen=True)
 class BenchModel:
     name: str
     kind: str          # "gguf" or "safetensors"
     quant: str
     locate: object     # () -> Path, building the file on first use
+
+    @property
+    def float_weights(self) -> bool:
+        return self.quant in FLOAT_QUANTS
 
 
 def _real(name):

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from pyml import quant
 from pyml.cli import bench_cold
 from pyml.cli.bench_engines import ENGINES
-from pyml.cli.bench_models import DEFAULT_MODELS, MODELS
+from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
 from pyml.cli.main import Parser, run_command
 from pyml.core import ops, perf
@@ -110,9 +110,6 @@ def add_limit(row, test, info, model_bytes):
     weights, kv_layers = model_bytes
     limit = info["bandwidth_gbs"] * 1e9 / bytes_read_per_token(weights, kv_layers, test.depth + test.n // 2)
     row.pct_limit = 100 * row.tok_s / limit
-
-
-FLOAT_QUANTS = ("F32", "F16", "BF16")
 
 
 def add_compute_share(row, test, info):
@@ -205,14 +202,6 @@ def model_size(path: Path) -> int:
     return path.stat().st_size
 
 
-def float_compute_of(lm) -> str:
-    """"bf16" or "f32" for a model of float weights (what its prefill GEMMs compute in), else ""."""
-    lin = lm.model.linears()[0]
-    if lin.weight.qtype not in quant.FLOAT_TYPES:
-        return ""
-    return "f32" if lin.prefill_weight is None else "bf16"
-
-
 def run(models, threads_list, reps, peers, tests: list, progress=True,
         float_compute: str = "auto") -> tuple[list, dict]:
     rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
@@ -248,7 +237,6 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
             params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()[:-1])
             info.setdefault("params_m", {})[name] = params / 1e6
             lm = None
-        compute = float_compute_of(engines["pyml"].lm) if "pyml" in engines else ""
         for engine in engines.values():
             bench_once(engine, Test("tg", 8), seed=reps)  # warm: first calls, caches, threads
         got = {}  # (engine name, test) -> rates
@@ -274,8 +262,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
                 row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
                           statistics.stdev(rates) if len(rates) > 1 else 0.0, rates,
-                          compute=compute if engine_name == "pyml" else
-                          getattr(engines[engine_name], "compute", "") if model.quant in FLOAT_QUANTS else "")
+                          compute=getattr(engines[engine_name], "compute", ""))
                 add_limit(row, test, info, bytes_per_token.get(name))
                 add_compute_share(row, test, info)
                 rows.append(row)
