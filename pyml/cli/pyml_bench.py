@@ -172,6 +172,13 @@ def bench_once(engine, test: Test, seed: int) -> float:
     return test.n / engine.tg(int(rng.integers(0, min(engine.vocab, 32000))), test.n)
 
 
+def rotated(items: list, k: int) -> list:
+    """items starting from its k-th (mod len): round k's order, so that no one always runs right
+    after another (what one leaves in the caches and clocks carries into the next)."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def bench_turns(engines: dict, test: Test, reps: int) -> dict:
     """{engine name: rates}: `reps` repetitions in which every engine runs the test once, taking
     turns in an order that rotates by one each repetition. A shared machine drifts over seconds;
@@ -180,7 +187,7 @@ def bench_turns(engines: dict, test: Test, reps: int) -> dict:
     names = list(engines)
     rates = {name: [] for name in names}
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in rotated(names, rep):
             rates[name].append(bench_once(engines[name], test, seed=rep))
     return rates
 
@@ -379,8 +386,7 @@ def log_cost(model_names, threads: int, rounds: int = 40, steps: int = 8) -> str
             got = {level: [] for level in levels}
             for r in tqdm(range(rounds), desc=f"log cost {name}", unit="round", leave=False,
                           disable=not sys.stderr.isatty()):
-                # each round starts one level later: no level always runs right after another
-                for level in levels[r % 4:] + levels[:r % 4]:
+                for level in rotated(levels, r):
                     perf.configure(level if level in ("debug", "trace") else "warning")
                     records = RecordSink()
                     if level == "profile":
