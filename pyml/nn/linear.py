@@ -49,6 +49,15 @@ class Weight:
             return np.ascontiguousarray(self.data[ids], dtype=np.float32)
         return quant.dequantize_rows(self.data, self.qtype, self.shape[1], ids)
 
+    def row(self, i: int) -> np.ndarray:
+        """float32 [1, in]: rows([i]) without its per-call array checks (quant.row_reader)."""
+        if self.qtype == QuantType.F32:
+            return np.array(self.data[i:i + 1], np.float32)
+        read = self.__dict__.get("_row_reader")  # made on first use (the dataclass is frozen)
+        if read is None:
+            read = self.__dict__["_row_reader"] = quant.row_reader(self.data, self.qtype, self.shape[1])
+        return read(i)
+
     def dense(self) -> np.ndarray:
         """The whole matrix as float32 (out, in): for tests and small tensors only."""
         if self.qtype == QuantType.F32:

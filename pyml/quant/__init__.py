@@ -118,6 +118,23 @@ def dequantize_rows(raw: np.ndarray, qtype, n_cols: int, row_ids) -> np.ndarray:
     return traits_of(qtype).kernels.dequant_rows(w, ids, out)
 
 
+def row_reader(raw, qtype, n_cols: int):
+    """A function token id -> float32 [1, n_cols], dequantize_rows' row: the weight's view and
+    kernel found once. A decode step's embedding lookup runs on the caches the step's weights
+    have just flushed, where dequantize_rows' array conversions and checks cost 60-100 µs."""
+    if isinstance(raw, Packed):  # the file's layout is a copy of the whole matrix: per call
+        return lambda i: dequantize_rows(raw, qtype, n_cols, [i])
+    w = _as_stored(raw, qtype, n_cols)
+    kernel = traits_of(qtype).kernels.dequant_rows
+
+    def read(i: int) -> np.ndarray:
+        if not 0 <= i < w.shape[0]:
+            raise IndexError(f"row ids must be in [0, {w.shape[0]}), got {i}")
+        return kernel(w, np.full(1, i, np.int64), np.empty((1, n_cols), np.float32))
+
+    return read
+
+
 def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None,
            exact: bool = False) -> np.ndarray:
     """y = x @ W.T: x float32 [T, n_cols] -> [T, rows], reading W's blocks in place.

@@ -658,17 +658,18 @@ def _attend_tiled_bf16(q, pos, keys, k_scale, values, v_scale, scale, window, ou
 
 # --- public entry points -----------------------------------------------------------------
 
-def decode_splits(n_kv: int, span: int) -> int:
+def decode_splits(n_kv: int, span: int, threads: int | None = None) -> int:
     """How many parts a decode step's span is cut into: enough (kv head, part) items that every
-    thread gets the same number, never parts shorter than a softmax chunk."""
-    threads = numba.get_num_threads()
+    `threads` (default numba.get_num_threads(): a caller making many calls a step asks once)
+    gets the same number, never parts shorter than a softmax chunk."""
+    threads = threads or numba.get_num_threads()
     return max(1, min(threads // math.gcd(n_kv, threads), span // CHUNK))
 
 
-def decode_plan(q_size: int, n_kv: int, span: int) -> int:
+def decode_plan(q_size: int, n_kv: int, span: int, threads: int | None = None) -> int:
     """How a decode step over `span` positions runs: 0 on the calling thread (too little work to pay
     for waking the others), else the number of parts the span is cut into (decode_splits)."""
-    return decode_splits(n_kv, span) if q_size * span >= PARALLEL_MIN_WORK else 0
+    return decode_splits(n_kv, span, threads) if q_size * span >= PARALLEL_MIN_WORK else 0
 
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,

@@ -57,3 +57,17 @@ def test_shape_errors(rng):
         quant.dequantize(raw, QuantType.Q4_0, 96)
     with pytest.raises(ValueError):
         quant.dequantize(raw[:, :18], QuantType.Q4_0, 64)  # not C-contiguous
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
+def test_row_reader_reads_one_row_as_dequantize(rng, qtype):
+    """The embedding's decode-step lookup (quant.row_reader) against dequantize (held to gguf's above)."""
+    n_cols = odd_cols(qtype)
+    raw = make_weights(rng, qtype, 23, n_cols)
+    read = quant.row_reader(raw, qtype, n_cols)
+    full = quant.dequantize(raw, qtype, n_cols)
+    for i in (0, 7, 22):
+        np.testing.assert_array_equal(read(i), full[i:i + 1])
+    for bad in (-1, 23):
+        with pytest.raises(IndexError):
+            read(bad)

@@ -393,3 +393,12 @@ def test_odd_rotary_dims_are_refused():
         RoPE(head_dim=7, base=10000.0)
     with pytest.raises(ModelFormatError, match="rotary dims"):
         RoPE(head_dim=8, base=10000.0, rotary_dim=10)
+
+
+@pytest.mark.parametrize("bad", [-1, 300])
+def test_a_single_token_id_outside_the_vocabulary_is_refused(tiny_gpt2, bad):
+    """A decode step's one id takes the embedding's row path (Weight.row): the same refusal."""
+    import pyml
+    lm = pyml.load_model(safetensors=str(tiny_gpt2), warmup=False)
+    with pytest.raises(PymlError, match=f"token id {bad} is outside the vocabulary of 300"):
+        lm.forward([bad])
