@@ -96,7 +96,10 @@ def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batc
     assert without_timings(read_output(out)) == without_timings(sequential)
     each = re.search(r"\((\d+), (\d+) prompts each\)", capsys.readouterr().err).groups()
     done = [int(n) for n in each]
-    assert sum(done) == 9 and done[killed[0]] <= 2  # the 8 prompts and the long one; the rest on the other
+    # the 8 prompts and the long one. The killed worker finished its first and, at most, the
+    # IN_FLIGHT it held when ray.kill was sent (the kill lands asynchronously: a tiny model's
+    # prompt can finish first); the rest ran on the other
+    assert sum(done) == 9 and done[killed[0]] <= 1 + ray_runner.IN_FLIGHT
 
 
 def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequential, tmp_path, capsys):
