@@ -135,11 +135,11 @@ class KVCache:
 
     def claim_layers(self, layers: range, pos: int) -> None:
         """claim(layer, pos) for each of a range of layers (a decode step's run): only the ring
-        layers are checked one by one. Looping claim() over SmolLM2's 30 layers cost ~40 µs of a step, on the
-        caches its weights had just flushed."""
+        layers are checked one by one (claim() looped over SmolLM2's 30 layers cost 5-7 µs of a
+        step, on the caches its weights had just flushed)."""
         if pos + 1 > self.max_len:
             raise PymlError(f"KV cache full: position {pos + 1} exceeds its {self.max_len} slots")
-        for layer in self._rings.intersection(layers) if self._rings else ():
+        for layer in self._rings.intersection(layers):
             if not self._holds_window(layer, pos):
                 raise PymlError(f"layer {layer}'s sliding-window ring no longer holds the positions before "
                                 f"{pos}: prefill from position 0")
