@@ -92,8 +92,9 @@ class Terminal:
 
 
 def test_two_turns_reset_and_ctrl_c_in_a_terminal(tmp_path):
-    # wide enough that a 1500-token reply takes seconds: long enough to interrupt
-    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=2048, n_embd=256, n_layer=4)
+    # wide enough that a 1500-token reply takes seconds: long enough to interrupt (at n_embd 256 and
+    # 4 layers it took 1.2 s, and one CI run saw the whole reply before its ^C was acted on)
+    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=2048, n_embd=512, n_layer=6)
     term = Terminal([sys.executable, *CHAT[1:], "-m", str(model), "-n", "1500", "-t", "1"])
     interrupted = rb"\[prompt \d+ tokens([^\]]*) in[^\]]*generated (\d+) tokens[^\]]*\| interrupted\]"
     try:
