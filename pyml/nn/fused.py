@@ -757,7 +757,7 @@ class FusedBlock:
         self.n_pre, self.n_post = (sum(op is not None for op in table) for table in self.tables)
         self.n_events = self.n_pre + 2 + self.n_post
         self.events = clock.EventBuffer(64 * self.n_events)  # 64 steps: records are made later (_run_spans)
-        self.ticks = np.zeros((1, 3), np.int64)  # a timed call's (start, middle, end)
+        self.ticks = TickPool(1)  # a timed call's (start, middle, end)
         self._run = None  # this block alone as a decode_layers run (_solo)
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
@@ -770,7 +770,7 @@ class FusedBlock:
         block, events = self.block, self.events.events
         ops_on = any(p.trace_on for p in self.op_loggers)
         if ops_on or _perf.debug_on:
-            return _call(self._solo(), x, pos, cache, cache.addresses(), ops_on, True, self.ticks)
+            return _call(self._solo(), x, pos, cache, cache.addresses(), ops_on, True, self.ticks.take())
         i, attn = block.index, block.attn
         cache.claim(i, pos)  # the kernel writes the position's key and value
         start = max(0, pos + 1 - self.window) if self.window else 0
@@ -909,9 +909,9 @@ class FusedStep:
             # a traced call writes the whole run's events into its first block's buffer: 64 steps' worth
             first.events = clock.EventBuffer(64 * (j - i) * first.n_events)
             i = j
-        # a timed call's (start, middle, end) per layer: one array per run, written and read under
-        # the run's lock (one array for the step was written by two threads' runs at once)
-        self.ticks = [np.zeros((len(layers), 3), np.int64) for _, _, layers, *_ in self.runs]
+        # a timed call's (start, middle, end) per layer: a pool per run, taken from under the run's
+        # lock (one array for the step was written by two threads' runs at once)
+        self.ticks = [TickPool(len(layers)) for _, _, layers, *_ in self.runs]
         # the step of a run whose blocks decode_region implements: (kernel, counters, activation
         # buffers, attention scratch), or None
         self.regions = [self._region(first, len(layers)) for first, _, layers, *_ in self.runs]
@@ -968,9 +968,10 @@ class FusedStep:
         # 3's 14 runs ~50 µs a step, on caches its weights had just flushed.
         held = None
         try:
-            for run, region, ticks in zip(self.runs, self.regions, self.ticks):
+            for run, region, pool in zip(self.runs, self.regions, self.ticks):
                 run[0]._busy.acquire()
                 try:
+                    ticks = pool.take() if timed else pool.untimed
                     if region is not None and in_region:
                         x = self._region_call(run, region, x, pos, cache, kv_at, ops_on, timed, ticks, n_threads)
                     else:
@@ -1020,19 +1021,43 @@ def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks, n_threads=None):
     return out
 
 
+class TickPool:
+    """A run's timed calls' ticks, (start, middle, end) per layer: each call takes rows of its own,
+    which stay as they are until its deferred records have read them; when the pool is used up a
+    fresh one takes its place (the old one lives as long as the entries that point into it), as
+    EventBuffer's rows do. Copying each call's ticks out instead (`tolist`) cost ~11 µs of a
+    SmolLM2 step at debug, on the caches its weights had just flushed."""
+
+    def __init__(self, n_layers: int, calls: int = 64):
+        self.rows = np.zeros((calls, n_layers, 3), np.int64)
+        self.next = 0
+        self.untimed = np.zeros((n_layers, 3), np.int64)  # an untimed call's: never written
+
+    def last(self) -> np.ndarray:
+        """The rows the latest timed call took."""
+        return self.rows[self.next - 1]
+
+    def take(self) -> np.ndarray:
+        if self.next == len(self.rows):
+            self.rows = np.zeros_like(self.rows)
+            self.next = 0
+        self.next += 1
+        return self.rows[self.next - 1]
+
+
 def _defer(run, events, row, ticks, pos, cache):
-    """A timed call's ticks (copied: the array is the run's), event rows and context to perf.defer."""
-    layer_ticks = ticks[:len(run[2])].tolist()
+    """A timed call's ticks (its own rows of a TickPool), event rows and context to perf.defer."""
     stack, ctx, thread = perf.frame()
-    perf.defer((_run_spans, run[5], events, row, layer_ticks, stack[-1] if stack else None, len(stack), ctx,
+    perf.defer((_run_spans, run[5], events, row, ticks, stack[-1] if stack else None, len(stack), ctx,
                 thread, pos, cache.kv_type))
-    if layer_ticks[-1][2] > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
+    if ticks[-1, 2] > _PAIRS.due:  # a (ticks, perf_counter) pair now and then, to convert with later
         _PAIRS.note()
 
 
-def _run_spans(fused, events, row, layer_ticks, parent, depth, ctx, thread, pos, kv_type) -> list:
+def _run_spans(fused, events, row, ticks, parent, depth, ctx, thread, pos, kv_type) -> list:
     """The spans of a timed decode_layers call (perf.defer's entry), layer after layer."""
     cal = clock.calibration()
+    layer_ticks = ticks.tolist()
     n = fused[0].n_events
     rows = events[row:row + len(fused) * n].tolist() if row else []
     out = []

@@ -12,7 +12,7 @@ from pyml.core import perf
 from pyml.nn.attention import Attention
 from pyml.nn.block import TransformerBlock
 from pyml.nn.feed_forward import MLP, GatedMLP
-from pyml.nn.fused import FusedStep
+from pyml.nn.fused import FusedStep, TickPool
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear, Weight
 from pyml.nn.norm import LayerNorm, RMSNorm
@@ -384,7 +384,8 @@ def test_region_under_debug_gives_the_block_spans_of_decode_layers(shape, qtype,
                 if r is not top]
     assert rows(got) == rows(got_layers) == [(f"transformer[{i}]::forward", i, blocks[i].attn.kind, ["attn", "ffn"],
                                               True) for i in range(4)]
-    ticks = np.concatenate(step.ticks)  # the kernel's own: start <= middle <= end, layer after layer
+    ticks = np.concatenate([pool.last() for pool in step.ticks])  # the kernel's own: start <= middle <= end,
+    # layer after layer
     assert (ticks > 0).all() and (np.diff(ticks.ravel()) >= 0).all()
     blocks_recs = [r for r in got if r["name"].startswith("transformer[")]
     assert all(0 < r["parts"]["attn"] and 0 < r["parts"]["ffn"] for r in blocks_recs)
@@ -411,12 +412,26 @@ def test_region_with_logging_off_writes_no_tick_and_no_event():
     blocks = _packed_blocks("llama", QuantType.Q4_0, 3, {})
     perf.configure("")
     step = FusedStep(blocks, [b.fused() for b in blocks])
-    for ticks in step.ticks:
-        ticks[:] = -1
+    for pool in step.ticks:
+        pool.rows[:] = -1
+        pool.untimed[:] = -1
     first = step.runs[0][0]
     first.events.events[:] = 0
     a, d = blocks[0].attn, blocks[0].attn_norm.weight.shape[0]
     cache = KVCache(3, a.n_kv_heads, a.head_dim, 4)
     step(np.ones((1, d), np.float32), 0, cache)
-    assert all((t == -1).all() for t in step.ticks) and not first.events.events.any()
+    assert all((p.rows == -1).all() and (p.untimed == -1).all() and p.next == 0 for p in step.ticks)
+    assert not first.events.events.any()
     assert not step.regions[0][1][-16:].any()  # the latest-tick slot never written
+
+
+def test_tick_pool_keeps_each_calls_rows_past_a_refill():
+    """A timed call's rows stay as the kernel left them until its deferred records read them,
+    however many calls come before the drain: a used-up pool is replaced, not overwritten."""
+    pool = TickPool(2, calls=2)
+    taken = []
+    for k in range(5):
+        rows = pool.take()
+        rows[:] = k
+        taken.append(rows)
+    assert [int(r[0, 0]) for r in taken] == [0, 1, 2, 3, 4] and (pool.last() == 4).all()
