@@ -28,7 +28,8 @@ resolution), and, on top-level spans only, the generation phase and step:
 
 Lines are written when a span ends, so children come before their parent; the
 depth and start put them back in their tree. Spans on a thread other than the
-main thread add `thread=<ident>`.
+main thread add `thread=<ident>`; spans timed inside compiled code (CompiledSpan) end with
+`compiled=1`.
 
 Nesting is explicit: a thread-local stack gives every record its parent's id, and
 `perf.context(phase=..., step=...)` stamps the generation phase on every record
@@ -125,6 +126,7 @@ class Span:
 
     __slots__ = ("perf", "level", "name", "fmt", "args", "attrs", "parts",
                  "id", "parent", "t0", "t1", "depth", "ctx", "thread")
+    compiled = False  # timed by two perf_counter reads here (CompiledSpan: inside compiled code)
 
     def __init__(self, perf, level, name, fmt, args, attrs):
         self.perf, self.level, self.name = perf, level, name
@@ -240,12 +242,21 @@ def _on_grid(t: float, up: bool = False) -> float:
     return (math.ceil(t * 1e6) if up else round(t * 1e6)) / 1e6
 
 
+class CompiledSpan(Span):
+    """A span timed inside compiled code (span_at, nest: nn/fused.py's decode step), by two reads of
+    the time-stamp counter. Its record says so (`compiled`) and its line ends ` compiled=1`, so that
+    a report charges it what it cost the step (two counter reads), not a Python span's cost."""
+
+    __slots__ = ()
+    compiled = True
+
+
 def span_at(p: "PerfLogger", level: int, name: str, fmt: str, args: tuple, attrs: dict, t0: float, t1: float,
             parent, depth: int, ctx: dict, thread: int, span_id: int | None = None, parts: dict | None = None,
             floor: float = 0.0) -> Span:
     """A finished span timed elsewhere (perf_counter seconds, put on the µs grid, not before
     `floor`), as Span.__exit__ would have left it."""
-    s = Span(p, level, name, fmt, args, attrs)
+    s = CompiledSpan(p, level, name, fmt, args, attrs)
     s.id = new_id() if span_id is None else span_id
     s.parent, s.depth, s.ctx, s.thread, s.parts = parent, depth, ctx, thread, parts
     s.t0, s.t1 = max(_on_grid(t0), floor), max(_on_grid(t1), floor)
@@ -259,7 +270,7 @@ def nest(items, parent, depth: int, ctx: dict, thread: int, floor: float = 0.0) 
     child), exactly as if they had been opened there. Returned in end order."""
     spans, roots = [], []
     for p, level, name, fmt, args, attrs, t0, t1 in items:
-        s = Span(p, level, name, fmt, args, attrs)
+        s = CompiledSpan(p, level, name, fmt, args, attrs)
         s.id, s.t0, s.t1, s.parent = new_id(), t0, t1, None
         while roots and roots[-1].t0 >= t0 and roots[-1].t1 <= t1:  # ended earlier, inside this one
             roots.pop().parent = s
@@ -324,6 +335,8 @@ def _deliver(span, details):
         "parts": {k: v * 1e3 for k, v in parts.items()} if parts else {},
     }
     record.update(span.attrs)
+    if span.compiled:
+        record["compiled"] = True
     for fn, min_level in _collectors:
         if level >= min_level:
             fn(record)
@@ -438,7 +451,9 @@ def _line(span: Span, details: str) -> str:
             line = f"{line} phase={phase}"
         if step is not None:
             line = f"{line} step={step}"
-    return line if span.thread == _MAIN_THREAD else f"{line} thread={span.thread}"
+    if span.thread != _MAIN_THREAD:
+        line = f"{line} thread={span.thread}"
+    return f"{line} compiled=1" if span.compiled else line
 
 
 _MAIN_THREAD = threading.main_thread().ident

@@ -398,10 +398,21 @@ def matmul_table(run, phase="decode") -> list:
 
 # --- the cost of timing, and whether the numbers add up ------------------------------------
 
-def spans_per_step(run, phase="decode") -> float:
+def spans_per_step(run, phase="decode", compiled: bool | None = None) -> float:
+    """Spans per decode step (per phase); only those timed inside compiled code (compiled=True) or
+    only the Python ones (False)."""
     steps = len(run.named("generator::decode_step")) if phase == "decode" else 1
-    n = sum(1 for r in run.records if r.phase == phase)
+    n = sum(1 for r in run.records if r.phase == phase and (compiled is None or r.compiled == compiled))
     return n / steps if steps else 0.0
+
+
+def _span_costs(timing: dict | None) -> tuple:
+    """(a Python span's cost as its parent sees it beyond its own reported time, a span timed in
+    compiled code's: two counter reads), in ms; None where the timing was not measured."""
+    if not timing or timing.get("span_overhead_us") is None:
+        return None, None
+    outside = max(0.0, timing["span_overhead_us"] - timing.get("span_floor_us", 0.0)) / 1e3
+    return outside, 2 * timing.get("compiled_clock_ns", 0.0) / 1e6
 
 
 def consistency(run, timing: dict | None) -> list:
@@ -410,41 +421,44 @@ def consistency(run, timing: dict | None) -> list:
     steps = run.named("generator::decode_step")
     if not steps:
         return []
-    outside = None
-    if timing and timing.get("span_overhead_us") is not None:
-        outside = max(0.0, timing["span_overhead_us"] - timing.get("span_floor_us", 0.0)) / 1e3
+    outside, compiled = _span_costs(timing)
     n = len(steps)
     checks = []
 
-    def add(what, gap_total, spans_total):
-        cost = spans_total * outside if outside is not None else None
-        checks.append({"check": what, "gap_ms": gap_total / n, "spans": spans_total / n,
+    def add(what, gap_total, spans):
+        """spans: the records timed inside the gap (their own cost sits in it)."""
+        n_compiled = sum(1 for r in spans if r.compiled)
+        cost = (len(spans) - n_compiled) * outside + n_compiled * compiled if outside is not None else None
+        checks.append({"check": what, "gap_ms": gap_total / n, "spans": len(spans) / n,
                        "timing_ms": cost / n if cost is not None else None})
 
     fwds = [f for s in steps for f in s.children if f.op == "model"]
     add("decode_step − (model + sample parts)",
-        sum(s.dur_ms - sum(s.parts.values()) for s in steps), 0)
+        sum(s.dur_ms - sum(s.parts.values()) for s in steps), [])
     add("model part − model::forward", sum(s.parts.get("model", 0) for s in steps) - sum(f.dur_ms for f in fwds),
-        len(fwds))
+        fwds)
     add("model::forward − (embedding + layers + norm + projection)",
-        sum(f.dur_ms - sum(f.parts.values()) for f in fwds), 0)
+        sum(f.dur_ms - sum(f.parts.values()) for f in fwds), [])
     blocks = [c for f in fwds for c in f.children if c.op == "block"]
     add("layers part − Σ transformer[i]", sum(f.parts.get("layers", 0) for f in fwds)
-        - sum(b.dur_ms for b in blocks), len(blocks))
-    add("transformer[i] − (attn + ffn parts)", sum(b.dur_ms - sum(b.parts.values()) for b in blocks), 0)
+        - sum(b.dur_ms for b in blocks), blocks)
+    add("transformer[i] − (attn + ffn parts)", sum(b.dur_ms - sum(b.parts.values()) for b in blocks), [])
     attns = [c for b in blocks for c in b.children if c.op == "attention"]
     if attns and any(a.children for a in attns):
         add("attention::forward − Σ its ops", sum(a.self_ms for a in attns),
-            sum(len(a.children) for a in attns))
+            [c for a in attns for c in a.children])
     return checks
 
 
 def instrumentation_cost(run, timing: dict | None) -> dict | None:
-    """Spans per decode step times the measured cost of one span."""
+    """Spans per decode step times the measured cost of one: a Python span's (two perf_counter
+    reads and its bookkeeping), or, timed inside compiled code, two counter reads."""
     if not timing or timing.get("span_overhead_us") is None or not run.named("generator::decode_step"):
         return None
     per_span = timing["span_overhead_us"]  # lines are made after the steps (perf's drain): not in them
-    n = spans_per_step(run)
+    per_compiled = 2 * timing.get("compiled_clock_ns", 0.0) / 1e3
+    n, n_compiled = spans_per_step(run), spans_per_step(run, compiled=True)
     step = statistics.fmean(s.dur_ms for s in run.named("generator::decode_step"))
-    ms = n * per_span / 1e3
-    return {"spans_per_step": n, "per_span_us": per_span, "ms_per_step": ms, "pct": 100 * ms / step if step else 0}
+    ms = ((n - n_compiled) * per_span + n_compiled * per_compiled) / 1e3
+    return {"spans_per_step": n, "compiled_per_step": n_compiled, "per_span_us": per_span,
+            "per_compiled_us": per_compiled, "ms_per_step": ms, "pct": 100 * ms / step if step else 0}

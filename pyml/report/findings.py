@@ -79,9 +79,13 @@ def _mitigations(cat: str, f: dict, run, timing) -> list:
     elif cat == aggregate.GLUE:
         cost = aggregate.instrumentation_cost(run, timing)
         if cost:
-            out.append(f"Part of it is the timing itself: {cost['spans_per_step']:.0f} spans per step × "
-                       f"{cost['per_span_us']:.2f} µs ≈ {cost['ms_per_step']:.3f} ms ({cost['pct']:.1f}% of a "
-                       f"step); profile at debug level (`LOG=debug`) for layer totals at a fraction of the cost")
+            n_python = cost["spans_per_step"] - cost["compiled_per_step"]
+            out.append(f"Part of it is the timing itself: {n_python:.0f} Python spans per step × "
+                       f"{cost['per_span_us']:.2f} µs"
+                       + (f" + {cost['compiled_per_step']:.0f} timed inside compiled code × "
+                          f"{cost['per_compiled_us'] * 1e3:.0f} ns" if cost["compiled_per_step"] else "")
+                       + f" ≈ {cost['ms_per_step']:.3f} ms ({cost['pct']:.1f}% of a step); profile at debug "
+                       f"level (`LOG=debug`) for layer totals at a fraction of the cost")
         out.append("Fewer, larger ops: fused kernels (QKV, gate+up, attention) remove per-op Python dispatch, "
                    "which is what small models are bound by")
     elif cat in (aggregate.NORM, aggregate.ACT):

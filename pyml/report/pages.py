@@ -296,9 +296,11 @@ def _methodology(doc, run, timing, timing_src):
                             else "") + " (time the run takes, not time the spans show).")
         cost = aggregate.instrumentation_cost(run, timing)
         if cost:
-            lines.append(f"A decode step records {cost['spans_per_step']:.0f} spans: the timing costs about "
-                         f"**{ms(cost['ms_per_step'])} per step ({pct(cost['pct'])})**; untimed steps are that "
-                         f"much faster, and the op times include it.")
+            inside = (f" ({cost['compiled_per_step']:.0f} of them timed inside compiled code, "
+                      f"{cost['per_compiled_us'] * 1e3:.0f} ns each)" if cost["compiled_per_step"] else "")
+            lines.append(f"A decode step records {cost['spans_per_step']:.0f} spans{inside}: the timing costs "
+                         f"about **{ms(cost['ms_per_step'])} per step ({pct(cost['pct'])})**, estimated from "
+                         f"these costs; untimed steps are that much faster, and the op times include it.")
         doc.items(lines)
     else:
         doc.p("The cost of one span was not measured for this run (reports from a log have no calibration): "

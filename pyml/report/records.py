@@ -8,7 +8,7 @@ ms with three decimals, and events.jsonl is rounded the same way when read, so
 every table comes out identical from either source.
 
 A log line is `[perf] name [details] [parts] elapsed | [module] depth=N start=S
-[phase=P step=K] [thread=T]` (see pyml.core.perf). Only top-level lines carry the
+[phase=P step=K] [thread=T] [compiled=1]` (see pyml.core.perf). Only top-level lines carry the
 phase and step; the spans inside a tree inherit them, as they do from
 `perf.context` when recorded live.
 """
@@ -52,6 +52,7 @@ class Record:
     worker: int = 0                 # the process that made it: 0 = the run's own, 1.. = batch workers
     line: int = 0                   # line in the source file (for messages)
     orphan: bool = False            # its enclosing span never ended
+    compiled: bool = False          # timed inside compiled code (two counter reads), not by a Python span
     # derived by normalize()
     depth: int = 0
     op: str = ""
@@ -67,7 +68,7 @@ class Record:
         """Everything a table may use, for comparing two sources of the same run."""
         return (self.name, self.details, tuple(sorted(self.parts.items())), self.dur_ms, self.start,
                 self.module, self.phase, self.step, self.thread, self.depth, self.op, self.layer,
-                self.kind, self.dtype, self.owner,
+                self.kind, self.dtype, self.owner, self.compiled,
                 self.parent_rec.name if self.parent_rec else None, len(self.children))
 
     def to_json(self) -> dict:
@@ -75,7 +76,8 @@ class Record:
                 "op": self.op, "phase": self.phase, "step": self.step, "layer": self.layer,
                 "kind": self.kind, "dtype": self.dtype, "depth": self.depth, "details": self.details,
                 "parts": self.parts, "start": self.start, "dur_ms": self.dur_ms, "thread": self.thread,
-                **({"worker": self.worker} if self.worker else {}), **({"orphan": True} if self.orphan else {})}
+                **({"worker": self.worker} if self.worker else {}), **({"orphan": True} if self.orphan else {}),
+                **({"compiled": True} if self.compiled else {})}
 
 
 # --- deriving the fields a table groups by ------------------------------------------------
@@ -132,7 +134,8 @@ def normalize(raws: list[dict], main_thread: int | None = None,
                            start=_fmt6(r["start"]), details=r.get("details") or "",
                            parts={k: _fmt3(v) for k, v in (r.get("parts") or {}).items()},
                            module=r.get("module") or None, phase=r.get("phase"), step=r.get("step"),
-                           thread=t, worker=r.get("worker") or 0, line=r.get("line", 0)))
+                           thread=t, worker=r.get("worker") or 0, line=r.get("line", 0),
+                           compiled=bool(r.get("compiled"))))
     index = {r.id: r for r in recs}
     orphans = 0
     for r in recs:  # children in the order they ended
@@ -222,7 +225,7 @@ def read_events(path: Path) -> list[dict]:
 _PERF = "[perf] "
 _LINE = re.compile(r"^(?P<body>\S.*?) (?P<total>total=)?(?P<ms>\d+\.\d{3})ms(?: \| (?P<ctx>.*))?$")
 _PARTS = re.compile(r"(?: [A-Za-z_]\w*=\d+\.\d{3}ms)+$")
-_CTX_KEYS = {"depth": int, "start": float, "phase": str, "step": int, "thread": int}
+_CTX_KEYS = {"depth": int, "start": float, "phase": str, "step": int, "thread": int, "compiled": int}
 
 
 def _parse_context(ctx: str):

@@ -12,7 +12,7 @@ from pyml.core import perf
 from pyml.cli.standins import write_gpt2
 
 # `[perf] name [details] [parts] elapsed | [module] depth=N start=S [phase=P step=K] [thread=T]`
-TAIL = r" \| (\S+ )?depth=\d+ start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?$"
+TAIL = r" \| (\S+ )?depth=\d+ start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?( compiled=1)?$"
 LINE = re.compile(r"^\[perf\] \S+( .*)? (total=)?\d+\.\d{3}ms" + TAIL)
 
 

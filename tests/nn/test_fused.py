@@ -407,6 +407,17 @@ def test_region_under_trace_gives_the_span_tree_of_decode_layers_and_the_referen
     assert span_rows(got) == span_rows(got_layers) == span_rows(got_ref)
 
 
+def test_spans_timed_inside_the_region_say_so():
+    """Every span the region's ticks and events make is marked as timed inside compiled code (a
+    report charges it two counter reads); the reference path's spans are Python's, unmarked."""
+    blocks = _packed_blocks("llama", QuantType.Q4_0, 2, {})
+    _, got, _ = _step_records(blocks, "region", perf.TRACE)
+    _, ref, _ = _step_records(blocks, "reference", perf.TRACE)
+    inside = [r for r in got if r["name"] != "model::forward"]
+    assert len(inside) > 20 and all(r.get("compiled") for r in inside)
+    assert not any(r.get("compiled") for r in ref)
+
+
 def test_region_with_logging_off_writes_no_tick_and_no_event():
     """Logging off, the region takes `timed` False: no counter is read, so nothing is written."""
     blocks = _packed_blocks("llama", QuantType.Q4_0, 3, {})

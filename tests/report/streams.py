@@ -115,6 +115,8 @@ def to_log(raws, main_thread=1) -> str:
                 ctx += f" step={r['step']}"
         if r["thread"] != main_thread:
             ctx += f" thread={r['thread']}"
+        if r.get("compiled"):
+            ctx += " compiled=1"
         parts = {k: v / 1e3 for k, v in r["parts"].items()}
         lines.append("[perf] " + format_line(r["name"], r["details"], parts, r["dur_ms"] / 1e3, ctx))
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@ import pytest
 from pyml.report import aggregate
 from pyml.report.aggregate import (ACT, ATTN_CORE, ATTN_PROJ, EMB, FFN, GLUE, HEAD, NORM,
                                    SAMPLE)
-from pyml.report import findings
+from pyml.report import findings, pages
+from pyml.report.doc import render_md
 from pyml.report.records import Run, normalize
 from tests.report.streams import S, decode_step, emit, generation
 
@@ -133,6 +134,35 @@ def test_consistency_and_instrumentation_cost(run):
     cost = aggregate.instrumentation_cost(run, timing)
     n_decode = sum(1 for r in run.records if r.phase == "decode") / 3
     assert cost["spans_per_step"] == n_decode and cost["ms_per_step"] == pytest.approx(n_decode * 3e-3)
+
+
+def _blocks_compiled(roots):
+    """The stream with each decode step's blocks, and all inside them, timed inside compiled code
+    (as nn/fused.py's step records them): 12 spans a block, 24 of a step's 29."""
+    def mark(s):
+        s.fields["compiled"] = True
+        for c in s.children:
+            mark(c)
+    for root in roots:
+        if root.fields.get("phase") == "decode":
+            for c in root.children[0].children:
+                if c.name.startswith("transformer["):
+                    mark(c)
+    return roots
+
+
+def test_spans_timed_in_compiled_code_are_charged_two_counter_reads():
+    run = make_run(_blocks_compiled(generation(3)))
+    timing = {"span_overhead_us": 3.0, "span_floor_us": 1.0, "compiled_clock_ns": 10.0}
+    cost = aggregate.instrumentation_cost(run, timing)
+    assert (cost["spans_per_step"], cost["compiled_per_step"]) == (29, 24)
+    assert cost["ms_per_step"] == pytest.approx((5 * 3.0 + 24 * 0.020) / 1e3)
+    checks = {c["check"]: c for c in aggregate.consistency(run, timing)}
+    assert checks["layers part − Σ transformer[i]"]["timing_ms"] == pytest.approx(2 * 2e-5)
+    assert checks["attention::forward − Σ its ops"]["timing_ms"] == pytest.approx(2 * 4 * 2e-5)
+    assert checks["model part − model::forward"]["timing_ms"] == pytest.approx(2e-3)  # a Python span
+    page = render_md(pages.report_page(run, timing=timing, timing_src="hand-made"))
+    assert "records 29 spans (24 of them timed inside compiled code, 20 ns each)" in page
 
 
 def test_bottlenecks_ranked_by_share_with_mitigations(run):

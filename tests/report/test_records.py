@@ -60,6 +60,19 @@ def test_log_and_events_give_identical_records(tmp_path):
     assert [r.key() for r in a.records] == [r.key() for r in b.records]
 
 
+def test_log_and_events_agree_on_spans_timed_in_compiled_code(tmp_path):
+    raws = emit(generation(2))
+    for r in raws:
+        if r["name"].startswith("transformer[") or r["name"] == "attention::sdpa":
+            r["compiled"] = True  # as nn/fused.py's records say
+    log = tmp_path / "run.log"
+    log.write_text(to_log(raws))
+    a, b = load_run(write_events(tmp_path / "events.jsonl", raws)), load_run(log)
+    assert [r.key() for r in a.records] == [r.key() for r in b.records]
+    assert [r.name for r in b.records if r.compiled] == [r["name"] for r in raws if r.get("compiled")]
+    assert len([r for r in b.records if r.compiled]) == 12 and not b.named("model::forward")[0].compiled
+
+
 def test_interrupted_span_leaves_orphans_as_top_level_events(tmp_path):
     raws = emit(generation(2))
     step2 = max(r["id"] for r in raws if r["name"] == "generator::decode_step")
