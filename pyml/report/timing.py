@@ -107,14 +107,19 @@ def _measure_spans(pl, n, repeats) -> dict:
             "span_overhead_us": statistics.median(per_child) * 1e3, "made_us": statistics.median(made) * 1e6}
 
 
-def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
+def measure_decode_overhead(lm, steps: int = 6, rounds: int = 5) -> dict:
     """What recording added to this model's decode steps, measured after the run: blocks of
     `steps` decode steps over the same cache positions (the same work), with recording off and
     on as the run had it (a collector like the profile's; the `[perf]` text too when the log
     level was trace, written to os.devnull: the cost of making lines, not of a terminal),
-    interleaved over `rounds`. Returns median ms per step off and on, and the difference in %;
-    and made_ms, what making the records (and lines) cost per step after the steps (perf's drain)
-    - the steps' own times do not hold it, the run's wall time does.
+    in `rounds` pairs, the order alternating. pct is the median of the rounds' paired ratios
+    (on/off); off_ms and on_ms the medians of the blocks' ms per step; made_ms what making the
+    records (and lines) cost per step after the steps (perf's drain) - the steps' own times do
+    not hold it, the run's wall time does.
+    Each block starts with one untimed step: the previous block's drain (or the prefill) leaves
+    the caches cold for a step whatever the mode, and with "off" always first that step went to
+    "off" (three runs of a SmolLM2 profile read -6.1%, -5.0% and -1.3%; pyml-bench --log-cost's
+    paired blocks +0.2%).
     No record of these steps reaches the profile: call it after removing the profile's collector.
     """
     model = lm.model
@@ -130,8 +135,8 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
     try:
         with perf.context(phase="calibration"):
             model.forward([1, 2, 3], cache)
-            for _ in range(rounds):
-                for mode in ("off", "on"):
+            for r in range(rounds):
+                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     sink = RecordSink()
                     if mode == "off":
                         logging.getLogger("pyml").setLevel(logging.CRITICAL + 10)
@@ -143,6 +148,8 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
                             lg.setLevel(level)
                         perf.add_collector(sink, level=perf.TRACE)
                     try:
+                        cache.length = 3
+                        model.forward([5], cache)  # untimed: the caches warm again
                         cache.length = 3
                         t0 = time.perf_counter()
                         for _ in range(steps):
@@ -163,9 +170,10 @@ def measure_decode_overhead(lm, steps: int = 6, rounds: int = 3) -> dict:
             h.setStream(stream)
         sink_file.close()
     off, on = statistics.median(got["off"]), statistics.median(got["on"])
-    return {"off_ms": off, "on_ms": on, "pct": (on / off - 1) * 100 if off else None,
-            "made_ms": statistics.median(made),
+    ratios = [b / a for a, b in zip(got["off"], got["on"]) if a]
+    return {"off_ms": off, "on_ms": on, "pct": (statistics.median(ratios) - 1) * 100 if ratios else None,
+            "made_ms": statistics.median(made), "pairs": ratios,
             "steps": steps * rounds, "lines": with_lines,
-            "method": (f"{rounds} x {steps} decode steps at the same positions with recording off and on "
-                       f"({'records and [perf] lines' if with_lines else 'records'}), interleaved, after the run; "
-                       f"median ms per step")}
+            "method": (f"{rounds} pairs of {steps} decode steps at the same positions with recording off and on "
+                       f"({'records and [perf] lines' if with_lines else 'records'}), the order alternating, "
+                       f"each after one untimed step, after the run; median of the pairs' ratios")}
