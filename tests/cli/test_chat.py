@@ -5,6 +5,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -53,6 +54,10 @@ class Terminal:
     def __init__(self, argv):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its terminal is the pty, so ^C there is SIGINT
+            # as a shell at a terminal starts it: SIGINT's default action, whatever the test runner
+            # inherited (started in the background by a shell without job control, SIGINT is
+            # ignored, the ignoring survives exec, and Python then leaves it so: ^C did nothing)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(argv[0], argv, env())
         self.seen = b""
 
@@ -92,9 +97,8 @@ class Terminal:
 
 
 def test_two_turns_reset_and_ctrl_c_in_a_terminal(tmp_path):
-    # wide enough that a 1500-token reply takes seconds: long enough to interrupt (at n_embd 256 and
-    # 4 layers it took 1.2 s, and one CI run saw the whole reply before its ^C was acted on)
-    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=2048, n_embd=512, n_layer=6)
+    # wide enough that a 1500-token reply takes seconds: long enough to interrupt
+    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=2048, n_embd=256, n_layer=4)
     term = Terminal([sys.executable, *CHAT[1:], "-m", str(model), "-n", "1500", "-t", "1"])
     interrupted = rb"\[prompt \d+ tokens([^\]]*) in[^\]]*generated (\d+) tokens[^\]]*\| interrupted\]"
     try:
