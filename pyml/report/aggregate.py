@@ -456,7 +456,7 @@ def instrumentation_cost(run, timing: dict | None) -> dict | None:
     if not timing or timing.get("span_overhead_us") is None or not run.named("generator::decode_step"):
         return None
     per_span = timing["span_overhead_us"]  # lines are made after the steps (perf's drain): not in them
-    per_compiled = 2 * timing.get("compiled_clock_ns", 0.0) / 1e3
+    per_compiled = _span_costs(timing)[1] * 1e3
     n, n_compiled = spans_per_step(run), spans_per_step(run, compiled=True)
     step = statistics.fmean(s.dur_ms for s in run.named("generator::decode_step"))
     ms = ((n - n_compiled) * per_span + n_compiled * per_compiled) / 1e3
