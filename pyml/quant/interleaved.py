@@ -68,7 +68,7 @@ from numba import prange
 from pyml.core import derived
 from pyml.core.mapping import release_pages
 from pyml.core.isa import ZMM
-from pyml.quant.activation import quantize_row_q8, quantize_rows_q8
+from pyml.quant.activation import quantize_row_q8, quantize_rows_q8, quantize_rows_u8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
                              fnma, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
@@ -791,12 +791,15 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(groups, x, out):
-        xq, xd, xs, _ = quantize_rows_q8(x)
-        T, nb = xd.shape
-        xoff = np.empty((T, nb), np.int32)
-        for t in prange(T):
-            _offset_sums(kind, xq[t], xoff[t])
-        y = offset_activation(kind, xq)
+        if kind == Q8_0 and HAVE_VNNI:  # the offset codes straight from the quantizer; no sums to make
+            y, xd = quantize_rows_u8(x)
+            xq, xs, xoff = y.view(np.int8), xd, np.zeros((x.shape[0], 1), np.int32)  # xq, xs, xoff unread
+        else:
+            xq, xd, xs, _ = quantize_rows_q8(x)
+            xoff = np.empty(xd.shape, np.int32)
+            for t in prange(x.shape[0]):
+                _offset_sums(kind, xq[t], xoff[t])
+            y = offset_activation(kind, xq)
         G = groups.shape[0]
         if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1 or kind == Q8_0
                     or kind == Q4_K):  # ZMM_KINDS

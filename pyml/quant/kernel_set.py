@@ -24,7 +24,7 @@ from numba import prange
 
 from pyml.core.isa import ZMM
 from pyml.quant import blocks32, kquants
-from pyml.quant.activation import quantize_q8, quantize_rows_q8, sums32
+from pyml.quant.activation import quantize_q8, quantize_rows_q8, quantize_rows_u8, sums32
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K
 from pyml.quant.simd import FASTMATH, HAVE_AVX2, hsum
 
@@ -119,9 +119,8 @@ def block_kernels(kind: int) -> KernelSet:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(w, x, out):  # w [R, row_bytes], x [T, n_cols] f32 -> out [T, R] f32
-        xq, xd, xs, xp = quantize_rows_q8(x)
         if kind == Q6_K and HAVE_AVX2:  # 8 (16) rows transcoded to int8 tiles per thread (kquants.py)
-            y = xq.view(np.uint8) ^ np.uint8(128)
+            y, xd = quantize_rows_u8(x)
             if ZMM:
                 for g in prange((w.shape[0] + 15) // 16):
                     kquants.gemm_rows_q6k16(w, 16 * g, y, xd, out)
@@ -129,6 +128,7 @@ def block_kernels(kind: int) -> KernelSet:
                 for g in prange((w.shape[0] + 7) // 8):
                     kquants.gemm_rows_q6k(w, 8 * g, y, xd, out)
             return out
+        xq, xd, xs, xp = quantize_rows_q8(x)
         for c in prange(n_chunks(w.shape[0])):
             r_lo, r_hi = chunk_rows(c, w.shape[0])
             _gemm_chunk(kind, superblocks, w, xq, xd, xs, xp, out, r_lo, r_hi)

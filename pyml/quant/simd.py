@@ -768,17 +768,30 @@ def hsum(typingctx, v):
 @intrinsic
 def absmax32(typingctx, ary, idx):
     """max |x[idx : idx+32]| of a float32 array; NaN if any value is NaN (so a NaN in the activation
-    turns the block's scale, and every output it touches, into NaN rather than vanishing)."""
+    turns the block's scale, and every output it touches, into NaN rather than vanishing).
+
+    On the bits: with the sign cleared, a float's magnitude order is its bits' unsigned integer order,
+    and every NaN lies above +inf, so one integer max finds the largest magnitude or a NaN. The float
+    max reduction (llvm.vector.reduce.fmaximum, NaN-propagating) lowers to compare-and-blend chains:
+    a [512, 2048] activation's quantization took 0.42 ms with it, 0.15 ms with this (1 thread)."""
     def codegen(context, builder, sig, args):
-        vt = F32x8.llvm()
-        parts = [_call(builder, "llvm.fabs.v8f32", vt,
-                       [_load(context, builder, sig.args[0], args[0],
-                              builder.add(args[1], ir.Constant(args[1].type, 8 * k)), vt, 4)])
-                 for k in range(4)]
-        m = _call(builder, "llvm.maximum.v8f32", vt, [_call(builder, "llvm.maximum.v8f32", vt, parts[:2]),
-                                                      _call(builder, "llvm.maximum.v8f32", vt, parts[2:])])
-        return _call(builder, "llvm.vector.reduce.fmaximum.v8f32", ir.FloatType(), [m])
+        it = ir.VectorType(_I32, 32)
+        x = builder.bitcast(_load(context, builder, sig.args[0], args[0], args[1],
+                                  ir.VectorType(ir.FloatType(), 32), 4), it)
+        magnitude = builder.and_(x, _splat(0x7FFFFFFF, it))
+        return builder.bitcast(_call(builder, "llvm.vector.reduce.umax.v32i32", _I32, [magnitude]), ir.FloatType())
     return types.float32(ary, idx), codegen
+
+
+def _rounded32(context, builder, sig, args):
+    """<32 x i32> rint(x[idx : idx+32] * inv_scale) of an intrinsic's (ary, idx, inv_scale, ...)."""
+    vt = ir.VectorType(ir.FloatType(), 32)
+    x = _load(context, builder, sig.args[0], args[0], args[1], vt, 4)
+    s = context.cast(builder, args[2], sig.args[2], types.float32)
+    sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), s, _I32(0)),
+                                ir.Constant(vt, None), _mask([0] * 32))
+    r = _call(builder, "llvm.rint.v32f32", vt, [builder.fmul(x, sv)])
+    return builder.fptosi(r, ir.VectorType(_I32, 32))
 
 
 @intrinsic
@@ -787,13 +800,7 @@ def round_store32(typingctx, ary, idx, inv_scale, out, oidx, pairs):
     pairs[oidx/2 : oidx/2+16] = int16 sums of adjacent codes; returns the sum of the codes."""
 
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(ir.FloatType(), 32)
-        x = _load(context, builder, sig.args[0], args[0], args[1], vt, 4)
-        s = context.cast(builder, args[2], sig.args[2], types.float32)
-        sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), s, _I32(0)),
-                                    ir.Constant(vt, None), _mask([0] * 32))
-        r = _call(builder, "llvm.rint.v32f32", vt, [builder.fmul(x, sv)])
-        q32 = builder.fptosi(r, ir.VectorType(_I32, 32))
+        q32 = _rounded32(context, builder, sig, args)
         q8 = builder.trunc(q32, ir.VectorType(ir.IntType(8), 32))
         builder.store(q8, _vec_ptr(context, builder, sig.args[3], args[3], args[4], q8.type), align=1)
         p32 = builder.add(builder.shuffle_vector(q32, q32, _mask(range(0, 32, 2))),
@@ -803,6 +810,19 @@ def round_store32(typingctx, ary, idx, inv_scale, out, oidx, pairs):
         builder.store(p16, _vec_ptr(context, builder, sig.args[5], args[5], pidx, p16.type), align=2)
         return _call(builder, "llvm.vector.reduce.add.v32i32", _I32, [q32])
     return types.int32(ary, idx, inv_scale, out, oidx, pairs), codegen
+
+
+@intrinsic
+def round_store32_u8(typingctx, ary, idx, inv_scale, out, oidx):
+    """out[oidx : oidx+32] = uint8(rint(x[idx : idx+32] * inv_scale) + 128): round_store32's codes,
+    offset to unsigned bytes for vpdpbusd's unsigned operand, with no pair or code sums."""
+
+    def codegen(context, builder, sig, args):
+        q8 = builder.trunc(_rounded32(context, builder, sig, args), ir.VectorType(_I8, 32))
+        u8 = builder.xor(q8, _splat(-128, q8.type))  # + 128 on a byte is a flip of its top bit
+        builder.store(u8, _vec_ptr(context, builder, sig.args[3], args[3], args[4], u8.type), align=1)
+        return context.get_dummy_value()
+    return types.none(ary, idx, inv_scale, out, oidx), codegen
 
 
 # --- composite ops (plain njit helpers; LLVM inlines them) ---------------------------
