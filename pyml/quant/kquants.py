@@ -43,7 +43,7 @@ from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, and_u8, as_i8, bi
                              load_i8x32, load_i16x16, load_i32x8, load_u8x4_bcast, load_u8x32, madd, maddubs,
                              minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8,
                              shr_u8, splat_u8, store_f32x8, store_i8x32, store_i32x8, sub, sub_i16, sub_lanes_i32,
-                             sum_pairs, to_f32, zeros_f32x8, zeros_i32x8)
+                             sum_pairs, to_f32, transpose_u32, zeros_f32x8, zeros_i32x8)
 
 
 
@@ -321,28 +321,35 @@ def _transcode_q6k(w, r0, rows, codes, scales, corr):
     """Rows r0..r0+rows-1 (rows = 8 or 16) of the Q6_K matrix w [R, nsb * 210] (rows past R as
     zeros) -> codes uint8 [nb * 32 * rows] (block b: 8 chunks of [rows][4 bytes] of signed codes
     - 32), scales float32 [nb * 2 * rows] and corr int32 [nb * 2 * rows] (half h of block b, row r
-    at 2 rows b + rows h + r: d * sc and 128 x the half's code sum)."""
+    at 2 rows b + rows h + r: d * sc and 128 x the half's code sum).
+
+    A superblock's codes are decoded row by row in value order into `stage`, then transposed as
+    4-byte words into the chunks (transpose_u32): copied word by word, the transcoding was 0.26 ms
+    of a 4.6 ms GEMM (640x2048, T = 512, 1 thread)."""
     nb = codes.size // (32 * rows)
-    row = np.empty(32, np.uint8)
-    row32 = row.view(np.uint32)
-    codes32 = codes.view(np.uint32)
-    for r in range(rows):
-        if r0 + r >= w.shape[0]:
-            codes32[r::rows] = 0
-            for b in range(nb):
-                scales[2 * rows * b + r] = scales[2 * rows * b + rows + r] = 0.0
-            continue
-        wr = w[r0 + r]
-        for s in range(nb // 8):
-            o = 210 * s
+    stage = np.empty(256 * rows, np.uint8)  # row r's 256 codes - 32 at 256 r
+    for s in range(nb // 8):
+        o = 210 * s
+        for r in range(rows):
+            if r0 + r >= w.shape[0]:
+                stage[256 * r:256 * r + 256] = 0
+                for j in range(8):
+                    b = 8 * s + j
+                    scales[2 * rows * b + r] = scales[2 * rows * b + rows + r] = 0.0
+                continue
+            wr = w[r0 + r]
             d = load_fp16(wr, o + 208)
             for j in range(8):
                 b = 8 * s + j
-                store_i8x32(row, 0, minus_i8(_codes(Q6_K, wr, o, j), 32))
-                for k in range(8):
-                    codes32[8 * rows * b + rows * k + r] = row32[k]
+                store_i8x32(stage, 256 * r + 32 * j, minus_i8(_codes(Q6_K, wr, o, j), 32))
                 scales[2 * rows * b + r] = d * np.float32(np.int8(wr[o + 192 + 2 * j]))
                 scales[2 * rows * b + rows + r] = d * np.float32(np.int8(wr[o + 193 + 2 * j]))
+        # a block of `rows` words of every row (2 groups at 16 rows, 1 at 8) is `rows` chunks
+        for cb in range(64 // rows):
+            if rows == 16:
+                transpose_u32(stage, 64 * cb, 256, codes, 4096 * s + 1024 * cb, 16)
+            else:
+                transpose_u32(stage, 32 * cb, 256, codes, 2048 * s + 256 * cb, 8)
     c128 = splat_u8(128)
     for b in range(nb):
         for q in range(rows // 8):  # 8 rows (32 bytes of a chunk) at a time
@@ -397,31 +404,16 @@ def _q6k_block16(codes, scales, corr, b, y, yd, acc):  # _q6k_block on 16 transc
     return fma16(f, f32x16(yd), acc)
 
 
-@numba.njit
-def _put(out, t, r0, acc):  # out[t, r0 : r0+8] = acc, fewer at the matrix's last rows
-    if r0 + 8 <= out.shape[1]:
-        store_f32x8(out[t], r0, acc)
-        return
-    tmp = np.empty(8, np.float32)
-    store_f32x8(tmp, 0, acc)
-    for r in range(out.shape[1] - r0):
-        out[t, r0 + r] = tmp[r]
-
-
-@numba.njit
-def _put16(out, t, r0, acc):  # out[t, r0 : r0+16] = acc, fewer at the matrix's last rows
-    if r0 + 16 <= out.shape[1]:
-        store_f32x16(out[t], r0, acc)
-        return
-    tmp = np.empty(16, np.float32)
-    store_f32x16(tmp, 0, acc)
-    for r in range(out.shape[1] - r0):
-        out[t, r0 + r] = tmp[r]
-
-
-def _gemm_rows(rows, block, zeros, put):
+def _gemm_rows(rows, tokens, block, zeros, store):
     """gemm_rows_q6k for `rows` rows (8: 256-bit vectors, 16: 512-bit), from that width's block
-    function, accumulator and store."""
+    function, accumulator and store; tiles of `tokens` (4 or 8) tokens, then of 4, then single ones.
+    8 tokens on 512-bit vectors: each code vector loaded serves 8 vpdpbusd. The loop alone (no
+    activation quantization), 1 thread, T = 512, three rounds, Gemma 3's 640x2048 and 1536x768:
+    62-63% and 63-64% of the vpdpbusd peak with 4 tokens, 63-64% and 65% with 8. On AVX2's 16
+    registers 8 accumulators would spill.
+
+    The matrix's last rows (fewer than `rows`) are written to a scratch and copied: a store that
+    checked the row count itself cost the loop 4-6% (1 thread, T = 512), last rows or not."""
 
     @numba.njit
     def gemm_rows(w, r0, y, xd, out):
@@ -430,7 +422,33 @@ def _gemm_rows(rows, block, zeros, put):
         scales = np.empty(2 * rows * nb, np.float32)
         corr = np.empty(2 * rows * nb, np.int32)
         _transcode_q6k(w, r0, rows, codes, scales, corr)
-        for t in range(0, T - 3, 4):
+        whole = r0 + rows <= out.shape[1]
+        dest = out if whole else np.empty((T, rows), np.float32)
+        c0 = r0 if whole else 0
+        t8 = T - T % 8 if tokens == 8 else 0
+        t4 = T - T % 4
+        if tokens == 8:
+            for t in range(0, t8, 8):
+                a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+                a4, a5, a6, a7 = zeros(), zeros(), zeros(), zeros()
+                for b in range(nb):
+                    a0 = block(codes, scales, corr, b, y[t], xd[t, b], a0)
+                    a1 = block(codes, scales, corr, b, y[t + 1], xd[t + 1, b], a1)
+                    a2 = block(codes, scales, corr, b, y[t + 2], xd[t + 2, b], a2)
+                    a3 = block(codes, scales, corr, b, y[t + 3], xd[t + 3, b], a3)
+                    a4 = block(codes, scales, corr, b, y[t + 4], xd[t + 4, b], a4)
+                    a5 = block(codes, scales, corr, b, y[t + 5], xd[t + 5, b], a5)
+                    a6 = block(codes, scales, corr, b, y[t + 6], xd[t + 6, b], a6)
+                    a7 = block(codes, scales, corr, b, y[t + 7], xd[t + 7, b], a7)
+                store(dest[t], c0, a0)
+                store(dest[t + 1], c0, a1)
+                store(dest[t + 2], c0, a2)
+                store(dest[t + 3], c0, a3)
+                store(dest[t + 4], c0, a4)
+                store(dest[t + 5], c0, a5)
+                store(dest[t + 6], c0, a6)
+                store(dest[t + 7], c0, a7)
+        for t in range(t8, t4, 4):
             y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
             a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
             for b in range(nb):
@@ -438,19 +456,21 @@ def _gemm_rows(rows, block, zeros, put):
                 a1 = block(codes, scales, corr, b, y1, xd[t + 1, b], a1)
                 a2 = block(codes, scales, corr, b, y2, xd[t + 2, b], a2)
                 a3 = block(codes, scales, corr, b, y3, xd[t + 3, b], a3)
-            put(out, t, r0, a0)
-            put(out, t + 1, r0, a1)
-            put(out, t + 2, r0, a2)
-            put(out, t + 3, r0, a3)
-        for t in range(T - T % 4, T):
+            store(dest[t], c0, a0)
+            store(dest[t + 1], c0, a1)
+            store(dest[t + 2], c0, a2)
+            store(dest[t + 3], c0, a3)
+        for t in range(t4, T):
             acc = zeros()
             for b in range(nb):
                 acc = block(codes, scales, corr, b, y[t], xd[t, b], acc)
-            put(out, t, r0, acc)
+            store(dest[t], c0, acc)
+        if not whole:
+            out[:, r0:] = dest[:, :out.shape[1] - r0]
     return gemm_rows
 
 
-# out[:, r0 : r0+8] (16) for Q6_K rows r0.. of w: transcoded once, then 4 tokens at a time. y: the
+# out[:, r0 : r0+8] (16) for Q6_K rows r0.. of w: transcoded once, then 4 (8) tokens at a time. y: the
 # activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32].
-gemm_rows_q6k = _gemm_rows(8, _q6k_block, zeros_f32x8, _put)
-gemm_rows_q6k16 = _gemm_rows(16, _q6k_block16, zeros_f32x16, _put16)
+gemm_rows_q6k = _gemm_rows(8, 4, _q6k_block, zeros_f32x8, store_f32x8)
+gemm_rows_q6k16 = _gemm_rows(16, 8, _q6k_block16, zeros_f32x16, store_f32x16)

@@ -146,6 +146,44 @@ store_f32x8 = vector_store(F32x8, 4, "Store 8 float lanes into a float32 array a
 
 
 @intrinsic
+def transpose_u32(typingctx, src, s0, s_stride, dst, d0, n):
+    """Transpose an n x n matrix of 4-byte words (n = 8 or 16, a literal) between uint8 arrays: row r
+    of the source is the 4n bytes at src[s0 + r * s_stride], row c of the result the 4n bytes at
+    dst[d0 + 4 n c]. In vector registers, by swapping off-diagonal blocks of 8, 4, 2 and 1 words
+    (n log2 n two-source shuffles), where word-by-word copies cost two scalar moves per word."""
+    count = _literal_int(n)
+    if count is None:
+        return None
+    if count not in (8, 16):
+        raise ValueError("transpose_u32 takes n = 8 or 16")
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I32, count)
+        src_ary, start, stride, dst_ary, d_start = args[0], args[1], args[2], args[3], args[4]
+        rows = [_load(context, builder, sig.args[0], src_ary,
+                      builder.add(start, builder.mul(stride, ir.Constant(stride.type, r))), vt, 1)
+                for r in range(count)]
+        block = count // 2
+        while block:
+            for i in range(count):
+                if i & block:
+                    continue
+                x, y = rows[i], rows[i + block]
+                # new x: x's lanes without the block bit, then y's from the same lanes minus block;
+                # new y: x's lanes with the block bit, then y's own
+                lo = [l if not l & block else count + l - block for l in range(count)]
+                hi = [l + block if not l & block else count + l for l in range(count)]
+                rows[i], rows[i + block] = (builder.shuffle_vector(x, y, _mask(lo)),
+                                            builder.shuffle_vector(x, y, _mask(hi)))
+            block //= 2
+        for c in range(count):
+            idx = builder.add(d_start, ir.Constant(d_start.type, 4 * count * c))
+            builder.store(rows[c], _vec_ptr(context, builder, sig.args[3], dst_ary, idx, vt), align=1)
+        return context.get_dummy_value()
+    return types.none(src, s0, s_stride, dst, d0, n), codegen
+
+
+@intrinsic
 def load_nibbles16(typingctx, ary, idx):
     """16 bytes -> 32 unsigned lanes: low nibbles in lanes 0-15, high nibbles in 16-31.
 

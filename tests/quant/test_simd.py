@@ -137,3 +137,22 @@ def test_dpbusd16_sums_four_products_exactly_on_every_path(rng):
         expected = 2 * (a64 * b).reshape(16, 4).sum(axis=1)
         np.testing.assert_array_equal(out[0], expected)
         np.testing.assert_array_equal(out[1], expected)
+
+
+@numba.njit(cache=True)
+def _transposed(src, s0, s_stride, dst, d0, n):
+    if n == 8:
+        simd.transpose_u32(src, s0, s_stride, dst, d0, 8)
+    else:
+        simd.transpose_u32(src, s0, s_stride, dst, d0, 16)
+    return dst
+
+
+def test_transpose_u32_moves_every_word_and_nothing_else(rng):
+    for n in (8, 16):
+        src = rng.integers(0, 256, 4096, dtype=np.uint8)
+        dst = np.zeros(1200, np.uint8)
+        _transposed(src, 5, 150, dst, 3, n)  # unaligned starts, rows 150 bytes apart
+        words = np.stack([src[5 + 150 * r:5 + 150 * r + 4 * n].view(np.uint32) for r in range(n)])
+        np.testing.assert_array_equal(dst[3:3 + 4 * n * n].view(np.uint32).reshape(n, n), words.T)
+        assert not dst[:3].any() and not dst[3 + 4 * n * n:].any()
