@@ -312,7 +312,7 @@ def _dot_vnni(kind, v, y, yo):
     acc = zeros_i32x8()
     if kind == Q8_0:
         # Signed codes: vpdpbusd multiplies unsigned by signed bytes, so the activation comes offset
-        # by 128 (y here is offset_activation's uint8 copy) and 128 x each row's code sum comes off:
+        # by 128 (y: quantize_rows_u8's codes, or gemv_activation's y8) and 128 x each row's code sum comes off:
         # one vpdpbusd per code vector and token instead of vpsignb + vpdpbusd; the code sums
         # (_corrections) depend on the weights only. 1 thread, T = 128, SmolLM2's shapes: 184-192
         # GFLOP/s against 142-154, the same integers.
@@ -369,16 +369,6 @@ def _k_block(v, w, o, j, y, u, yd, ys, acc):
     scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
     acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)  # 4-bit codes, no offset: Q4_0's dot
     return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
-
-
-@numba.njit
-def offset_activation(kind, xq):
-    """The activation bytes the dots load: for Q8_0 on VNNI the int8 codes + 128 (_dot_vnni), for
-    the rest the codes themselves (a view: the loads reinterpret bytes, so one type serves both)."""
-    numba.literally(kind)
-    if kind == Q8_0 and HAVE_VNNI:
-        return xq.view(np.uint8) ^ np.uint8(128)
-    return xq.view(np.uint8)
 
 
 @numba.njit
@@ -799,7 +789,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
             xoff = np.empty(xd.shape, np.int32)
             for t in prange(x.shape[0]):
                 _offset_sums(kind, xq[t], xoff[t])
-            y = offset_activation(kind, xq)
+            y = xq.view(np.uint8)  # the codes themselves: the loads reinterpret the bytes as they need
         G = groups.shape[0]
         if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1 or kind == Q8_0
                     or kind == Q4_K):  # ZMM_KINDS

@@ -413,7 +413,7 @@ def _gemm_rows(rows, tokens, block, zeros, store):
     registers 8 accumulators would spill.
 
     The matrix's last rows (fewer than `rows`) are written to a scratch and copied: a store that
-    checked the row count itself cost the loop 4-6% (1 thread, T = 512), last rows or not."""
+    checked the row count itself cost the loop 4-9% (1 thread, T = 512), last rows or not."""
 
     @numba.njit
     def gemm_rows(w, r0, y, xd, out):
