@@ -811,7 +811,7 @@ def absmax32(typingctx, ary, idx):
     On the bits: with the sign cleared, a float's magnitude order is its bits' unsigned integer order,
     and every NaN lies above +inf, so one integer max finds the largest magnitude or a NaN. The float
     max reduction (llvm.vector.reduce.fmaximum, NaN-propagating) lowers to compare-and-blend chains:
-    a [512, 2048] activation's quantization took 0.42 ms with it, 0.15 ms with this (1 thread)."""
+    a [512, 2048] activation's quantization (quantize_rows_q8, 1 thread) took 0.42 ms with it, 0.27 with this."""
     def codegen(context, builder, sig, args):
         it = ir.VectorType(_I32, 32)
         x = builder.bitcast(_load(context, builder, sig.args[0], args[0], args[1],
