@@ -25,7 +25,7 @@ def _formula(x):
 def _activation(rng, T=6, n=512):
     x = rng.standard_normal((T, n)).astype(np.float32) * np.float32(3.0)
     x[1, 32:64] = 0.0                                   # an all-zero block: d = 0, codes 0
-    x[2, 64:96] = rng.standard_normal(32) * 1e-30       # tiny magnitudes (subnormal steps)
+    x[2, 64:96] = rng.standard_normal(32) * 1e-30       # tiny magnitudes: 1/d near 1e32
     x[3, 96] = -np.float32(7.0)                         # the maximum on a negative value
     x[4] = np.float32(2.0) ** rng.integers(-8, 8, n)    # powers of two: many blocks share a maximum
     return x
