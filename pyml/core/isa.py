@@ -13,6 +13,14 @@ PYML_ISA=<path> forces a lower path (for comparing paths on one machine); a path
 is never chosen. The kernels read `ISA` when they compile, so the kernel cache is stamped with it
 (core/jit.py): machine code compiled for one path is never loaded for another, and Numba's own
 cache index is keyed by the CPU model and features as well.
+
+A forced path also caps what LLVM may use (NUMBA_CPU_FEATURES, set here before Numba compiles
+anything): PYML_ISA=avx2 on an AVX-512 CPU compiles as for a CPU without AVX-512 or AVX-VNNI. The
+kernels' intrinsics were AVX2's already, but LLVM had still been free to allocate AVX-512's 32
+vector registers and EVEX forms (embedded broadcasts, ymm16-31), which an AVX2-only CPU does not
+have: its code keeps 16 ymm registers and spills what does not fit. So a forced path runs the
+machine code a CPU whose best path it is would run, on this CPU's cores. A NUMBA_CPU_FEATURES of the
+user's own is left alone; the portable path is not capped (its plain vector IR is lowered for the host).
 """
 
 from __future__ import annotations
@@ -54,8 +62,50 @@ def choose(features: set, forced: str | None) -> tuple[str, str | None]:
     return forced, None
 
 
+# What a CPU whose best path is the key has not (LLVM feature names, or their prefixes).
+_ABOVE = {
+    "avx512_vnni": ("avx512bf16", "amx", "avx10"),
+    "avx_vnni": ("avx512", "amx", "avx10"),
+    "avx2": ("avx512", "amx", "avx10", "avxvnni", "avxifma", "avxneconvert"),
+}
+_OURS = "_PYML_NUMBA_CPU_FEATURES"  # marks a NUMBA_CPU_FEATURES this module set (and a child may reset)
+
+
+def codegen_features(path: str, host: dict) -> str | None:
+    """The LLVM feature string for compiling `path`'s kernels on a host with the feature map `host`
+    (name -> on): the host's, less what a CPU whose best path is `path` has not. None when nothing
+    needs taking away (the host's best path, or portable)."""
+    above = _ABOVE.get(path)
+    if above is None or path == supported({n for n, on in host.items() if on})[0]:
+        return None
+    return ",".join(("+" if on and not name.startswith(above) else "-") + name for name, on in sorted(host.items()))
+
+
+def _cap_codegen(path: str) -> str | None:
+    """Set NUMBA_CPU_FEATURES for `path` (codegen_features), unless the user set one; a warning or None.
+    Numba re-reads its configuration from the environment before each compile, and reads the
+    features when it first makes its code generator: both follow this setting."""
+    env = os.environ
+    if "NUMBA_CPU_FEATURES" in env and env["NUMBA_CPU_FEATURES"] != env.get(_OURS):
+        return None  # the user's own
+    features = codegen_features(path, dict(llvm_binding.get_host_cpu_features()))
+    if features is None:
+        env.pop("NUMBA_CPU_FEATURES", None)
+        env.pop(_OURS, None)
+    else:
+        env["NUMBA_CPU_FEATURES"] = env[_OURS] = features
+    from numba.core import config, registry
+    config.reload_config()
+    made = registry.cpu_target.__dict__.get("_toplevel_target_context")  # made by an earlier compile?
+    if made is not None and made.codegen()._tm_features != config.CPU_FEATURES and features is not None:
+        return (f"PYML_ISA={path}: Numba compiled before pyml was imported, so its code may still use "
+                f"the host's wider instructions (set NUMBA_CPU_FEATURES to cap it)")
+    return None
+
+
 HOST_FEATURES = host_features()
 ISA, ISA_WARNING = choose(HOST_FEATURES, os.environ.get("PYML_ISA"))
+ISA_WARNING = ISA_WARNING or _cap_codegen(ISA)
 VNNI = ISA in ("avx512_bf16", "avx512_vnni", "avx_vnni")
 AVX2 = ISA != "portable"
 ZMM = ISA in ("avx512_bf16", "avx512_vnni")  # 512-bit vectors in the x8 GEMM

@@ -100,3 +100,66 @@ def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(capsy
                 probe.communicate()
     assert len(set(stamps.values())) == len(stamps)  # no path loads another's machine code
     assert len(digests) == 1  # the integer dots are exact on every path: the same floats, bit for bit
+
+
+def test_a_forced_path_caps_what_llvm_may_use():
+    zen4 = {name: True for name in ZEN4} | {"avx512dq": True, "sse4.2": True, "avxvnni": False}
+    avx2 = isa.codegen_features("avx2", zen4).split(",")
+    assert "+avx2" in avx2 and "+fma" in avx2 and "+sse4.2" in avx2
+    assert {"-avx512f", "-avx512bw", "-avx512vnni", "-avx512bf16", "-avx512dq", "-avxvnni"} <= set(avx2)
+    vnni = isa.codegen_features("avx512_vnni", zen4).split(",")
+    assert "+avx512vnni" in vnni and "+avx512f" in vnni and "-avx512bf16" in vnni
+    assert isa.codegen_features("avx512_bf16", zen4) is None  # the host's best: its own features
+    assert isa.codegen_features("portable", zen4) is None  # plain vector IR, lowered for the host
+    haswell = {name: True for name in HASWELL}
+    assert isa.codegen_features("avx2", haswell) is None
+
+
+# 24 float accumulators live across a loop: LLVM keeps them in ymm0-31 where AVX-512 is allowed, and
+# within ymm0-15 (spilling the rest) where it is not; only with AVX-512 does it fold a broadcast into
+# the multiply ({1to8}).
+_N = 24
+_ASM_PROBE = textwrap.dedent("""
+    import json, re, numba, numpy as np
+    from pyml.core import isa
+    from pyml.quant.simd import f32x8, fma, load_f32x8, mul, store_f32x8, zeros_f32x8
+
+    @numba.njit
+    def many(x, out):
+        {zeros}
+        for i in range(0, x.size - {span}, {span}):
+            {fmas}
+        {stores}
+        return out
+
+    x = np.ones(4096, np.float32)
+    many(x, np.empty({n8}, np.float32))
+    asm = "\\n".join(many.inspect_asm().values())
+    print(json.dumps({{"isa": isa.ISA, "high_ymm": bool(re.search(r"[yz]mm(1[6-9]|2[0-9]|3[01])\\b", asm)),
+                      "evex_broadcast": "{{1to" in asm}}))
+""").format(zeros="; ".join(f"a{k} = zeros_f32x8()" for k in range(_N)),
+            fmas="; ".join(f"a{k} = fma(load_f32x8(x, i + {8 * k}), load_f32x8(x, i + {8 * k + 8}), a{k})"
+                           for k in range(_N)),
+            stores="; ".join(f"store_f32x8(out, {8 * k}, mul(a{k}, f32x8(x[{k}])))" for k in range(_N)),
+            span=8 * _N + 8, n8=8 * _N)
+
+
+def _asm_probe(path):
+    run = subprocess.run([sys.executable, "-c", _ASM_PROBE], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYML_ISA=path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_forced_avx2_compiles_as_for_an_avx2_only_cpu(capsys):
+    available = isa.supported(isa.HOST_FEATURES)
+    if "avx2" not in available:
+        with capsys.disabled():
+            print("\nthe avx2 path is not on this CPU: its code is not compiled here")
+        return
+    got = _asm_probe("avx2")
+    assert got["isa"] == "avx2"
+    assert not got["high_ymm"] and not got["evex_broadcast"], got
+    if available[0] in ("avx512_bf16", "avx512_vnni"):  # the probe can tell: the best path uses them
+        best = _asm_probe(available[0])
+        assert best["high_ymm"] and best["evex_broadcast"], best
