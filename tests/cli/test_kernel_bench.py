@@ -27,6 +27,34 @@ def test_int8_peak_chains_do_the_products_they_count():
     """compute_peaks counts 12 x 32 byte products per iteration: with every byte 1, each iteration
     must add exactly 384 to the total, on the vpdpbusd chains and on the AVX2 path's vpmaddubsw ones
     (whose inputs change every iteration, so the multiply cannot be hoisted out of the loop)."""
-    q = np.ones(384, np.uint8)
+    q = np.ones(896, np.uint8)
     assert kernel_bench._int8_chains(100, q) == 384 * 100
     assert kernel_bench._maddubs_chains(100, q) == 384 * 100
+
+
+_SPILL_PROBE = """
+import json, numba, numpy as np
+from pyml.cli import kernel_bench
+fresh = numba.njit(kernel_bench._maddubs_chains.py_func)  # compiled here, so its machine code can be read
+assert fresh(100, np.ones(896, np.uint8)) == 384 * 100
+lines = "\\n".join(fresh.inspect_asm().values()).splitlines()
+madds = [i for i, line in enumerate(lines) if "vpmaddubsw" in line]
+print(json.dumps({"madds": len(madds), "stack": sum("rsp" in line for line in lines[madds[0]:madds[-1]])}))
+"""
+
+
+def test_the_avx2_peak_fits_an_avx2_cpus_registers(capsys):
+    """Compiled as for an AVX2-only CPU (PYML_ISA=avx2 caps LLVM's features, core/isa.py), the peak's
+    loop keeps its operands and sums in 16 ymm registers: no stack traffic between its multiplies,
+    which would make the peak read low and every kernel's share of it high."""
+    import json, os, subprocess, sys
+    from pyml.core import isa
+    if "avx2" not in isa.supported(isa.HOST_FEATURES):
+        with capsys.disabled():
+            print("\nthe avx2 path is not on this CPU: its peak is not compiled here")
+        return
+    run = subprocess.run([sys.executable, "-c", _SPILL_PROBE], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYML_ISA="avx2"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["madds"] >= 12 and got["stack"] == 0, got
