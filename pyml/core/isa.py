@@ -103,9 +103,21 @@ def _cap_codegen(path: str) -> str | None:
     return None
 
 
+def _compiled_features() -> set:
+    """The features LLVM compiles the kernels for: NUMBA_CPU_FEATURES's '+' names where it is set
+    (by _cap_codegen or the user), else the host's."""
+    given = os.environ.get("NUMBA_CPU_FEATURES")
+    if given is None:
+        return HOST_FEATURES
+    return {f[1:] for f in given.split(",") if f.startswith("+")}
+
+
 HOST_FEATURES = host_features()
 ISA, ISA_WARNING = choose(HOST_FEATURES, os.environ.get("PYML_ISA"))
 ISA_WARNING = ISA_WARNING or _cap_codegen(ISA)
+# The vector registers LLVM allocates the kernels' values from: 32 where it compiles with AVX-512
+# (EVEX encodes ymm16-31), 16 otherwise. Register tiles are sized by it (quant/floats.py).
+REGISTERS = 32 if "avx512f" in _compiled_features() else 16
 VNNI = ISA in ("avx512_bf16", "avx512_vnni", "avx_vnni")
 AVX2 = ISA != "portable"
 ZMM = ISA in ("avx512_bf16", "avx512_vnni")  # 512-bit vectors in the x8 GEMM

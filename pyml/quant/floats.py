@@ -3,8 +3,9 @@
 Storage: float32; float16 (passed to the kernels as its uint16 bits: Numba has no float16);
 uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a GEMV that streams the
 weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 4 weight rows
-x 4 activation rows, each weight vector widened to float32 once per tile (vcvtph2ps for F16, a
-shift for BF16). Both are exact up to float32 summation order.
+x 4 activation rows (3 x 3 where the code has 16 vector registers), each weight vector widened to
+float32 once per tile (vcvtph2ps for F16, a shift for BF16). Both are exact up to float32
+summation order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from pyml.core.isa import REGISTERS
 from pyml.quant.ggml_types import F16, F32
 from pyml.quant.kernel_set import KernelSet, chunk_rows, n_chunks
 from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, fma, half_to_f32, hsum, load_bf16x8, load_f16x8, load_f32x8,
@@ -74,11 +76,11 @@ def to_f32(w: np.ndarray, kind: int) -> np.ndarray:
 # --- T > 1 -----------------------------------------------------------------------------------
 
 @numba.njit
-def _tile(kind, w, r, x, t):
+def _tile4(kind, w, r, x, t):
     """16 dot products: weight rows r[0..3] x activation rows t[0..3], 8 columns per step; each
     weight vector is loaded (and widened to float32) once for the 4 activation rows, each
     activation vector once for the 4 weight rows: 8 loads per 16 FMAs, 16 independent
-    accumulators (AVX-512VL gives LLVM 32 vector registers). Measured, 1 thread, T = 128 on
+    accumulators, 24 live vectors: for 32 registers (AVX-512). Measured, 1 thread, T = 128 on
     SmolLM2's shapes: 91-109 GFLOP/s against 53-90 for the 2 x 4 tile it replaced."""
     numba.literally(kind)
     w0, w1, w2, w3 = w[r[0]], w[r[1]], w[r[2]], w[r[3]]
@@ -102,20 +104,61 @@ def _tile(kind, w, r, x, t):
 
 
 @numba.njit
+def _tile3(kind, w, r, x, t):
+    """_tile4 for 16 registers (AVX2 without AVX-512): 3 weight rows x 3 activation rows, 9
+    accumulators and 6 operands, 6 loads per 9 FMAs. The 4 x 4 tile needs 24 live vectors; compiled
+    for 16 registers it spilled accumulators every step. 1 thread, T = 512, SmolLM2's shapes, on
+    the avx2 path compiled as for an AVX2-only CPU (core/isa.py): F32 42-46% -> 66-68% of the
+    float32 FMA peak, F16 38-43% -> 71-80%. With 32 registers the 4 x 4 tile stays ahead (74-88%
+    against 62-80%)."""
+    numba.literally(kind)
+    w0, w1, w2 = w[r[0]], w[r[1]], w[r[2]]
+    xa, xb, xc = x[t[0]], x[t[1]], x[t[2]]
+    a0, a1, a2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    b0, b1, b2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    c0, c1, c2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+    for i in range(x.shape[1] // 8):
+        k = 8 * i
+        v0, v1, v2 = _load8(kind, w0, k), _load8(kind, w1, k), _load8(kind, w2, k)
+        y = load_f32x8(xa, k)
+        a0, a1, a2 = fma(v0, y, a0), fma(v1, y, a1), fma(v2, y, a2)
+        y = load_f32x8(xb, k)
+        b0, b1, b2 = fma(v0, y, b0), fma(v1, y, b1), fma(v2, y, b2)
+        y = load_f32x8(xc, k)
+        c0, c1, c2 = fma(v0, y, c0), fma(v1, y, c1), fma(v2, y, c2)
+    return ((a0, a1, a2), (b0, b1, b2), (c0, c1, c2))
+
+
+@numba.njit
+def _span4(i0, end):  # the tile's 4 indices from i0, the last repeated past end
+    return (i0, min(i0 + 1, end - 1), min(i0 + 2, end - 1), min(i0 + 3, end - 1))
+
+
+@numba.njit
+def _span3(i0, end):
+    return (i0, min(i0 + 1, end - 1), min(i0 + 2, end - 1))
+
+
+# the tile the compiled code's registers hold (core/isa.py: REGISTERS)
+TILE = 4 if REGISTERS == 32 else 3
+_tile, _span = (_tile4, _span4) if TILE == 4 else (_tile3, _span3)
+
+
+@numba.njit
 def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
-    """Rows r_lo..r_hi of out [T, R] in 4 x 4 register tiles, activation tiles outside, so the
+    """Rows r_lo..r_hi of out [T, R] in TILE x TILE register tiles, activation tiles outside, so the
     chunk's weights stay in L1/L2. Tiles at the edges repeat their last row (computed twice,
     stored once)."""
     numba.literally(kind)
     T, n = x.shape
-    for t0 in range(0, T, 4):
-        t = (t0, min(t0 + 1, T - 1), min(t0 + 2, T - 1), min(t0 + 3, T - 1))
-        for r0 in range(r_lo, r_hi, 4):
-            r = (r0, min(r0 + 1, r_hi - 1), min(r0 + 2, r_hi - 1), min(r0 + 3, r_hi - 1))
+    for t0 in range(0, T, TILE):
+        t = _span(t0, T)
+        for r0 in range(r_lo, r_hi, TILE):
+            r = _span(r0, r_hi)
             acc = _tile(kind, w, r, x, t)
-            for i in range(4):
+            for i in range(TILE):
                 if t0 + i < T:
-                    for j in range(4):
+                    for j in range(TILE):
                         if r0 + j < r_hi:
                             s = hsum(acc[i][j])
                             for c in range(n - n % 8, n):  # the tail: rows need not be multiples of 8

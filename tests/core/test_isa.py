@@ -67,8 +67,19 @@ _PROBE = textwrap.dedent("""
             errors[f"{qtype.name} T={T}"] = float((np.abs(y - ref) / (bound + 1e-6)).max())
             if qtype != QuantType.Q6_K:  # Q6_K's T > 1 path differs by path (VNNI: transcoded int8 tiles)
                 digest.update(y.tobytes())
+    # float weights: the GEMM's register tile follows the registers (quant/floats.py); 26 rows and
+    # T = 5 leave edge tiles on both sides. Bound: float32 accumulation, n x eps x sum |x w|.
+    for qtype in (QuantType.F32, QuantType.F16):
+        w = rng.standard_normal((26, 256)).astype(np.float32)
+        raw = w if qtype == QuantType.F32 else w.astype(np.float16)
+        ref_w = raw.astype(np.float64)
+        for T in (1, 5):
+            x = rng.standard_normal((T, 256)).astype(np.float32)
+            y = quant.matmul(x, raw, qtype, 256)
+            bound = 256 * float(np.finfo(np.float32).eps) * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T)
+            errors[f"{qtype.name} T={T}"] = float((np.abs(y - x.astype(np.float64) @ ref_w.T) / bound).max())
     print(json.dumps({"isa": isa.ISA, "fingerprint": jit.FINGERPRINT, "errors": errors,
-                      "digest": digest.hexdigest()}))
+                      "digest": digest.hexdigest(), "registers": isa.REGISTERS}))
 """)
 
 
@@ -89,8 +100,13 @@ def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(capsy
             assert probe.returncode == 0, stderr[-2000:]
             got = json.loads(stdout.strip().splitlines()[-1])
             assert got["isa"] == path
-            # int8 activations: within the bound of the activation rounding (quant docstring)
+            # int8 activations: within the bound of the activation rounding (quant docstring); float
+            # weights within float32 accumulation's
             assert max(got["errors"].values()) <= 1.0, got
+            if path in ("avx512_bf16", "avx512_vnni"):
+                assert got["registers"] == 32, got
+            elif path != "portable" and path != available[0]:  # forced below AVX-512: compiled without it
+                assert got["registers"] == 16, got
             stamps[path] = got["fingerprint"]
             digests.add(got["digest"])
     finally:
