@@ -146,6 +146,8 @@ def m_type(data, s):
 def m_alignment(data, s):
     for kv in s.kvs:
         if kv.key == "general.alignment":
+            if kv.vtype not in (gb.U8, gb.I8, gb.U16, gb.I16, gb.U32, gb.I32, gb.U64, gb.I64):
+                kv.vtype = gb.U32  # m_value_type may have made it an array or a string: an integer's bytes need an integer type
             kv.value = data.draw(st.sampled_from([0, 1, 3, 8, 16, 64, 2**20, 2**31, 2**32 - 1]))
     if data.draw(st.booleans()):
         s.alignment = data.draw(st.sampled_from([1, 8, 64]))
