@@ -47,14 +47,11 @@ def test_the_avx2_peak_fits_an_avx2_cpus_registers(capsys):
     """Compiled as for an AVX2-only CPU (PYML_ISA=avx2 caps LLVM's features, core/isa.py), the peak's
     loop keeps its operands and sums in 16 ymm registers: no stack traffic between its multiplies,
     which would make the peak read low and every kernel's share of it high."""
-    import json, os, subprocess, sys
     from pyml.core import isa
+    from tests.core.test_isa import isa_probe
     if "avx2" not in isa.supported(isa.HOST_FEATURES):
         with capsys.disabled():
             print("\nthe avx2 path is not on this CPU: its peak is not compiled here")
         return
-    run = subprocess.run([sys.executable, "-c", _SPILL_PROBE], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYML_ISA="avx2"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = isa_probe(_SPILL_PROBE, "avx2")
     assert got["madds"] >= 12 and got["stack"] == 0, got

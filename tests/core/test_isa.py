@@ -160,8 +160,9 @@ _ASM_PROBE = textwrap.dedent("""
             span=8 * _N + 8, n8=8 * _N)
 
 
-def _asm_probe(path):
-    run = subprocess.run([sys.executable, "-c", _ASM_PROBE], capture_output=True, text=True, timeout=300,
+def isa_probe(source, path):
+    """Run `source` in a process of its own with PYML_ISA=path; the JSON its last line prints."""
+    run = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYML_ISA=path))
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -173,9 +174,9 @@ def test_forced_avx2_compiles_as_for_an_avx2_only_cpu(capsys):
         with capsys.disabled():
             print("\nthe avx2 path is not on this CPU: its code is not compiled here")
         return
-    got = _asm_probe("avx2")
+    got = isa_probe(_ASM_PROBE, "avx2")
     assert got["isa"] == "avx2"
     assert not got["high_ymm"] and not got["evex_broadcast"], got
     if available[0] in ("avx512_bf16", "avx512_vnni"):  # the probe can tell: the best path uses them
-        best = _asm_probe(available[0])
+        best = isa_probe(_ASM_PROBE, available[0])
         assert best["high_ymm"] and best["evex_broadcast"], best
