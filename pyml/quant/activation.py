@@ -67,21 +67,26 @@ def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, 
     return xq, xd, xs, xp
 
 
-# What vpdpbusd's GEMMs load when the weight codes are the signed operand (Q8_0's x8 tiles and Q6_K's
-# transcoded ones): the codes + 128 as unsigned bytes, and the block scales; no pair or code sums,
-# and no pass of its own for the offset. 1 thread, [512, 2048]: 0.15 ms, against 0.27 ms for
-# quantize_rows_q8 alone.
+# What the GEMMs load whose weight codes are the signed operand (vpdpbusd's Q8_0 x8 tiles and Q6_K's
+# transcoded ones, the AVX2 x8 triples): the codes + 128 as unsigned bytes, the block scales, and
+# s and the code sums for the types with mins or offsets; no pair sums, and no pass of its own for
+# the offset. 1 thread, [512, 2048]: 0.15 ms, against 0.27 ms for quantize_rows_q8 alone.
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def quantize_rows_u8(x):  # x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32); q, xd as quantize_rows_q8
+def quantize_rows_u8(x):
+    """x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32, xs [T, n/32] f32, qs [T, n/32] int32
+    = the blocks' code sums); q, xd, xs as quantize_rows_q8."""
     T, n = x.shape
     y = np.empty((T, n), np.uint8)
     xd = np.empty((T, n // 32), np.float32)
+    xs = np.empty((T, n // 32), np.float32)
+    qs = np.empty((T, n // 32), np.int32)
     for t in prange(T):
         for b in range(n // 32):
             d, inv = _block_scale(x[t], b)
             xd[t, b] = d
-            round_store32_u8(x[t], b * 32, inv, y[t], b * 32)
-    return y, xd
+            qs[t, b] = round_store32_u8(x[t], b * 32, inv, y[t], b * 32)
+            xs[t, b] = d * np.float32(qs[t, b])
+    return y, xd, xs, qs
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)

@@ -53,6 +53,9 @@ the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K r
 group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
 twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
 the vpdpbusd peak; Gemma 3's Q5_0 shapes 46-49% -> 52-55%; docs/performance.md).
+Without VNNI (AVX2, portable) the GEMM of every type but Q8_0 runs three groups at a time, each
+activation quad broadcast once for 24 rows and the codes recentred as vpmaddubsw's signed operand
+(section "T > 1 without VNNI"): the same integers and float ops, so the same bits.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ from pyml.core.isa import ZMM
 from pyml.quant.activation import quantize_row_q8, quantize_rows_q8, quantize_rows_u8
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
-                             fnma, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i32_bcast, load_i32x8, load_u8x4_bcast,
-                             load_u8x8_f32, load_u8x32, maddubs, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8,
-                             splat_u8, store_f32x8, store_i32x8, store_u8x32, sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8,
-                             zeros_i32x8)
+                             fnma, i16_halves, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i8x32, load_i16x16,
+                             load_i32_bcast, load_i32x8, load_u8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, minus_i8,
+                             mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, splat_u8, store_f32x8, store_i8x32,
+                             store_i16x16, store_i32x8, store_u8x32, sub_i16, sub_i32, sub_lanes_i32, sum_pairs, to_f32,
+                             zeros_f32x8, zeros_i32x8)
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
                                 load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
                                 load_u8x8_f32_pair, load_u8x32_pair, load_f32x16, load_u8x64, mul16, nibbles_hi64, nibbles_lo64, or_u8x64,
@@ -476,15 +480,21 @@ def _staged_codes(kind, w, nb):
     numba.literally(kind)
     st = np.empty(256 * nb, np.uint8)
     for b in range(nb):
-        if kind == Q4_K:
-            s, j = b // 8, b % 8
-            c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
-            v = _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
-        else:
-            v = _codes(kind, w, _sb_size(kind) * b)
+        v = _block_codes(kind, w, b)
         for n in range(8):
             store_u8x32(st, 256 * b + 32 * n, v[n])
     return st
+
+
+@numba.njit
+def _block_codes(kind, w, b):
+    """The 8 code vectors of block b of a group: _codes of superblock b, or for Q4_K _k_codes of its group b of 32."""
+    numba.literally(kind)
+    if kind == Q4_K:
+        s, j = b // 8, b % 8
+        c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
+        return _k_codes(w, c, 0) if j % 2 == 0 else _k_codes(w, c, 1)
+    return _codes(kind, w, _sb_size(kind) * b)
 
 
 @numba.njit
@@ -541,10 +551,18 @@ def _staged_scales_k(w, n):
     Made once per call, as the codes: _k_block converted and multiplied them per token tile."""
     sc = np.empty(16 * n, np.float32)
     for u in range(n):
-        o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
-        store_f32x8(sc, 16 * u, mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)))
-        store_f32x8(sc, 16 * u + 8, mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)))
+        d_sc, dmin_mn = _k_scales(w, u)
+        store_f32x8(sc, 16 * u, d_sc)
+        store_f32x8(sc, 16 * u + 8, dmin_mn)
     return sc
+
+
+@numba.njit
+def _k_scales(w, u):
+    """Q4_K: (d x sc, dmin x mn) of the 8 rows for group u of 32 values, F32x8 each."""
+    o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
+    return (mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)),
+            mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)))
 
 
 @numba.njit
@@ -573,6 +591,146 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
         store_f32x8(out[t + 3], 8 * g, a3)
     for t in range(T - T % 4, T):
         store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
+
+
+# --- T > 1 without VNNI: three groups share each activation quad ----------------------------------
+#
+# _gemm_group spends a vpbroadcastd on every vpmaddubsw: its 8 code vectors stay in registers
+# across a tile of 4 tokens, and each token's quads are broadcast against them. Compiled for AVX2
+# alone (16 registers) it issued ~165 instructions per 32 vpmaddubsw and ran at 50-53% of the
+# instruction's peak. Here the roles turn round: the activation, offset by 128, is vpmaddubsw's
+# unsigned operand (a quad broadcast once per token and block, into a register), and the codes
+# are its signed operand, loaded straight from a staging buffer as the instruction's memory
+# operand; so one broadcast serves three groups (24 rows), and the loop issues ~88 instructions
+# per 24 vpmaddubsw.
+#
+# The codes go in recentred, c - o_s (o_s = 8 for the 4-bit codes of Q4_0, 16 for Q5_0 and
+# Q5_1, 0 for Q4_1 and Q4_K), and each 16-bit lane starts from -128 x the sum of its 16 codes
+# (made once per call, like the codes): sum (y + 128)(c - o_s) - 128 sum (c - o_s) = sum y (c - o_s).
+# Each vpmaddubsw pair sum stays within 2 x 255 x 16 = 8160, so none saturates; the 16-bit adds
+# wrap, but modulo 2^16, and the lane's final value is within |16 x 127 x 16| = 32512 (Q4_1's
+# o_s = 0: 16 x 127 x 15 = 30480), so it comes out exact. The integers are those of _dot less
+# the code offset (Q5_1, whose values carry no offset: plus 16 sum y), and the float ops are
+# _block's and _k_block_s's (Q4_K's last T % 4 tokens: its GEMV's, as on the other paths): the
+# same bits as every other path (tests/core/test_isa.py).
+#
+# Memory: the staging holds, per block and group, 256 bytes of codes, 32 of lane corrections and
+# 64 of scales; the tokens pass over CHUNK blocks at a time (3 x 16 x 352 bytes = 16.5 KB, L1),
+# the output rows holding the partial sums between chunks. kernel_bench, 1 thread, T = 512,
+# compiled as for AVX2 alone (PYML_ISA=avx2), Q4_0: 50-53% -> 64-67% of the vpmaddubsw peak on
+# SmolLM2's and Gemma 3's shapes (docs/performance.md).
+
+SIGNED_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K)  # the types whose GEMM runs in triples on AVX2
+RECORD = 352  # staging bytes per block and group: codes 256, lane corrections 32, scales 2 x 32
+CHUNK = 16  # blocks per pass over the tokens
+
+
+@numba.njit
+def _signed_codes(kind, v):
+    """The code vectors v recentred as the signed operand: c - o_s (section doc), as I8x32."""
+    numba.literally(kind)
+    if kind == Q4_0:
+        return (minus_i8(v[0], 8), minus_i8(v[1], 8), minus_i8(v[2], 8), minus_i8(v[3], 8),
+                minus_i8(v[4], 8), minus_i8(v[5], 8), minus_i8(v[6], 8), minus_i8(v[7], 8))
+    if kind == Q5_0 or kind == Q5_1:
+        return (minus_i8(v[0], 16), minus_i8(v[1], 16), minus_i8(v[2], 16), minus_i8(v[3], 16),
+                minus_i8(v[4], 16), minus_i8(v[5], 16), minus_i8(v[6], 16), minus_i8(v[7], 16))
+    return (as_i8(v[0]), as_i8(v[1]), as_i8(v[2]), as_i8(v[3]), as_i8(v[4]), as_i8(v[5]), as_i8(v[6]), as_i8(v[7]))
+
+
+@numba.njit
+def _stage_signed(kind, w, nb, buf, k):
+    """Group w's records into buf [3 * nb * RECORD], block b's at RECORD (3 b + k): the signed
+    codes, each 16-bit lane's -128 x code sum, the scales (d; d, m; Q4_K d x sc, dmin x mn)."""
+    numba.literally(kind)
+    c128 = splat_u8(128)
+    for b in range(nb):
+        o = RECORD * (3 * b + k)
+        v = _signed_codes(kind, _block_codes(kind, w, b))
+        s = maddubs(c128, v[0])
+        store_i8x32(buf, o, v[0])
+        for n in range(1, 8):
+            s = add_i16(s, maddubs(c128, v[n]))
+            store_i8x32(buf, o + 32 * n, v[n])
+        store_i16x16(buf, o + 256, sub_i16(i16_halves(0, 0), s))
+        if kind == Q4_K:
+            d_sc, dmin_mn = _k_scales(w, b)
+            store_f32x8(buf, o + 288, d_sc)
+            store_f32x8(buf, o + 320, dmin_mn)
+        else:
+            store_f32x8(buf, o + 288, load_fp16x8c(w, _sb_size(kind) * b))
+            if kind == Q4_1 or kind == Q5_1:
+                store_f32x8(buf, o + 320, load_fp16x8c(w, _sb_size(kind) * b + 16))
+
+
+@numba.njit
+def _quads(y8, yo):
+    """The 8 activation quads of the block at yo, broadcast, in the order _dot pairs them with code vectors."""
+    return (load_u8x4_bcast(y8, yo), load_u8x4_bcast(y8, yo + 16), load_u8x4_bcast(y8, yo + 4),
+            load_u8x4_bcast(y8, yo + 20), load_u8x4_bcast(y8, yo + 8), load_u8x4_bcast(y8, yo + 24),
+            load_u8x4_bcast(y8, yo + 12), load_u8x4_bcast(y8, yo + 28))
+
+
+@numba.njit
+def _signed_block(kind, q, buf, o, yd, ys, qsum, acc):
+    """acc + one group's rows dotted with one activation block: q its _quads, o the record, qsum
+    the block's code sum (Q5_1 adds 16 x it back)."""
+    numba.literally(kind)
+    p = add_i16(load_i16x16(buf, o + 256), maddubs(q[0], load_i8x32(buf, o)))
+    for n in range(1, 8):
+        p = add_i16(p, maddubs(q[n], load_i8x32(buf, o + 32 * n)))
+    i = sum_pairs(p)
+    if kind == Q5_1:
+        i = sub_i32(i, -16 * qsum)
+    acc = fma(mul(load_f32x8(buf, o + 288), f32x8(yd)), to_f32(i), acc)
+    if kind == Q4_1 or kind == Q5_1:
+        acc = fma(load_f32x8(buf, o + 320), f32x8(ys), acc)
+    elif kind == Q4_K:
+        acc = fnma(load_f32x8(buf, o + 320), f32x8(ys), acc)
+    return acc
+
+
+@numba.njit
+def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
+    """Rows 8g .. 8g + 8n - 1 of out [T, R] from groups w0, w1, w2 (section doc; with n < 3 the last
+    ones repeat and are not stored); y8, xd, xs, qs: quantize_rows_u8's."""
+    numba.literally(kind)
+    T, nb = xd.shape
+    # Q4_K's last T % 4 tokens go through its GEMV, as in _gemm_group_k and _gemm_pair_k: that
+    # kernel's float ops round differently from _k_block_s's, and every path gives the same bits.
+    tiled = T - T % 4 if kind == Q4_K else T
+    buf = np.empty(3 * RECORD * nb, np.uint8)
+    _stage_signed(kind, w0, nb, buf, 0)
+    _stage_signed(kind, w1, nb, buf, 1)
+    _stage_signed(kind, w2, nb, buf, 2)
+    for t in range(tiled, T):
+        xq = y8[t] ^ np.uint8(128)
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq.view(np.int8), xd[t], xs[t]))
+        if n > 1:
+            store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq.view(np.int8), xd[t], xs[t]))
+        if n > 2:
+            store_f32x8(out[t], 8 * g + 16, _gemv_group_k(w2, xq.view(np.int8), xd[t], xs[t]))
+    for b0 in range(0, nb, CHUNK):
+        for t in range(tiled):
+            row = out[t]
+            a0, a1, a2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+            if b0 > 0:
+                a0 = load_f32x8(row, 8 * g)
+                if n > 1:
+                    a1 = load_f32x8(row, 8 * g + 8)
+                if n > 2:
+                    a2 = load_f32x8(row, 8 * g + 16)
+            for b in range(b0, min(nb, b0 + CHUNK)):
+                q, o = _quads(y8[t], 32 * b), 3 * RECORD * b
+                yd, ys, qsum = xd[t, b], xs[t, b], qs[t, b]
+                a0 = _signed_block(kind, q, buf, o, yd, ys, qsum, a0)
+                a1 = _signed_block(kind, q, buf, o + RECORD, yd, ys, qsum, a1)
+                a2 = _signed_block(kind, q, buf, o + 2 * RECORD, yd, ys, qsum, a2)
+            store_f32x8(row, 8 * g, a0)
+            if n > 1:
+                store_f32x8(row, 8 * g + 8, a1)
+            if n > 2:
+                store_f32x8(row, 8 * g + 16, a2)
 
 
 # --- T > 1 on 512-bit vectors: two groups, 16 rows per instruction (simd512.py) --------------------
@@ -763,6 +921,7 @@ def _gemm_pair_k(w0, w1, xq, xd, xs, out, g):
 class InterleavedKernels(NamedTuple):
     gemv: Callable  # (groups, x, out): groups [G, nb*sb] u8, x [n_cols] f32 -> out [>= 8G] f32
     gemm: Callable  # (groups, x, out): x [T, n_cols] f32 -> out [T, >= 8G] f32
+    gemm_triples: Callable  # gemm's form without VNNI for SIGNED_KINDS (runs on any path, for tests)
 
 
 @lru_cache(maxsize=None)
@@ -780,9 +939,23 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemm_triples(groups, x, out):
+        y8, xd, xs, qs = quantize_rows_u8(x)
+        G = groups.shape[0]
+        for u in prange((G + 2) // 3):
+            g = 3 * u
+            n = min(3, G - g)  # the last unit may hold fewer groups: it repeats its last one
+            _gemm_triple(kind, groups[g], groups[g + min(1, n - 1)], groups[g + n - 1], n, y8, xd, xs, qs, out, g)
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(groups, x, out):
+        if not HAVE_VNNI and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1
+                              or kind == Q4_K):  # SIGNED_KINDS: three groups per activation quad
+            return gemm_triples(groups, x, out)
+        G = groups.shape[0]
         if kind == Q8_0 and HAVE_VNNI:  # the offset codes straight from the quantizer; no sums to make
-            y, xd = quantize_rows_u8(x)
+            y, xd, _, _ = quantize_rows_u8(x)
             xq, xs, xoff = y.view(np.int8), xd, np.zeros((x.shape[0], 1), np.int32)  # xq, xs, xoff unread
         else:
             xq, xd, xs, _ = quantize_rows_q8(x)
@@ -790,7 +963,6 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
             for t in prange(x.shape[0]):
                 _offset_sums(kind, xq[t], xoff[t])
             y = xq.view(np.uint8)  # the codes themselves: the loads reinterpret the bytes as they need
-        G = groups.shape[0]
         if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1 or kind == Q8_0
                     or kind == Q4_K):  # ZMM_KINDS
             for p in prange(G // 2):
@@ -811,4 +983,4 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
                 _gemm_group(kind, groups[g], y, xd, xs, xoff, out, g)
         return out
 
-    return InterleavedKernels(gemv, gemm)
+    return InterleavedKernels(gemv, gemm, gemm_triples)

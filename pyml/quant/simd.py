@@ -141,6 +141,7 @@ load_f32x8 = _vector_load(F32x8, 4, "8 float32 values from a float32 array.")
 load_i32x8 = _vector_load(I32x8, 4, "8 int32 values from an int32 array.")
 store_i8x32 = vector_store(I8x32, 1, "Store 32 byte lanes (I8x32) into a uint8/int8 array at idx.")
 store_u8x32 = vector_store(U8x32, 1, "Store 32 byte lanes (U8x32) into a uint8/int8 array at idx.")
+store_i16x16 = vector_store(I16x16, 2, "Store 16 int16 lanes into an int16 (or uint8, idx in bytes) array at idx.")
 store_i32x8 = vector_store(I32x8, 4, "Store 8 int32 lanes into an int32 array at idx.")
 store_f32x8 = vector_store(F32x8, 4, "Store 8 float lanes into a float32 array at idx.")
 
@@ -853,14 +854,16 @@ def round_store32(typingctx, ary, idx, inv_scale, out, oidx, pairs):
 @intrinsic
 def round_store32_u8(typingctx, ary, idx, inv_scale, out, oidx):
     """out[oidx : oidx+32] = uint8(rint(x[idx : idx+32] * inv_scale) + 128): round_store32's codes,
-    offset to unsigned bytes for vpdpbusd's unsigned operand, with no pair or code sums."""
+    offset to unsigned bytes for the unsigned operand of vpdpbusd / vpmaddubsw, with no pair sums;
+    returns the sum of the codes (unused, LLVM drops it)."""
 
     def codegen(context, builder, sig, args):
-        q8 = builder.trunc(_rounded32(context, builder, sig, args), ir.VectorType(_I8, 32))
+        q32 = _rounded32(context, builder, sig, args)
+        q8 = builder.trunc(q32, ir.VectorType(_I8, 32))
         u8 = builder.xor(q8, _splat(-128, q8.type))  # + 128 on a byte is a flip of its top bit
         builder.store(u8, _vec_ptr(context, builder, sig.args[3], args[3], args[4], u8.type), align=1)
-        return context.get_dummy_value()
-    return types.none(ary, idx, inv_scale, out, oidx), codegen
+        return _call(builder, "llvm.vector.reduce.add.v32i32", _I32, [q32])
+    return types.int32(ary, idx, inv_scale, out, oidx), codegen
 
 
 # --- composite ops (plain njit helpers; LLVM inlines them) ---------------------------

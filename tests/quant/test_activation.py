@@ -47,11 +47,13 @@ def test_codes_and_scales_are_the_formulas_bit_for_bit():
 
 def test_the_offset_codes_are_the_codes_plus_128():
     x = _activation(np.random.default_rng(1))
-    xq, xd, _, _ = quantize_rows_q8(x)
-    y, yd = quantize_rows_u8(x)
+    xq, xd, xs, _ = quantize_rows_q8(x)
+    y, yd, ys, qs = quantize_rows_u8(x)
     assert y.dtype == np.uint8
     assert np.array_equal(y.astype(np.int16) - 128, xq.astype(np.int16))
     assert np.array_equal(yd.view(np.int32), xd.view(np.int32))
+    assert np.array_equal(qs, xq.reshape(x.shape[0], -1, 32).astype(np.int32).sum(axis=2))
+    assert np.array_equal(ys.view(np.int32), xs.view(np.int32))
 
 
 def test_a_nan_poisons_its_block_scale_and_an_infinity_is_the_largest_magnitude():

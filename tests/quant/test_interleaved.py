@@ -7,11 +7,14 @@ import pytest
 
 from pyml import quant
 from pyml.quant import QuantType
+from pyml.quant import interleaved
+from pyml.quant.interleaved import SIGNED_KINDS, interleaved_kernels
 from tests.quant.helpers import make_weights, odd_cols, q8_activation
 from tests.quant.test_matmul import RTOL, _q8_error_bound, _ref
 
 LEGACY = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
 PACKABLE = LEGACY + [QuantType.Q4_K]
+TRIPLES = [QuantType(k) for k in SIGNED_KINDS]
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
@@ -100,23 +103,50 @@ def test_packed_matmul(rng, qtype, rows, T):
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
-def test_largest_codes_and_activations_do_not_overflow(qtype):
-    """Every code at its largest magnitude (15, 31, or -128 for Q8_0; Q4_K scales and mins 63)
-    against activations of +-127: the 16-bit lane sums reach their bounds (module doc) and must not
-    wrap."""
+@pytest.mark.parametrize("fill", [0x00, 0xFF])
+def test_largest_codes_and_activations_do_not_overflow(qtype, fill):
+    """Every code at an end of its range (0, or 15 / 31, or -128 for Q8_0; Q4_K scales and mins 63)
+    against activations of +-127: the 16-bit lane sums reach their bounds (module doc; the AVX2
+    triples recentre the codes, so 0 is as far out as 15) and must not saturate or come out wrapped.
+    The triples' GEMM runs here whatever the CPU's path."""
     bs, ts = gguf.constants.GGML_QUANT_SIZES[qtype]
     n_blocks = 256 // bs
-    raw = np.full((16, n_blocks * ts), 0x80 if qtype == QuantType.Q8_0 else 0xFF, np.uint8)  # 256 columns
+    raw = np.full((24, n_blocks * ts), 0x80 if qtype == QuantType.Q8_0 else fill, np.uint8)  # 256 columns
     for b in range(n_blocks):
         raw[:, b * ts:b * ts + 2] = np.array([0.01], np.float16).view(np.uint8)
         if qtype in (QuantType.Q4_1, QuantType.Q5_1, QuantType.Q4_K):
             raw[:, b * ts + 2:b * ts + 4] = np.array([-0.05], np.float16).view(np.uint8)
+        if qtype == QuantType.Q4_K:
+            raw[:, b * ts + 4:b * ts + 16] = 0xFF  # scales and mins 63
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    packed = quant.pack(raw, qtype, 256)
     for sign in (1.0, -1.0):
         x = np.full((5, 256), sign, np.float32)  # every block quantizes to +-127 exactly
         for T in (1, 5):
-            y = quant.matmul(x[:T], quant.pack(raw, qtype, 256), qtype, 256)
-            np.testing.assert_allclose(y, x[:T].astype(np.float64) @ w.T, rtol=1e-6)
+            want = x[:T].astype(np.float64) @ w.T
+            np.testing.assert_allclose(quant.matmul(x[:T], packed, qtype, 256), want, rtol=1e-6)
+            if qtype in TRIPLES:
+                got = np.zeros((T, 24), np.float32)
+                interleaved_kernels(qtype).gemm_triples(packed.groups, x[:T], got)
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", TRIPLES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [8, 16, 24, 57])  # units of 1, 2 and 3 groups; 57: three units and a tail row
+def test_the_avx2_triples_give_the_same_bits_as_every_path(rng, qtype, rows):
+    """interleaved.py's GEMM without VNNI (three groups per activation quad, codes recentred as the
+    signed operand) against the one this CPU dispatches to: the same integers and float ops, so the
+    same floats, bit for bit (tests/core/test_isa.py checks the paths it runs the same way)."""
+    n_cols = 768 if qtype == QuantType.Q4_K else 608  # 24 and 19 blocks: more than one CHUNK of them
+    assert n_cols // 32 > interleaved.CHUNK
+    packed = quant.pack(make_weights(rng, qtype, rows, n_cols), qtype, n_cols)
+    for T in (1, 4, 19):
+        x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
+        want = quant.matmul(x, packed, qtype, n_cols)
+        got = np.full((T, rows), np.nan, np.float32)
+        interleaved_kernels(qtype).gemm_triples(packed.groups, x, got)
+        np.testing.assert_array_equal(got[:, :rows - rows % 8], want[:, :rows - rows % 8])
+        assert np.isnan(got[:, rows - rows % 8:]).all()  # a unit of fewer than 3 groups stores only its own
 
 
 def test_only_the_x8_types_with_8_rows_pack(rng):
