@@ -69,23 +69,41 @@ def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, 
 
 # What the GEMMs load whose weight codes are the signed operand (vpdpbusd's Q8_0 x8 tiles and Q6_K's
 # transcoded ones, the AVX2 x8 triples): the codes + 128 as unsigned bytes, the block scales, and
-# s and the code sums for the types with mins or offsets; no pair sums, and no pass of its own for
-# the offset. 1 thread, [512, 2048]: 0.15 ms, against 0.27 ms for quantize_rows_q8 alone.
+# for the triples s and the code sums; no pair sums, and no pass of its own for the offset. 1 thread,
+# [512, 2048]: 0.15 ms without the sums, 0.24 ms with them, against 0.27 ms for quantize_rows_q8.
+@numba.njit(cache=True, fastmath=False)
+def _quantize_row_u8(x, y, xd, xs, qs):  # one row; xs and qs empty: no sums (LLVM then drops them)
+    for b in range(xd.size):
+        d, inv = _block_scale(x, b)
+        xd[b] = d
+        codes_sum = round_store32_u8(x, b * 32, inv, y, b * 32)
+        if qs.size:
+            qs[b] = codes_sum
+            xs[b] = d * np.float32(codes_sum)
+
+
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def quantize_rows_u8(x):
-    """x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32, xs [T, n/32] f32, qs [T, n/32] int32
-    = the blocks' code sums); q, xd, xs as quantize_rows_q8."""
+def quantize_rows_u8(x):  # x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32); q, xd as quantize_rows_q8
+    T, n = x.shape
+    y = np.empty((T, n), np.uint8)
+    xd = np.empty((T, n // 32), np.float32)
+    none = np.empty(0, np.float32), np.empty(0, np.int32)
+    for t in prange(T):
+        _quantize_row_u8(x[t], y[t], xd[t], none[0], none[1])
+    return y, xd
+
+
+@numba.njit(parallel=True, cache=True, fastmath=False)
+def quantize_rows_u8_sums(x):
+    """x [T, n] f32 -> quantize_rows_u8's (y, xd), xs [T, n/32] f32 as quantize_rows_q8's, and qs
+    [T, n/32] int32, the blocks' code sums."""
     T, n = x.shape
     y = np.empty((T, n), np.uint8)
     xd = np.empty((T, n // 32), np.float32)
     xs = np.empty((T, n // 32), np.float32)
     qs = np.empty((T, n // 32), np.int32)
     for t in prange(T):
-        for b in range(n // 32):
-            d, inv = _block_scale(x[t], b)
-            xd[t, b] = d
-            qs[t, b] = round_store32_u8(x[t], b * 32, inv, y[t], b * 32)
-            xs[t, b] = d * np.float32(qs[t, b])
+        _quantize_row_u8(x[t], y[t], xd[t], xs[t], qs[t])
     return y, xd, xs, qs
 
 

@@ -71,7 +71,7 @@ from numba import prange
 from pyml.core import derived
 from pyml.core.mapping import release_pages
 from pyml.core.isa import ZMM
-from pyml.quant.activation import quantize_row_q8, quantize_rows_q8, quantize_rows_u8
+from pyml.quant.activation import quantize_row_q8, quantize_rows_q8, quantize_rows_u8, quantize_rows_u8_sums
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
                              fnma, i16_halves, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i8x32, load_i16x16,
@@ -693,7 +693,7 @@ def _signed_block(kind, q, buf, o, yd, ys, qsum, acc):
 @numba.njit
 def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
     """Rows 8g .. 8g + 8n - 1 of out [T, R] from groups w0, w1, w2 (section doc; with n < 3 the last
-    ones repeat and are not stored); y8, xd, xs, qs: quantize_rows_u8's."""
+    ones repeat and are not stored); y8, xd, xs, qs: quantize_rows_u8_sums'."""
     numba.literally(kind)
     T, nb = xd.shape
     # Q4_K's last T % 4 tokens go through its GEMV, as in _gemm_group_k and _gemm_pair_k: that
@@ -940,7 +940,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm_triples(groups, x, out):
-        y8, xd, xs, qs = quantize_rows_u8(x)
+        y8, xd, xs, qs = quantize_rows_u8_sums(x)
         G = groups.shape[0]
         for u in prange((G + 2) // 3):
             g = 3 * u
@@ -955,7 +955,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
             return gemm_triples(groups, x, out)
         G = groups.shape[0]
         if kind == Q8_0 and HAVE_VNNI:  # the offset codes straight from the quantizer; no sums to make
-            y, xd, _, _ = quantize_rows_u8(x)
+            y, xd = quantize_rows_u8(x)
             xq, xs, xoff = y.view(np.int8), xd, np.zeros((x.shape[0], 1), np.int32)  # xq, xs, xoff unread
         else:
             xq, xd, xs, _ = quantize_rows_q8(x)

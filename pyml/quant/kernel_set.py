@@ -120,7 +120,7 @@ def block_kernels(kind: int) -> KernelSet:
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(w, x, out):  # w [R, row_bytes], x [T, n_cols] f32 -> out [T, R] f32
         if kind == Q6_K and HAVE_AVX2:  # 8 (16) rows transcoded to int8 tiles per thread (kquants.py)
-            y, xd, _, _ = quantize_rows_u8(x)
+            y, xd = quantize_rows_u8(x)
             if ZMM:
                 for g in prange((w.shape[0] + 15) // 16):
                     kquants.gemm_rows_q6k16(w, 16 * g, y, xd, out)

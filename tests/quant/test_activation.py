@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 
-from pyml.quant.activation import quantize_q8, quantize_rows_q8, quantize_rows_u8
+from pyml.quant.activation import quantize_q8, quantize_rows_q8, quantize_rows_u8, quantize_rows_u8_sums
 
 
 def _formula(x):
@@ -48,7 +48,9 @@ def test_codes_and_scales_are_the_formulas_bit_for_bit():
 def test_the_offset_codes_are_the_codes_plus_128():
     x = _activation(np.random.default_rng(1))
     xq, xd, xs, _ = quantize_rows_q8(x)
-    y, yd, ys, qs = quantize_rows_u8(x)
+    y, yd = quantize_rows_u8(x)
+    y2, yd2, ys, qs = quantize_rows_u8_sums(x)
+    assert np.array_equal(y2, y) and np.array_equal(yd2.view(np.int32), yd.view(np.int32))
     assert y.dtype == np.uint8
     assert np.array_equal(y.astype(np.int16) - 128, xq.astype(np.int16))
     assert np.array_equal(yd.view(np.int32), xd.view(np.int32))
