@@ -950,9 +950,6 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemm(groups, x, out):
-        if not HAVE_VNNI and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1
-                              or kind == Q4_K):  # SIGNED_KINDS: three groups per activation quad
-            return gemm_triples(groups, x, out)
         G = groups.shape[0]
         if kind == Q8_0 and HAVE_VNNI:  # the offset codes straight from the quantizer; no sums to make
             y, xd = quantize_rows_u8(x)
@@ -983,4 +980,6 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
                 _gemm_group(kind, groups[g], y, xd, xs, xoff, out, g)
         return out
 
+    if not HAVE_VNNI and kind in SIGNED_KINDS:  # three groups per activation quad
+        return InterleavedKernels(gemv, gemm_triples, gemm_triples)
     return InterleavedKernels(gemv, gemm, gemm_triples)

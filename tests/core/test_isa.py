@@ -38,7 +38,10 @@ def test_pyml_isa_lowers_but_never_raises_the_path():
 
 
 _PROBE = textwrap.dedent("""
-    import hashlib, json, numpy as np, gguf
+    import hashlib, json, warnings, numba, numpy as np, gguf
+    # A Numba performance warning is an error: on a path other than the test machine's own it would
+    # reach users' terminals unseen (raised when the kernels compile, i.e. after any kernel change).
+    warnings.simplefilter("error", numba.NumbaPerformanceWarning)
     from pyml import quant
     from pyml.core import isa, jit
     from pyml.quant import QuantType
