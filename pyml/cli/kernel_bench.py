@@ -27,6 +27,7 @@ from threadpoolctl import threadpool_limits
 
 from pyml import quant
 from pyml.cli.main import Parser, run_command
+from pyml.core.errors import PymlError
 from pyml.quant import FLOAT_TYPES, QuantType
 from pyml.core.isa import BF16, ZMM
 from pyml.quant.bf16 import dpbf16_regs
@@ -259,10 +260,33 @@ def build_parser() -> Parser:
     return ap
 
 
+def _options(args) -> tuple[list[int], list[QuantType], list[tuple[int, int]]]:
+    """(threads, types, shapes) from the flags; a PymlError naming the first bad one."""
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        raise PymlError(f"--threads {args.threads}: expected counts such as 1,2") from None
+    names = {q.name: q for q in QuantType}
+    unknown = [t for t in args.types.split(",") if t not in names]
+    if unknown:
+        raise PymlError(f"--types: no weight type {unknown[0]!r} (types: {', '.join(names)})")
+    qtypes = [names[t] for t in args.types.split(",")]
+    try:
+        shapes = [(int(r), int(c)) for r, c in (s.split("x") for s in args.shapes.split(","))]
+    except ValueError:
+        raise PymlError(f"--shapes {args.shapes}: expected rows x columns such as 5632x2048,2048x5632") from None
+    if min(threads + [args.T] + [v for shape in shapes for v in shape]) < 1:
+        raise PymlError(f"--threads {args.threads}, --T {args.T}, --shapes {args.shapes}: every count must be >= 1")
+    for qtype in qtypes:
+        bs = quant.traits_of(qtype).block_size
+        for r, c in shapes:
+            if c % bs:
+                raise PymlError(f"--shapes {r}x{c}: {qtype.name} needs columns in a multiple of its block of {bs}")
+    return threads, qtypes, shapes
+
+
 def run(args) -> int:
-    threads = [int(t) for t in args.threads.split(",")]
-    qtypes = [QuantType[t] for t in args.types.split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    threads, qtypes, shapes = _options(args)
     quant.warmup()
     time.sleep(1.0)  # let BLAS workers started by the warm-up go idle
     rng = np.random.default_rng(0)

@@ -84,9 +84,10 @@ def _as_stored(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     # dtypes compare with == : a memory map's dtype is equal to, not always the same object as, np.uint8's
     w = raw if dtype != _U16 or raw.dtype == dtype else raw.view(np.uint16)
     flags = w.flags
+    if n_cols % t.block_size:
+        raise ValueError(f"{t.name} weights with {n_cols} columns: not a multiple of its block of {t.block_size}")
     stored_cols = n_cols if t.is_float else n_cols // t.block_size * t.type_size
-    if (w.dtype != dtype or w.ndim != 2 or not flags.c_contiguous
-            or n_cols % t.block_size or w.shape[1] != stored_cols):
+    if w.dtype != dtype or w.ndim != 2 or not flags.c_contiguous or w.shape[1] != stored_cols:
         raise ValueError(f"{t.name} weights with {n_cols} columns must be a C-contiguous {dtype} array "
                          f"(rows, {stored_cols}); got {raw.dtype} {raw.shape}")
     if flags.writeable:  # one array kind for the kernels: Numba compiles read-only and writable apart

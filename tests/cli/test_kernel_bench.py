@@ -1,6 +1,7 @@
-"""kernel_bench's ceilings and its view of the weights (as a model holds them)."""
+"""kernel_bench's ceilings and its view of the weights (as a model holds them), and its flags."""
 
 import numpy as np
+import pytest
 
 from pyml import quant
 from pyml.cli import kernel_bench
@@ -55,3 +56,16 @@ def test_the_avx2_peak_fits_an_avx2_cpus_registers(capsys):
         return
     got = isa_probe(_SPILL_PROBE, "avx2")
     assert got["madds"] >= 12 and got["stack"] == 0, got
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--types", "Q4_K", "--shapes", "1536x576"], "Q4_K needs columns in a multiple of its block of 256"),
+    (["--types", "Q4_9"], "no weight type 'Q4_9'"),
+    (["--shapes", "1536"], "expected rows x columns"),
+    (["--threads", "two"], "expected counts"),
+    (["--T", "0", "--types", "Q4_0", "--shapes", "64x64"], "every count must be >= 1"),
+])
+def test_bad_flags_get_one_line_before_any_work(capsys, argv, says):
+    assert kernel_bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and "internal error" not in err

@@ -125,6 +125,9 @@ def test_matmul_rejects_bad_shapes(rng):
         quant.matmul(np.zeros((1, 96), np.float32), raw, QuantType.Q8_0, 64)
     with pytest.raises(ValueError):
         quant.matmul(np.zeros((1, 64), np.float32), raw, QuantType.Q8_0, 96)
+    k_raw = make_weights(rng, QuantType.Q4_K, 4, 512)[:, :288]  # 576 columns would be 2.25 superblocks
+    with pytest.raises(ValueError, match="576 columns: not a multiple of its block of 256"):
+        quant.matmul(np.zeros((1, 576), np.float32), np.ascontiguousarray(k_raw), QuantType.Q4_K, 576)
 
 
 def test_matmul_accepts_float64_and_readonly_x(rng):
