@@ -617,8 +617,10 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
 # Memory: the staging holds, per block and group, 256 bytes of codes, 32 of lane corrections and
 # 64 of scales; the tokens pass over CHUNK blocks at a time (3 x 16 x 352 bytes = 16.5 KB, L1),
 # the output rows holding the partial sums between chunks. kernel_bench, 1 thread, T = 512,
-# compiled as for AVX2 alone (PYML_ISA=avx2), Q4_0: 50-53% -> 64-67% of the vpmaddubsw peak on
-# SmolLM2's and Gemma 3's shapes (docs/performance.md).
+# compiled as for AVX2 alone (PYML_ISA=avx2), share of the vpmaddubsw peak, old and new builds
+# alternating: Q4_0 46-48% -> 60-65%, Q5_0 46-50% -> 59-65%, Q4_1 47-52% -> 53-59%, Q4_K 49-51%
+# -> 53-59%, Q5_1 47-51% -> 48-55% (the mins' FMA per block weighs on the last three;
+# docs/performance.md).
 
 SIGNED_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K)  # the types whose GEMM runs in triples on AVX2
 RECORD = 352  # staging bytes per block and group: codes 256, lane corrections 32, scales 2 x 32
@@ -704,12 +706,12 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
     _stage_signed(kind, w1, nb, buf, 1)
     _stage_signed(kind, w2, nb, buf, 2)
     for t in range(tiled, T):
-        xq = y8[t] ^ np.uint8(128)
-        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq.view(np.int8), xd[t], xs[t]))
+        xq = (y8[t] ^ np.uint8(128)).view(np.int8)  # the GEMV's activation: the codes themselves
+        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq, xd[t], xs[t]))
         if n > 1:
-            store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq.view(np.int8), xd[t], xs[t]))
+            store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq, xd[t], xs[t]))
         if n > 2:
-            store_f32x8(out[t], 8 * g + 16, _gemv_group_k(w2, xq.view(np.int8), xd[t], xs[t]))
+            store_f32x8(out[t], 8 * g + 16, _gemv_group_k(w2, xq, xd[t], xs[t]))
     for b0 in range(0, nb, CHUNK):
         for t in range(tiled):
             row = out[t]
