@@ -26,7 +26,7 @@ from pyml.core.isa import ZMM
 from pyml.quant import blocks32, kquants
 from pyml.quant.activation import quantize_q8, quantize_rows_q8, quantize_rows_u8, sums32
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K
-from pyml.quant.simd import FASTMATH, HAVE_AVX2, hsum
+from pyml.quant.simd import FASTMATH, HAVE_AVX2, HAVE_VNNI, hsum
 
 
 class KernelSet(NamedTuple):
@@ -124,6 +124,9 @@ def block_kernels(kind: int) -> KernelSet:
             if ZMM:
                 for g in prange((w.shape[0] + 15) // 16):
                     kquants.gemm_rows_q6k16(w, 16 * g, y, xd, out)
+            elif not HAVE_VNNI:  # three tiles per activation quad (kquants.py)
+                for u in prange((w.shape[0] + 23) // 24):
+                    kquants.gemm_rows_q6k_triple(w, 24 * u, y, xd, out)
             else:
                 for g in prange((w.shape[0] + 7) // 8):
                     kquants.gemm_rows_q6k(w, 8 * g, y, xd, out)

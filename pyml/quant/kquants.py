@@ -42,7 +42,7 @@ from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, and_u8, as_i8, bi
                              fnma, hsum, i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
                              load_i8x32, load_i16x16, load_i32x8, load_u8x4_bcast, load_u8x32, madd, maddubs,
                              minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8,
-                             shr_u8, splat_u8, store_f32x8, store_i8x32, store_i32x8, sub, sub_i16, sub_lanes_i32,
+                             shr_u8, splat_u8, store_f32x8, store_i8x32, store_i16x16, store_i32x8, sub, sub_i16, sub_lanes_i32,
                              sum_pairs, to_f32, transpose_u32, zeros_f32x8, zeros_i32x8)
 
 
@@ -302,7 +302,7 @@ def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
     return accs
 
 
-# --- T > 1 on VNNI and AVX2: Q6_K, 8 or 16 rows at a time as signed int8 tiles --------------------
+# --- T > 1 on VNNI: Q6_K, 8 or 16 rows at a time as signed int8 tiles ------------------------
 # The file-layout tile above spends a vpmaddubsw, a 16-bit offset subtraction, a vpmaddwd with the
 # two 16-value scales, a conversion and two float ops on every row, group and token: 13% of the
 # vpdpbusd peak. Here each thread first transcodes 8 rows (16 on the avx512_vnni path) into the x8
@@ -312,9 +312,9 @@ def tile(kind, wa, wb, xq, xd, xs, xp, t0, T):
 # scale d * sc per row. The transcode costs ~1/T of the dots. Activations are offset by 128 as for
 # Q8_0 on VNNI, and 128 x each half's code sum comes off (the same integers as the file-layout path).
 # On 512-bit vectors the 16 rows' chunk is one 64-byte load, as the 8 rows' is one 32-byte load.
-# On AVX2 the same tiles go through vpmaddubsw (_half): 1 thread, T = 128, Gemma's 640x2048 and
-# 1536x768, 18% -> 33-37% of the vpmaddubsw peak (the file-layout tile pays a vpmaddwd, a 16-bit
-# offset and a float scale per 16 values and row).
+# Without VNNI the same tiles go three at a time through vpmaddubsw (next section): one tile at a
+# time they took Gemma's 640x2048 and 1536x768 from 18% to 33-37% of that instruction's peak (the
+# file-layout tile pays a vpmaddwd, a 16-bit offset and a float scale per 16 values and row).
 
 @numba.njit
 def _transcode_q6k(w, r0, rows, codes, scales, corr):
@@ -363,14 +363,6 @@ def _transcode_q6k(w, r0, rows, codes, scales, corr):
 
 @numba.njit
 def _half(codes, c, y, yo):  # I32x8: 4 chunks at byte c (16 values of 8 rows) . y[yo : yo+16], two chains
-    if not HAVE_VNNI:
-        # AVX2: vpmaddubsw of the offset activation (u8, <= 255) and the signed codes (|c| <= 32):
-        # |pair sum| <= 2 * 255 * 32 = 16320, so two add up in 16 bits before one vpmaddwd
-        p = add_i16(maddubs(load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
-                    maddubs(load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))))
-        q = add_i16(maddubs(load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64))),
-                    maddubs(load_u8x4_bcast(y, yo + 12), as_i8(load_u8x32(codes, c + 96))))
-        return add_i32(sum_pairs(p), sum_pairs(q))
     a = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo), as_i8(load_u8x32(codes, c))),
                load_u8x4_bcast(y, yo + 8), as_i8(load_u8x32(codes, c + 64)))
     b = dpbusd(dpbusd(zeros_i32x8(), load_u8x4_bcast(y, yo + 4), as_i8(load_u8x32(codes, c + 32))),
@@ -474,3 +466,87 @@ def _gemm_rows(rows, tokens, block, zeros, store):
 # activation codes + 128 as uint8 [T, n_cols], xd their block scales [T, n_cols/32].
 gemm_rows_q6k = _gemm_rows(8, 4, _q6k_block, zeros_f32x8, store_f32x8)
 gemm_rows_q6k16 = _gemm_rows(16, 8, _q6k_block16, zeros_f32x16, store_f32x16)
+
+
+# --- T > 1 without VNNI: Q6_K's tiles three at a time ----------------------------------------
+# The 8-row tiles above, through vpmaddubsw, spent a vpbroadcastd on every multiply and ran at
+# 32-37% of the instruction's peak (1 thread, T = 512). As for the x8 types (interleaved.py, section
+# "T > 1 without VNNI"), three tiles (24 rows) here share each activation quad, broadcast once per
+# token and block into a register, and take their codes (- 32, signed) straight from a staging
+# buffer as the multiply's memory operand. Each 16-bit lane starts from -128 x the sum of the 8
+# codes it meets in a half block (4 chunks), made once per call, and so ends at sum y (c - 32) over
+# its 8 values: within 8 x 127 x 32 = 32512, exact although the adds wrap on the way (each pair sum
+# is within 2 x 255 x 32 = 16320). Those are _q6k_block's integers and its float ops follow, so
+# every path gives the same bits (tests/quant/test_kquants.py, tests/core/test_isa.py).
+
+Q6K_RECORD = 384  # staging bytes per block and tile: codes 256, lane corrections 2 x 32, scales 2 x 32
+Q6K_CHUNK = 16  # blocks per pass over the tokens: 3 x 16 x 384 bytes = 18 KB of staging, in L1
+
+
+@numba.njit
+def _stage_q6k(w, r0, nb):
+    """Rows r0 .. r0 + 23 of the Q6_K matrix w (rows past its end as zeros) as three tiles' records,
+    uint8 [3 nb Q6K_RECORD], block b of tile k at Q6K_RECORD (3 b + k): _transcode_q6k's codes, the
+    16-bit lanes' corrections of each half, and its two halves' scales."""
+    buf = np.empty(3 * Q6K_RECORD * nb, np.uint8)
+    codes = np.empty(256 * nb, np.uint8)
+    scales = np.empty(16 * nb, np.float32)
+    corr = np.empty(16 * nb, np.int32)  # the 32-bit corrections, unused here
+    c128 = splat_u8(128)
+    for k in range(3):
+        _transcode_q6k(w, r0 + 8 * k, 8, codes, scales, corr)
+        for b in range(nb):
+            o = Q6K_RECORD * (3 * b + k)
+            for h in range(2):
+                c = 256 * b + 128 * h
+                v = load_i8x32(codes, c)
+                s = maddubs(c128, v)
+                store_i8x32(buf, o + 128 * h, v)
+                for n in range(1, 4):
+                    v = load_i8x32(codes, c + 32 * n)
+                    s = add_i16(s, maddubs(c128, v))
+                    store_i8x32(buf, o + 128 * h + 32 * n, v)
+                store_i16x16(buf, o + 256 + 32 * h, sub_i16(i16_halves(0, 0), s))
+                store_f32x8(buf, o + 320 + 32 * h, load_f32x8(scales, 16 * b + 8 * h))
+    return buf
+
+
+@numba.njit
+def _q6k_signed_block(q, buf, o, yd, acc):
+    """acc + one tile's block at record o dotted with one activation block, q its 8 quads."""
+    p0 = add_i16(load_i16x16(buf, o + 256), maddubs(q[0], load_i8x32(buf, o)))
+    p1 = add_i16(load_i16x16(buf, o + 288), maddubs(q[4], load_i8x32(buf, o + 128)))
+    for n in range(1, 4):
+        p0 = add_i16(p0, maddubs(q[n], load_i8x32(buf, o + 32 * n)))
+        p1 = add_i16(p1, maddubs(q[n + 4], load_i8x32(buf, o + 128 + 32 * n)))
+    f = fma(load_f32x8(buf, o + 352), to_f32(sum_pairs(p1)), mul(load_f32x8(buf, o + 320), to_f32(sum_pairs(p0))))
+    return fma(f, f32x8(yd), acc)
+
+
+@numba.njit
+def gemm_rows_q6k_triple(w, r0, y, xd, out):
+    """out[:, r0 : r0 + 24] for rows r0.. of the Q6_K matrix w (section doc); y, xd as gemm_rows_q6k's."""
+    T, nb = xd.shape
+    buf = _stage_q6k(w, r0, nb)
+    whole = r0 + 24 <= out.shape[1]
+    dest = out if whole else np.empty((T, 24), np.float32)  # as in _gemm_rows
+    c0 = r0 if whole else 0
+    for b0 in range(0, nb, Q6K_CHUNK):
+        for t in range(T):
+            row, yt = dest[t], y[t]
+            a0, a1, a2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+            if b0 > 0:  # the partial sums of the blocks before this pass
+                a0, a1, a2 = load_f32x8(row, c0), load_f32x8(row, c0 + 8), load_f32x8(row, c0 + 16)
+            for b in range(b0, min(nb, b0 + Q6K_CHUNK)):
+                yo, o = 32 * b, 3 * Q6K_RECORD * b
+                q = (load_u8x4_bcast(yt, yo), load_u8x4_bcast(yt, yo + 4), load_u8x4_bcast(yt, yo + 8),
+                     load_u8x4_bcast(yt, yo + 12), load_u8x4_bcast(yt, yo + 16), load_u8x4_bcast(yt, yo + 20),
+                     load_u8x4_bcast(yt, yo + 24), load_u8x4_bcast(yt, yo + 28))
+                a0 = _q6k_signed_block(q, buf, o, xd[t, b], a0)
+                a1 = _q6k_signed_block(q, buf, o + Q6K_RECORD, xd[t, b], a1)
+                a2 = _q6k_signed_block(q, buf, o + 2 * Q6K_RECORD, xd[t, b], a2)
+            store_f32x8(row, c0, a0)
+            store_f32x8(row, c0 + 8, a1)
+            store_f32x8(row, c0 + 16, a2)
+    if not whole:
+        out[:, r0:] = dest[:, :out.shape[1] - r0]
