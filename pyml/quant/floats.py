@@ -3,9 +3,10 @@
 Storage: float32; float16 (passed to the kernels as its uint16 bits: Numba has no float16);
 uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a GEMV that streams the
 weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 4 weight rows
-x 4 activation rows (3 x 3 where the code has 16 vector registers), each weight vector widened to
-float32 once per tile (vcvtph2ps for F16, a shift for BF16). Both are exact up to float32
-summation order.
+x 4 activation rows, each weight vector widened to float32 once per tile (vcvtph2ps for F16, a
+shift for BF16). Where the code has 16 vector registers, T >= PANEL_MIN_T packs 16 weight rows at a
+time column-major and runs tiles of 6 tokens x 16 rows, as BLIS does on AVX2 (section "T > 1 with
+16 registers"), and fewer tokens a 3 x 3 tile. All are exact up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from numba import prange
 from pyml.core.isa import REGISTERS
 from pyml.quant.ggml_types import F16, F32
 from pyml.quant.kernel_set import KernelSet, chunk_rows, n_chunks
-from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, fma, half_to_f32, hsum, load_bf16x8, load_f16x8, load_f32x8,
-                             prefetch, zeros_f32x8)
+from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, f32x8, fma, half_to_f32, hsum, load_bf16x8, load_f16x8,
+                             load_f32x8, prefetch, store_f32x8, transpose_u32, zeros_f32x8)
 
 
 
@@ -166,6 +167,108 @@ def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
                             out[t[i], r[j]] = s
 
 
+# --- T > 1 with 16 registers: 16-row panels ----------------------------------------------------
+# With 16 registers the dot-product tile above holds 3 x 3 sums: 6 loads per 9 FMAs, a weight
+# vector widened once per 3 tokens, and a horizontal sum per output: 57-76% of the float32 FMA
+# peak (kernel_bench, AVX2, 1 thread, T = 512). The AVX2 micro-kernels of BLIS and OpenBLAS turn
+# the product round: each thread packs 16 weight rows at a time column-major as float32 (F16/BF16
+# widened once per call), and a tile of 6 tokens x 16 rows keeps 12 accumulators, each column k
+# feeding 12 FMAs from 2 panel loads and 6 broadcasts of x[t, k]: 15 registers, no horizontal
+# sums; 79-83%. The tokens pass over PANEL_K columns at a time (16 KB of panel, in L1), the sums
+# held in a per-panel scratch. Summed in column order (not in 8 lanes), so the float32 rounding
+# differs from the other tiles' (within the same bound: tests/quant/test_floats.py).
+
+PANEL = 16  # weight rows per panel: two 8-lane vectors
+PANEL_T = 6  # tokens per tile
+PANEL_K = 256  # columns per pass over the tokens
+# Packing costs about what 30-60 tokens gain (a 6-token tile also pads T up to a multiple of 6):
+# kernel_bench (1 thread, avx2) at T = 8 read 29-33% of the peak against 51-68% for the 3 x 3
+# tile, at T = 32 55-65% against 49-74%, at T = 64 52-74% against 45-68%, at T = 512 79-83%
+# against 57-76%.
+PANEL_MIN_T = 64
+
+
+@numba.njit
+def _pack_panel(kind, w, r0, r_hi, panel):
+    """panel uint8 [64 Kp] <- rows r0 .. r0 + 15 of w as float32, column-major: column k's 16 floats
+    at byte 64 k (rows from r_hi on, and columns past the row's end up to Kp = its length rounded
+    up to 16: zeros)."""
+    numba.literally(kind)
+    K = w.shape[1]
+    stage = np.empty(1024, np.uint8)  # 16 rows x 16 columns, then transposed as 4-byte words
+    edge = np.empty(16, np.float32)
+    for k0 in range(0, K, 16):
+        for j in range(16):
+            r = r0 + j
+            if r < r_hi and k0 + 16 <= K:
+                store_f32x8(stage, 64 * j, _load8(kind, w[r], k0))
+                store_f32x8(stage, 64 * j + 32, _load8(kind, w[r], k0 + 8))
+            else:
+                for c in range(16):
+                    edge[c] = _scalar(kind, w[r, k0 + c]) if r < r_hi and k0 + c < K else np.float32(0.0)
+                store_f32x8(stage, 64 * j, load_f32x8(edge, 0))
+                store_f32x8(stage, 64 * j + 32, load_f32x8(edge, 8))
+        transpose_u32(stage, 0, 64, panel, 64 * k0, 16)
+
+
+@numba.njit
+def _panel_tile(panel, x, t0, k0, k1, acc):
+    """acc[t0 .. t0 + 5] (float32 [*, 16]) += x[t0 .. t0 + 5, k0:k1] @ the panel's columns k0:k1
+    (tokens past x's last: its last again, into acc rows past T)."""
+    T = x.shape[0]
+    xa, xb, xc = x[t0], x[min(t0 + 1, T - 1)], x[min(t0 + 2, T - 1)]
+    xd, xe, xf = x[min(t0 + 3, T - 1)], x[min(t0 + 4, T - 1)], x[min(t0 + 5, T - 1)]
+    a0, a1 = load_f32x8(acc[t0], 0), load_f32x8(acc[t0], 8)
+    b0, b1 = load_f32x8(acc[t0 + 1], 0), load_f32x8(acc[t0 + 1], 8)
+    c0, c1 = load_f32x8(acc[t0 + 2], 0), load_f32x8(acc[t0 + 2], 8)
+    d0, d1 = load_f32x8(acc[t0 + 3], 0), load_f32x8(acc[t0 + 3], 8)
+    e0, e1 = load_f32x8(acc[t0 + 4], 0), load_f32x8(acc[t0 + 4], 8)
+    f0, f1 = load_f32x8(acc[t0 + 5], 0), load_f32x8(acc[t0 + 5], 8)
+    for k in range(k0, k1):
+        p0, p1 = load_f32x8(panel, 64 * k), load_f32x8(panel, 64 * k + 32)
+        y = f32x8(xa[k])
+        a0, a1 = fma(p0, y, a0), fma(p1, y, a1)
+        y = f32x8(xb[k])
+        b0, b1 = fma(p0, y, b0), fma(p1, y, b1)
+        y = f32x8(xc[k])
+        c0, c1 = fma(p0, y, c0), fma(p1, y, c1)
+        y = f32x8(xd[k])
+        d0, d1 = fma(p0, y, d0), fma(p1, y, d1)
+        y = f32x8(xe[k])
+        e0, e1 = fma(p0, y, e0), fma(p1, y, e1)
+        y = f32x8(xf[k])
+        f0, f1 = fma(p0, y, f0), fma(p1, y, f1)
+    store_f32x8(acc[t0], 0, a0)
+    store_f32x8(acc[t0], 8, a1)
+    store_f32x8(acc[t0 + 1], 0, b0)
+    store_f32x8(acc[t0 + 1], 8, b1)
+    store_f32x8(acc[t0 + 2], 0, c0)
+    store_f32x8(acc[t0 + 2], 8, c1)
+    store_f32x8(acc[t0 + 3], 0, d0)
+    store_f32x8(acc[t0 + 3], 8, d1)
+    store_f32x8(acc[t0 + 4], 0, e0)
+    store_f32x8(acc[t0 + 4], 8, e1)
+    store_f32x8(acc[t0 + 5], 0, f0)
+    store_f32x8(acc[t0 + 5], 8, f1)
+
+
+@numba.njit
+def gemm_panels(kind, w, x, out, r_lo, r_hi):
+    """Rows r_lo..r_hi of out [T, R] from 16-row panels (section doc)."""
+    numba.literally(kind)
+    T, K = x.shape
+    panel = np.empty(64 * (K + 15 - (K + 15) % 16), np.uint8)  # 64 bytes per column, Kp columns
+    acc = np.empty(((T + PANEL_T - 1) // PANEL_T * PANEL_T, PANEL), np.float32)
+    for r0 in range(r_lo, r_hi, PANEL):
+        _pack_panel(kind, w, r0, r_hi, panel)
+        acc[:] = 0.0
+        for k0 in range(0, K, PANEL_K):
+            for t0 in range(0, T, PANEL_T):
+                _panel_tile(panel, x, t0, k0, min(K, k0 + PANEL_K), acc)
+        n = min(PANEL, r_hi - r0)
+        out[:, r0:r0 + n] = acc[:T, :n]
+
+
 # --- the kernels of one type ------------------------------------------------------------------
 
 @lru_cache(maxsize=None)
@@ -192,7 +295,10 @@ def float_kernels(kind: int) -> KernelSet:
     def gemm(w, x, out):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32
         for c in prange(n_chunks(w.shape[0])):
             r_lo, r_hi = chunk_rows(c, w.shape[0])
-            _gemm_chunk(kind, w, x, out, r_lo, r_hi)
+            if TILE == 3 and x.shape[0] >= PANEL_MIN_T:
+                gemm_panels(kind, w, x, out, r_lo, r_hi)
+            else:
+                _gemm_chunk(kind, w, x, out, r_lo, r_hi)
         return out
 
     return KernelSet(dequant_rows, dequant_tile, gemv, gemv, gemm)

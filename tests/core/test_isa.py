@@ -71,12 +71,13 @@ _PROBE = textwrap.dedent("""
             # Q6_K's T > 1 runs on transcoded int8 tiles where there is AVX2, in the file layout elsewhere
             (digest_q6k if qtype == QuantType.Q6_K else digest).update(y.tobytes())
     # float weights: the GEMM's register tile follows the registers (quant/floats.py); 26 rows and
-    # T = 5 leave edge tiles on both sides. Bound: float32 accumulation, n x eps x sum |x w|.
+    # T = 5 leave edge tiles on both sides, T = 70 runs 16-register paths' panels with edges too.
+    # Bound: float32 accumulation, n x eps x sum |x w|.
     for qtype in (QuantType.F32, QuantType.F16):
         w = rng.standard_normal((26, 256)).astype(np.float32)
         raw = w if qtype == QuantType.F32 else w.astype(np.float16)
         ref_w = raw.astype(np.float64)
-        for T in (1, 5):
+        for T in (1, 5, 70):
             x = rng.standard_normal((T, 256)).astype(np.float32)
             y = quant.matmul(x, raw, qtype, 256)
             bound = 256 * float(np.finfo(np.float32).eps) * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T)
