@@ -53,7 +53,7 @@ the avx512_vnni path the GEMM (T > 1) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K r
 group, the bytes unchanged): the same float ops per lane, so the same bits as the 256-bit loop, with
 twice the work per scheduler entry (1 thread, T = 128, SmolLM2's shapes: Q8_0 48-50% -> 63-65% of
 the vpdpbusd peak; Gemma 3's Q5_0 shapes 46-49% -> 52-55%; docs/performance.md).
-Without VNNI (AVX2, portable) the GEMM of every type but Q8_0 runs three groups at a time, each
+Without VNNI (AVX2, portable) the GEMM of every type runs three groups at a time, each
 activation quad broadcast once for 24 rows and the codes recentred as vpmaddubsw's signed operand
 (section "T > 1 without VNNI"): the same integers and float ops, so the same bits.
 """
@@ -75,10 +75,10 @@ from pyml.quant.activation import quantize_row_q8, quantize_rows_q8, quantize_ro
 from pyml.quant.ggml_types import BLOCK_SIZE, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.simd import (FASTMATH, HAVE_VNNI, abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, f32x8, fma,
                              fnma, i16_halves, load_f32x8, load_fp16x8c, load_i8x4_bcast, load_i8x32, load_i16x16,
-                             load_i32_bcast, load_i32x8, load_u8x4_bcast, load_u8x8_f32, load_u8x32, maddubs, minus_i8,
-                             mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sign_i8, splat_u8, store_f32x8, store_i8x32,
-                             store_i16x16, store_i32x8, store_u8x32, sub_i16, sub_i32, sub_lanes_i32, sum_pairs, to_f32,
-                             zeros_f32x8, zeros_i32x8)
+                             load_i32_bcast, load_i32x8, load_u8x4_bcast, load_u8x8_f32, load_u8x32, madd, maddubs,
+                             minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, prefetch, sar_i8, sign_i8, splat_u8,
+                             store_f32x8, store_i8x32, store_i16x16, store_i32x8, store_u8x32, sub_i16, sub_i32,
+                             sub_lanes_i32, sum_pairs, to_f32, zeros_f32x8, zeros_i32x8)
 from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_fp16x8c_pair,
                                 load_i8x4_bcast16, load_i32_bcast16, load_i32x8_pair, load_u8x4_bcast16,
                                 load_u8x8_f32_pair, load_u8x32_pair, load_f32x16, load_u8x64, mul16, nibbles_hi64, nibbles_lo64, or_u8x64,
@@ -621,10 +621,32 @@ def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superbloc
 # alternating: Q4_0 46-48% -> 60-65%, Q5_0 46-50% -> 59-65%, Q4_1 47-52% -> 53-59%, Q4_K 49-51%
 # -> 53-59%, Q5_1 47-51% -> 48-55% (the mins' FMA per block weighs on the last three;
 # docs/performance.md).
+#
+# Q8_0's signed codes against a 0-255 activation would saturate a pair sum (2 x 255 x 127), so
+# they go in as two planes, c = 16 h + l with h = c >> 4 (-8..7) and l = c & 15: two vpmaddubsw
+# per 32 values where the sign trick (_q8: vpsignb on the activation for each code vector) spent
+# the same pipes on a vpsignb, a vpabsb and a vpmaddwd per multiply and a broadcast per token.
+# Each plane's lanes start from their corrections as above and end at sum y h (within 16 x 127
+# x 8 = 16256) and sum y l (16 x 127 x 15 = 30480); the row's dot is 16 x the first's pair sums
+# plus the second's, exact, so the bits are again those of every path.
 
-SIGNED_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K)  # the types whose GEMM runs in triples on AVX2
+SIGNED_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)  # the types whose GEMM runs in triples on AVX2
 RECORD = 352  # staging bytes per block and group: codes 256, lane corrections 32, scales 2 x 32
 CHUNK = 16  # blocks per pass over the tokens
+RECORD_Q8 = 608  # Q8_0: code planes 2 x 256, lane corrections 2 x 32, scales 32
+CHUNK_Q8 = 8  # 3 x 8 x 608 bytes = 14.6 KB
+
+
+@numba.njit
+def _record(kind):
+    numba.literally(kind)
+    return RECORD_Q8 if kind == Q8_0 else RECORD
+
+
+@numba.njit
+def _chunk(kind):
+    numba.literally(kind)
+    return CHUNK_Q8 if kind == Q8_0 else CHUNK
 
 
 @numba.njit
@@ -641,12 +663,33 @@ def _signed_codes(kind, v):
 
 
 @numba.njit
+def _stage_q8(w, b, buf, o):
+    """Q8_0's record of block b at o: code c = 16 h + l split into the planes h (-8..7) and l (0..15),
+    each in _quads' order, then their lanes' corrections as _stage_signed's, and d."""
+    c128 = splat_u8(128)
+    v = _block_codes(Q8_0, w, b)  # chunk n: code bytes 4n .. 4n + 3 of each row, met by quad yo + 4n
+    v = (v[0], v[4], v[1], v[5], v[2], v[6], v[3], v[7])
+    sh, sl = i16_halves(0, 0), i16_halves(0, 0)
+    for n in range(8):
+        h, lo = sar_i8(as_i8(v[n]), 4), as_i8(nibbles_lo(v[n]))
+        store_i8x32(buf, o + 32 * n, h)
+        store_i8x32(buf, o + 256 + 32 * n, lo)
+        sh, sl = add_i16(sh, maddubs(c128, h)), add_i16(sl, maddubs(c128, lo))
+    store_i16x16(buf, o + 512, sub_i16(i16_halves(0, 0), sh))
+    store_i16x16(buf, o + 544, sub_i16(i16_halves(0, 0), sl))
+    store_f32x8(buf, o + 576, load_fp16x8c(w, _sb_size(Q8_0) * b))
+
+
+@numba.njit
 def _stage_signed(kind, w, nb, buf, k):
-    """Group w's records into buf [3 * nb * RECORD], block b's at RECORD (3 b + k): the signed
-    codes, each 16-bit lane's -128 x code sum, the scales (d; d, m; Q4_K d x sc, dmin x mn)."""
+    """Group w's records into buf [3 * nb * _record(kind)], block b's at _record(kind) (3 b + k): the
+    signed codes, each 16-bit lane's -128 x code sum, the scales (d; d, m; Q4_K d x sc, dmin x mn)."""
     numba.literally(kind)
     c128 = splat_u8(128)
     for b in range(nb):
+        if kind == Q8_0:
+            _stage_q8(w, b, buf, _record(Q8_0) * (3 * b + k))
+            continue
         o = RECORD * (3 * b + k)
         v = _signed_codes(kind, _block_codes(kind, w, b))
         s = maddubs(c128, v[0])
@@ -678,6 +721,14 @@ def _signed_block(kind, q, buf, o, yd, ys, qsum, acc):
     """acc + one group's rows dotted with one activation block: q its _quads, o the record, qsum
     the block's code sum (Q5_1 adds 16 x it back)."""
     numba.literally(kind)
+    if kind == Q8_0:  # y . c = 16 (y . h) + y . l: |y . h| <= 16 x 127 x 8, y . l <= 16 x 127 x 15 per lane
+        h = add_i16(load_i16x16(buf, o + 512), maddubs(q[0], load_i8x32(buf, o)))
+        lo = add_i16(load_i16x16(buf, o + 544), maddubs(q[0], load_i8x32(buf, o + 256)))
+        for n in range(1, 8):
+            h = add_i16(h, maddubs(q[n], load_i8x32(buf, o + 32 * n)))
+            lo = add_i16(lo, maddubs(q[n], load_i8x32(buf, o + 256 + 32 * n)))
+        i = add_i32(madd(h, i16_halves(16, 16)), sum_pairs(lo))
+        return fma(mul(load_f32x8(buf, o + 576), f32x8(yd)), to_f32(i), acc)
     p = add_i16(load_i16x16(buf, o + 256), maddubs(q[0], load_i8x32(buf, o)))
     for n in range(1, 8):
         p = add_i16(p, maddubs(q[n], load_i8x32(buf, o + 32 * n)))
@@ -701,7 +752,8 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
     # Q4_K's last T % 4 tokens go through its GEMV, as in _gemm_group_k and _gemm_pair_k: that
     # kernel's float ops round differently from _k_block_s's, and every path gives the same bits.
     tiled = T - T % 4 if kind == Q4_K else T
-    buf = np.empty(3 * RECORD * nb, np.uint8)
+    rec, chunk = _record(kind), _chunk(kind)
+    buf = np.empty(3 * rec * nb, np.uint8)
     _stage_signed(kind, w0, nb, buf, 0)
     _stage_signed(kind, w1, nb, buf, 1)
     _stage_signed(kind, w2, nb, buf, 2)
@@ -712,7 +764,7 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
             store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq, xd[t], xs[t]))
         if n > 2:
             store_f32x8(out[t], 8 * g + 16, _gemv_group_k(w2, xq, xd[t], xs[t]))
-    for b0 in range(0, nb, CHUNK):
+    for b0 in range(0, nb, chunk):
         for t in range(tiled):
             row = out[t]
             a0, a1, a2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
@@ -722,12 +774,12 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
                     a1 = load_f32x8(row, 8 * g + 8)
                 if n > 2:
                     a2 = load_f32x8(row, 8 * g + 16)
-            for b in range(b0, min(nb, b0 + CHUNK)):
-                q, o = _quads(y8[t], 32 * b), 3 * RECORD * b
+            for b in range(b0, min(nb, b0 + chunk)):
+                q, o = _quads(y8[t], 32 * b), 3 * rec * b
                 yd, ys, qsum = xd[t, b], xs[t, b], qs[t, b]
                 a0 = _signed_block(kind, q, buf, o, yd, ys, qsum, a0)
-                a1 = _signed_block(kind, q, buf, o + RECORD, yd, ys, qsum, a1)
-                a2 = _signed_block(kind, q, buf, o + 2 * RECORD, yd, ys, qsum, a2)
+                a1 = _signed_block(kind, q, buf, o + rec, yd, ys, qsum, a1)
+                a2 = _signed_block(kind, q, buf, o + 2 * rec, yd, ys, qsum, a2)
             store_f32x8(row, 8 * g, a0)
             if n > 1:
                 store_f32x8(row, 8 * g + 8, a1)

@@ -399,6 +399,7 @@ def _lanewise(op: str, vec: Vec, doc: str):
 and_u8 = _const_op("and_", U8x32, "lanes & c (c an integer literal)")
 shr_u8 = _const_op("lshr", U8x32, "lanes >> n, logical (n an integer literal)")
 shl_u8 = _const_op("shl", U8x32, "lanes << n (n an integer literal)")
+sar_i8 = _const_op("ashr", I8x32, "lanes >> n, arithmetic (n an integer literal)")
 or_u8 = _lanewise("or_", U8x32, "a | b, lane-wise")
 
 
