@@ -212,44 +212,41 @@ def _pack_panel(kind, w, r0, r_hi, panel):
 
 
 @numba.njit
+def _row2(acc, t):  # the 16 sums of token t, as two F32x8
+    return load_f32x8(acc[t], 0), load_f32x8(acc[t], 8)
+
+
+@numba.njit
+def _fma2(p, s, a):  # the pair a + s x the pair p
+    y = f32x8(s)
+    return fma(p[0], y, a[0]), fma(p[1], y, a[1])
+
+
+@numba.njit
+def _store2(acc, t, a):
+    store_f32x8(acc[t], 0, a[0])
+    store_f32x8(acc[t], 8, a[1])
+
+
+@numba.njit
 def _panel_tile(panel, x, t0, k0, k1, acc):
     """acc[t0 .. t0 + 5] (float32 [*, 16]) += x[t0 .. t0 + 5, k0:k1] @ the panel's columns k0:k1
     (tokens past x's last: its last again, into acc rows past T)."""
     T = x.shape[0]
     xa, xb, xc = x[t0], x[min(t0 + 1, T - 1)], x[min(t0 + 2, T - 1)]
     xd, xe, xf = x[min(t0 + 3, T - 1)], x[min(t0 + 4, T - 1)], x[min(t0 + 5, T - 1)]
-    a0, a1 = load_f32x8(acc[t0], 0), load_f32x8(acc[t0], 8)
-    b0, b1 = load_f32x8(acc[t0 + 1], 0), load_f32x8(acc[t0 + 1], 8)
-    c0, c1 = load_f32x8(acc[t0 + 2], 0), load_f32x8(acc[t0 + 2], 8)
-    d0, d1 = load_f32x8(acc[t0 + 3], 0), load_f32x8(acc[t0 + 3], 8)
-    e0, e1 = load_f32x8(acc[t0 + 4], 0), load_f32x8(acc[t0 + 4], 8)
-    f0, f1 = load_f32x8(acc[t0 + 5], 0), load_f32x8(acc[t0 + 5], 8)
+    a, b, c = _row2(acc, t0), _row2(acc, t0 + 1), _row2(acc, t0 + 2)
+    d, e, f = _row2(acc, t0 + 3), _row2(acc, t0 + 4), _row2(acc, t0 + 5)
     for k in range(k0, k1):
-        p0, p1 = load_f32x8(panel, 64 * k), load_f32x8(panel, 64 * k + 32)
-        y = f32x8(xa[k])
-        a0, a1 = fma(p0, y, a0), fma(p1, y, a1)
-        y = f32x8(xb[k])
-        b0, b1 = fma(p0, y, b0), fma(p1, y, b1)
-        y = f32x8(xc[k])
-        c0, c1 = fma(p0, y, c0), fma(p1, y, c1)
-        y = f32x8(xd[k])
-        d0, d1 = fma(p0, y, d0), fma(p1, y, d1)
-        y = f32x8(xe[k])
-        e0, e1 = fma(p0, y, e0), fma(p1, y, e1)
-        y = f32x8(xf[k])
-        f0, f1 = fma(p0, y, f0), fma(p1, y, f1)
-    store_f32x8(acc[t0], 0, a0)
-    store_f32x8(acc[t0], 8, a1)
-    store_f32x8(acc[t0 + 1], 0, b0)
-    store_f32x8(acc[t0 + 1], 8, b1)
-    store_f32x8(acc[t0 + 2], 0, c0)
-    store_f32x8(acc[t0 + 2], 8, c1)
-    store_f32x8(acc[t0 + 3], 0, d0)
-    store_f32x8(acc[t0 + 3], 8, d1)
-    store_f32x8(acc[t0 + 4], 0, e0)
-    store_f32x8(acc[t0 + 4], 8, e1)
-    store_f32x8(acc[t0 + 5], 0, f0)
-    store_f32x8(acc[t0 + 5], 8, f1)
+        p = load_f32x8(panel, 64 * k), load_f32x8(panel, 64 * k + 32)
+        a, b, c = _fma2(p, xa[k], a), _fma2(p, xb[k], b), _fma2(p, xc[k], c)
+        d, e, f = _fma2(p, xd[k], d), _fma2(p, xe[k], e), _fma2(p, xf[k], f)
+    _store2(acc, t0, a)
+    _store2(acc, t0 + 1, b)
+    _store2(acc, t0 + 2, c)
+    _store2(acc, t0 + 3, d)
+    _store2(acc, t0 + 4, e)
+    _store2(acc, t0 + 5, f)
 
 
 @numba.njit
