@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyml.cli import standins
+from pyml.cli.built_once import built_once
 from pyml.cli.pyml_quantize import requantized
 from pyml.nlp.loaders.hub import cache_dir, resolve_gguf
 
@@ -44,25 +45,7 @@ def _requantized(kind):
 
 
 def _standin(writer, subdir, *args):
-    def locate():
-        out = cache_dir() / "standins" / subdir
-        done = out / ".complete"
-        if not done.exists():
-            writer(out, *args)
-            done.touch()
-        return out
-    return locate
-
-
-def _standin_file(writer, filename, *args):
-    def locate():
-        out = cache_dir() / "standins" / filename
-        if not out.exists():
-            tmp = out.with_suffix(".tmp")
-            writer(tmp, *args)
-            tmp.rename(out)
-        return out
-    return locate
+    return lambda: built_once(cache_dir() / "standins" / subdir, lambda path: writer(path, *args))
 
 
 MODELS = {m.name: m for m in [
@@ -74,10 +57,10 @@ MODELS = {m.name: m for m in [
     BenchModel("gemma3-270m-q4_k_m", "gguf", "Q4_K_M", _real("gemma3-270m")),
     BenchModel("gpt2-124m-f32", "safetensors", "F32", _standin(standins.write_gpt2, "gpt2-124m", "gpt2")),
     BenchModel("tinyllama-1.1b-q4_0", "gguf", "Q4_0",
-               _standin_file(standins.write_llama_gguf, "tinyllama-1.1b-q4_0.gguf", "tinyllama-1.1b", "q4_0")),
+               _standin(standins.write_llama_gguf, "tinyllama-1.1b-q4_0.gguf", "tinyllama-1.1b", "q4_0")),
     BenchModel("gemma3-1b-f32", "safetensors", "F32", _standin(standins.write_gemma3, "gemma3-1b", "gemma3-1b")),
     BenchModel("gemma3-1b-q8_0", "gguf", "Q8_0",
-               _standin_file(standins.write_gemma3_gguf, "gemma3-1b-q8_0.gguf", "gemma3-1b", "q8_0")),
+               _standin(standins.write_gemma3_gguf, "gemma3-1b-q8_0.gguf", "gemma3-1b", "q8_0")),
 ]}
 DEFAULT_MODELS = ["smollm2-135m-q4_1", "smollm2-135m-q8_0", "smollm2-135m-q4_0", "gemma3-270m-q4_k_m",
                   "gpt2-124m-f32"]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pyml.cli.built_once import built_once
 from pyml.core.errors import PymlError
 from pyml.nlp.loaders.hub import cache_dir
 
@@ -83,20 +84,18 @@ def exported(path: Path, quant: str) -> Path:
     if quant not in WEIGHT_FORMATS:
         raise PymlError(f"openvino: no matching precision for {quant}")
     out = peer_root() / "models" / f"{path.stem if path.is_file() else path.name}-{quant.lower()}"
-    if (out / ".complete").exists():
-        return out
-    python = export_environment()
-    shutil.rmtree(out, ignore_errors=True)
-    hf = out.with_name(out.name + ".hf")
-    try:
-        source = path
-        if path.is_file():
-            _run([python, "-c", _TO_HF, path.parent, path.name, hf], f"dequantizing {path.name} with transformers")
-            source = hf
-        cli = python.parent / "optimum-cli"
-        _run([cli, "export", "openvino", "--model", source, "--task", "text-generation-with-past",
-              *WEIGHT_FORMATS[quant], out], f"exporting {path.name} ({' '.join(WEIGHT_FORMATS[quant][1:])})")
-    finally:
-        shutil.rmtree(hf, ignore_errors=True)
-    (out / ".complete").touch()
-    return out
+
+    def export(folder):
+        python = export_environment()
+        hf = folder.with_name(folder.name + ".hf")
+        try:
+            source = path
+            if path.is_file():
+                _run([python, "-c", _TO_HF, path.parent, path.name, hf], f"dequantizing {path.name} with transformers")
+                source = hf
+            cli = python.parent / "optimum-cli"
+            _run([cli, "export", "openvino", "--model", source, "--task", "text-generation-with-past",
+                  *WEIGHT_FORMATS[quant], folder], f"exporting {path.name} ({' '.join(WEIGHT_FORMATS[quant][1:])})")
+        finally:
+            shutil.rmtree(hf, ignore_errors=True)
+    return built_once(out, export)

@@ -18,6 +18,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from pyml import quant
+from pyml.cli.built_once import built_once
 from pyml.cli.main import Parser, run_command
 from pyml.core.errors import PymlError
 from pyml.nlp.loaders import hub
@@ -65,11 +66,9 @@ def quantize_gguf(src, dst, target: QuantType, progress: bool = True):
 def requantized(src: Path, kind: str) -> Path:
     """`src` rewritten as `kind` (q8_0, q4_0, ...) beside the model cache, built once and reused."""
     out = Path(hub.cache_dir()) / "models" / f"{Path(src).stem}.{kind.upper()}.pyml.gguf"
-    if not out.exists() or out.stat().st_mtime < Path(src).stat().st_mtime:
-        tmp = out.with_suffix(".tmp")
-        quantize_gguf(src, tmp, TARGETS[kind], progress=sys.stderr.isatty())
-        tmp.rename(out)
-    return out
+    stale = out.exists() and out.stat().st_mtime < Path(src).stat().st_mtime
+    return built_once(out, lambda path: quantize_gguf(src, path, TARGETS[kind], progress=sys.stderr.isatty()),
+                      stale)
 
 
 def build_parser() -> Parser:
