@@ -25,9 +25,35 @@ def pytest_configure(config):
 _PACKED = [None]  # the folder pytest_configure made, removed at the end
 
 
+def pytest_report_header(config):
+    from pyml.core import isa
+    available = isa.supported(isa.HOST_FEATURES)
+    missing = [path for path in isa.PATHS if path not in available]
+    return (f"pyml ISA path: {isa.ISA}; this CPU runs {', '.join(available)}; "
+            f"not on this CPU: {', '.join(missing) or 'none'}")
+
+
 def pytest_unconfigure(config):
     if _PACKED[0]:
         shutil.rmtree(_PACKED[0], ignore_errors=True)
+
+
+@pytest.fixture
+def say(record_property):
+    """say(text): a line for the test output, such as an ISA path this CPU cannot run and so did not
+    test. The suite runs on several workers (pytest-xdist), whose own output nobody sees: the line
+    travels with the test's report and is printed at the end, under "said by the tests"."""
+    return lambda text: record_property("said", text)
+
+
+def pytest_terminal_summary(terminalreporter):
+    said = [f"{report.nodeid}: {text}" for reports in terminalreporter.stats.values() for report in reports
+            if getattr(report, "when", None) == "call"
+            for key, text in getattr(report, "user_properties", ()) if key == "said"]
+    if said:
+        terminalreporter.section("said by the tests")
+        for line in sorted(said):
+            terminalreporter.line(line)
 
 
 @pytest.fixture(scope="session")

@@ -44,15 +44,14 @@ print(json.dumps({"madds": len(madds), "stack": sum("rsp" in line for line in li
 """
 
 
-def test_the_avx2_peak_fits_an_avx2_cpus_registers(capsys):
+def test_the_avx2_peak_fits_an_avx2_cpus_registers(say):
     """Compiled as for an AVX2-only CPU (PYML_ISA=avx2 caps LLVM's features, core/isa.py), the peak's
     loop keeps its operands and sums in 16 ymm registers: no stack traffic between its multiplies,
     which would make the peak read low and every kernel's share of it high."""
     from pyml.core import isa
     from tests.core.test_isa import isa_probe
     if "avx2" not in isa.supported(isa.HOST_FEATURES):
-        with capsys.disabled():
-            print("\nthe avx2 path is not on this CPU: its peak is not compiled here")
+        say("the avx2 path is not on this CPU: its peak is not compiled here")
         return
     got = isa_probe(_SPILL_PROBE, "avx2")
     assert got["madds"] >= 12 and got["stack"] == 0, got

@@ -88,11 +88,10 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(capsys):
+def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(say):
     available = isa.supported(isa.HOST_FEATURES)
     unavailable = [p for p in isa.PATHS if p not in available]
-    with capsys.disabled():  # said in the test output, not skipped silently
-        print(f"\nISA paths run here: {', '.join(available)}; not on this CPU: {', '.join(unavailable) or 'none'}")
+    say(f"ISA paths run here: {', '.join(available)}; not on this CPU: {', '.join(unavailable) or 'none'}")
     stamps, digests, digests_q6k = {}, set(), set()
     # The paths' probes run at once: each mostly compiles its kernels, on one core, for ~30 s cold
     # (run one after another they were CI's slowest test, 128 s).
@@ -176,11 +175,10 @@ def isa_probe(source, path):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_forced_avx2_compiles_as_for_an_avx2_only_cpu(capsys):
+def test_forced_avx2_compiles_as_for_an_avx2_only_cpu(say):
     available = isa.supported(isa.HOST_FEATURES)
     if "avx2" not in available:
-        with capsys.disabled():
-            print("\nthe avx2 path is not on this CPU: its code is not compiled here")
+        say("the avx2 path is not on this CPU: its code is not compiled here")
         return
     got = isa_probe(_ASM_PROBE, "avx2")
     assert got["isa"] == "avx2"

@@ -97,13 +97,12 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def test_unavailable_bf16_is_named_and_runs_f32(capsys):
+def test_unavailable_bf16_is_named_and_runs_f32(say):
     """A CPU without AVX-512 BF16 (forced with PYML_ISA: the best path below avx512_bf16 this CPU has):
     --float-compute bf16 is said to be unavailable, by name, and every float GEMM runs in f32."""
     below = next(p for p in isa.supported(isa.HOST_FEATURES) if p != "avx512_bf16")
-    with capsys.disabled():
-        print(f"\n--float-compute bf16 checked as unavailable on ISA path {below} "
-              f"(this CPU: {'has' if 'avx512_bf16' in isa.supported(isa.HOST_FEATURES) else 'lacks'} avx512_bf16)")
+    say(f"--float-compute bf16 checked as unavailable on ISA path {below} "
+        f"(this CPU: {'has' if 'avx512_bf16' in isa.supported(isa.HOST_FEATURES) else 'lacks'} avx512_bf16)")
     env = dict(os.environ, PYML_ISA=below)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
