@@ -121,7 +121,12 @@ def _chains16(op):
     return chains
 
 
-_dpbusd16_chains, _dpbf16_chains = _chains16(dpbusd16), _chains16(dpbf16_regs)
+@numba.njit
+def _fma16_into(acc, a, b):
+    return fma16(a, b, acc)
+
+
+_dpbusd16_chains, _dpbf16_chains, _fma16_chains = _chains16(dpbusd16), _chains16(dpbf16_regs), _chains16(_fma16_into)
 
 
 @numba.njit(cache=True)
@@ -161,15 +166,24 @@ def _int8_chains16(n, q):  # vpdpbusd on 512-bit vectors (the avx512_vnni GEMMs'
     return out.sum()
 
 
-@numba.njit(cache=True)
-def _bf16_chains(n, x):  # vdpbf16ps on zmm (32 bf16 products each): the bf16 peak
-    sums = _dpbf16_chains(n, f32x16(x[0]), f32x16(x[1]), zeros_f32x16())
+@numba.njit
+def _total16(sums):  # every chain feeds the result, or LLVM drops it
     one, t = f32x16(1.0), zeros_f32x16()
-    for s in sums:  # every chain feeds the result, or LLVM drops it
-        t = fma16(s, one, t)
+    for v in sums:
+        t = fma16(v, one, t)
     out = np.empty(16, np.float32)
     store_f32x16(out, 0, t)
     return out.sum()
+
+
+@numba.njit(cache=True)
+def _bf16_chains(n, x):  # vdpbf16ps on zmm (32 bf16 products each): the bf16 peak
+    return _total16(_dpbf16_chains(n, f32x16(x[0]), f32x16(x[1]), zeros_f32x16()))
+
+
+@numba.njit(cache=True)
+def _fp32_chains16(n, s):  # vfmadd231ps on zmm (the float panels' on the 512-bit paths)
+    return _total16(_fma16_chains(n, f32x16(s), f32x16(s), zeros_f32x16()))
 
 
 def bf16_peak(rounds: int = 5, n: int = 4_000_000) -> float | None:
@@ -183,9 +197,10 @@ def bf16_peak(rounds: int = 5, n: int = 4_000_000) -> float | None:
 
 def compute_peaks(rounds: int = 5, n: int = 4_000_000) -> tuple[float, float]:
     """(float32 GFLOP/s, int8 GOP/s) one core reaches with nothing to wait for: the ceilings the GEMMs'
-    rates are shares of (an int8 multiply-add counts 2 ops, as a float FMA). Float32 on 256-bit
-    vectors; int8 the better of 256 and, on the avx512_vnni path, 512 bits (the same on Zen 4, which
-    splits a 512-bit op in two halves; twice on CPUs with two 512-bit pipes)."""
+    rates are shares of (an int8 multiply-add counts 2 ops, as a float FMA). Each the better of 256
+    and, on the paths with 512-bit kernels, 512 bits (the same on Zen 4, which splits a 512-bit op
+    in two halves; twice on CPUs with two 512-bit pipes, where a 256-bit peak would flatter the
+    kernels by half)."""
     x = np.full(16, 1e-7, np.float32)
     q = np.ones(896, np.uint8)  # _maddubs_chains reads 896 bytes, the others the first 64
     fp32 = 12 * 8 * 2 * n / _best(lambda: _fma_chains(n, x), rounds) / 1e9
@@ -193,6 +208,8 @@ def compute_peaks(rounds: int = 5, n: int = 4_000_000) -> tuple[float, float]:
     int8 = 12 * 32 * 2 * n / _best(lambda: chains(n, q), rounds) / 1e9
     if ZMM:
         int8 = max(int8, 12 * 64 * 2 * n / _best(lambda: _int8_chains16(n, q), rounds) / 1e9)
+        one = np.float32(1e-7)
+        fp32 = max(fp32, 12 * 16 * 2 * n / _best(lambda: _fp32_chains16(n, one), rounds) / 1e9)
     return fp32, int8
 
 

@@ -4,9 +4,10 @@ Storage: float32; float16 (passed to the kernels as its uint16 bits: Numba has n
 uint16 holding bfloat16 bits (the top half of a float32). T == 1 runs a GEMV that streams the
 weights once (F16/BF16 at 2 bytes per weight); T > 1 a GEMM in register tiles of 4 weight rows
 x 4 activation rows, each weight vector widened to float32 once per tile (vcvtph2ps for F16, a
-shift for BF16). Where the code has 16 vector registers, T >= PANEL_MIN_T packs 16 weight rows at a
-time column-major and runs tiles of 6 tokens x 16 rows, as BLIS does on AVX2 (section "T > 1 with
-16 registers"), and fewer tokens a 3 x 3 tile. All are exact up to float32 summation order.
+shift for BF16). For T >= PANEL_MIN_T each thread packs weight rows column-major and runs tiles of
+6 tokens x 16 rows on ymm where the code has 16 vector registers, as BLIS does on AVX2, and of 8
+tokens x 32 rows on zmm on the avx512 paths (section "T > 1 in packed panels"); fewer tokens run
+a 3 x 3 tile (16 registers) or the 4 x 4 one. All are exact up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import numba
 import numpy as np
 from numba import prange
 
-from pyml.core.isa import REGISTERS
+from pyml.core.isa import REGISTERS, ZMM
 from pyml.quant.ggml_types import F16, F32
 from pyml.quant.kernel_set import KernelSet, chunk_rows, n_chunks
 from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, f32x8, fma, half_to_f32, hsum, load_bf16x8, load_f16x8,
                              load_f32x8, prefetch, store_f32x8, transpose_u32, zeros_f32x8)
+from pyml.quant.simd512 import f32x16, fma16, load_f32x16, store_f32x16
 
 
 
@@ -167,7 +169,7 @@ def _gemm_chunk(kind, w, x, out, r_lo, r_hi):
                             out[t[i], r[j]] = s
 
 
-# --- T > 1 with 16 registers: 16-row panels ----------------------------------------------------
+# --- T > 1 in packed panels: 16 rows on ymm, 32 on zmm ----------------------------------------
 # With 16 registers the dot-product tile above holds 3 x 3 sums: 6 loads per 9 FMAs, a weight
 # vector widened once per 3 tokens, and a horizontal sum per output: 57-76% of the float32 FMA
 # peak (kernel_bench, AVX2, 1 thread, T = 512). The AVX2 micro-kernels of BLIS and OpenBLAS turn
@@ -184,7 +186,8 @@ PANEL_K = 256  # columns per pass over the tokens
 # Packing costs about what 30-60 tokens gain (a 6-token tile also pads T up to a multiple of 6):
 # kernel_bench (1 thread, avx2) at T = 8 read 29-33% of the peak against 51-68% for the 3 x 3
 # tile, at T = 32 55-65% against 49-74%, at T = 64 52-74% against 45-68%, at T = 512 79-83%
-# against 57-76%.
+# against 57-76%. On zmm (32 rows x 8 tokens, avx512_bf16 path) at T = 64: 73-83% against 65-88%
+# for the 4 x 4 tile, the same within the host's noise.
 PANEL_MIN_T = 64
 
 
@@ -249,20 +252,80 @@ def _panel_tile(panel, x, t0, k0, k1, acc):
     _store2(acc, t0 + 5, f)
 
 
+# With 512-bit vectors (the avx512 paths: 32 registers) the panels hold 32 rows, two 16-row halves
+# of the layout above, and a tile is 8 tokens x 32 rows on zmm: 16 accumulators, and per column 2
+# panel loads and 8 broadcasts for 16 FMAs, 26 registers. (12 tokens, BLIS's skx shape, needs 24
+# accumulators beside the broadcasts, which LLVM keeps in registers rather than as the FMAs'
+# {1to16} operands: it spilled, 58-70% of the peak.) On Zen 4, which splits a 512-bit FMA in two,
+# the 4 x 4 ymm tile was already near the peak: kernel_bench (1 thread, T = 512, old and new builds
+# alternating) F32 63-82% -> 82-89%, F16 83-88% -> 82-89%. On CPUs with two 512-bit FMA units
+# (Intel's server cores) a ymm tile can reach only half the zmm peak, which kernel_bench now measures.
+PANEL_Z = 32
+PANEL_TZ = 8
+
+
+@numba.njit
+def _row2z(acc, t):  # the 32 sums of token t, as two F32x16
+    return load_f32x16(acc[t], 0), load_f32x16(acc[t], 16)
+
+
+@numba.njit
+def _fma2z(p, s, a):
+    y = f32x16(s)
+    return fma16(p[0], y, a[0]), fma16(p[1], y, a[1])
+
+
+@numba.njit
+def _store2z(acc, t, a):
+    store_f32x16(acc[t], 0, a[0])
+    store_f32x16(acc[t], 16, a[1])
+
+
+@numba.njit
+def _panel_tile_z(panel, half, x, t0, k0, k1, acc):
+    """_panel_tile on zmm: acc[t0 .. t0 + 7] (float32 [*, 32]) += x[t0 .. t0 + 7, k0:k1] @ columns
+    k0:k1 of the panel, rows 0-15 from byte 0 and rows 16-31 from byte `half`."""
+    T = x.shape[0]
+    xa, xb, xc = x[t0], x[min(t0 + 1, T - 1)], x[min(t0 + 2, T - 1)]
+    xd, xe, xf = x[min(t0 + 3, T - 1)], x[min(t0 + 4, T - 1)], x[min(t0 + 5, T - 1)]
+    xg, xh = x[min(t0 + 6, T - 1)], x[min(t0 + 7, T - 1)]
+    a, b, c = _row2z(acc, t0), _row2z(acc, t0 + 1), _row2z(acc, t0 + 2)
+    d, e, f = _row2z(acc, t0 + 3), _row2z(acc, t0 + 4), _row2z(acc, t0 + 5)
+    g, h = _row2z(acc, t0 + 6), _row2z(acc, t0 + 7)
+    for k in range(np.uintp(k0), np.uintp(k1)):  # unsigned: no wrap-around code for negative indices
+        p = load_f32x16(panel, 64 * k), load_f32x16(panel, half + 64 * k)
+        a, b, c = _fma2z(p, xa[k], a), _fma2z(p, xb[k], b), _fma2z(p, xc[k], c)
+        d, e, f = _fma2z(p, xd[k], d), _fma2z(p, xe[k], e), _fma2z(p, xf[k], f)
+        g, h = _fma2z(p, xg[k], g), _fma2z(p, xh[k], h)
+    for n, v in enumerate((a, b, c, d, e, f, g, h)):
+        _store2z(acc, t0 + n, v)
+
+
+# the panel the compiled code's registers hold: 16 rows x 6 tokens on ymm, 32 x 12 on zmm (with 32
+# ymm registers and no zmm the 4 x 4 tile stays)
+PANEL_ROWS, PANEL_TOKENS = (PANEL_Z, PANEL_TZ) if ZMM else (PANEL, PANEL_T)
+PANELS = ZMM or TILE == 3
+
+
 @numba.njit
 def gemm_panels(kind, w, x, out, r_lo, r_hi):
-    """Rows r_lo..r_hi of out [T, R] from 16-row panels (section doc)."""
+    """Rows r_lo..r_hi of out [T, R] from PANEL_ROWS-row panels (section doc)."""
     numba.literally(kind)
     T, K = x.shape
-    panel = np.empty(64 * (K + 15 - (K + 15) % 16), np.uint8)  # 64 bytes per column, Kp columns
-    acc = np.empty(((T + PANEL_T - 1) // PANEL_T * PANEL_T, PANEL), np.float32)
-    for r0 in range(r_lo, r_hi, PANEL):
-        _pack_panel(kind, w, r0, r_hi, panel)
+    half = 64 * (K + 15 - (K + 15) % 16)  # a 16-row panel: 64 bytes per column, Kp columns
+    panel = np.empty(half * (PANEL_ROWS // 16), np.uint8)
+    acc = np.empty(((T + PANEL_TOKENS - 1) // PANEL_TOKENS * PANEL_TOKENS, PANEL_ROWS), np.float32)
+    for r0 in range(r_lo, r_hi, PANEL_ROWS):
+        for q in range(PANEL_ROWS // 16):
+            _pack_panel(kind, w, r0 + 16 * q, r_hi, panel[half * q:half * (q + 1)])
         acc[:] = 0.0
         for k0 in range(0, K, PANEL_K):
-            for t0 in range(0, T, PANEL_T):
-                _panel_tile(panel, x, t0, k0, min(K, k0 + PANEL_K), acc)
-        n = min(PANEL, r_hi - r0)
+            for t0 in range(0, T, PANEL_TOKENS):
+                if PANEL_ROWS == PANEL_Z:
+                    _panel_tile_z(panel, half, x, t0, k0, min(K, k0 + PANEL_K), acc)
+                else:
+                    _panel_tile(panel, x, t0, k0, min(K, k0 + PANEL_K), acc)
+        n = min(PANEL_ROWS, r_hi - r0)
         out[:, r0:r0 + n] = acc[:T, :n]
 
 
@@ -292,7 +355,7 @@ def float_kernels(kind: int) -> KernelSet:
     def gemm(w, x, out):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32
         for c in prange(n_chunks(w.shape[0])):
             r_lo, r_hi = chunk_rows(c, w.shape[0])
-            if TILE == 3 and x.shape[0] >= PANEL_MIN_T:
+            if PANELS and x.shape[0] >= PANEL_MIN_T:
                 gemm_panels(kind, w, x, out, r_lo, r_hi)
             else:
                 _gemm_chunk(kind, w, x, out, r_lo, r_hi)

@@ -33,6 +33,13 @@ def test_int8_peak_chains_do_the_products_they_count():
     assert kernel_bench._maddubs_chains(100, q) == 384 * 100
 
 
+def test_zmm_float_peak_chains_do_the_fmas_they_count():
+    """The avx512 paths' float32 peak counts 12 chains x 16 lanes of FMAs per iteration: with both
+    factors 1, each iteration adds exactly 192 to the total (compute_peaks takes the better of it
+    and the 8-lane chains, as the float GEMM's panels run on zmm there)."""
+    assert kernel_bench._fp32_chains16(100, np.float32(1.0)) == 192 * 100
+
+
 _SPILL_PROBE = """
 import json, numba, numpy as np
 from pyml.cli import kernel_bench

@@ -1,6 +1,7 @@
-"""The float GEMM's 16-row panels (pyml/quant/floats.py, section "T > 1 with 16 registers"), run here
-on any CPU: the packed layout is the documented one, and the products match float64 within float32
-accumulation's bound."""
+"""The float GEMM's panels (pyml/quant/floats.py, section "T > 1 with 16 registers"): 16 rows x 6
+tokens on ymm, 32 rows (two 16-row halves) x 12 tokens on zmm, whichever this process compiled
+(tests/core/test_isa.py runs every path's). The packed layout is the documented one, and the
+products match float64 within float32 accumulation's bound."""
 
 import numpy as np
 import pytest
@@ -28,10 +29,11 @@ def test_a_panel_holds_16_rows_column_major_with_zeros_past_the_edges(rng, qtype
 
 
 @pytest.mark.parametrize("qtype", FLOATS, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows, n_cols, T", [(16, 256, 6), (40, 300, 7), (57, 520, 13), (33, 1000, 64)])
+@pytest.mark.parametrize("rows, n_cols, T", [(16, 256, 6), (40, 300, 7), (57, 520, 13), (33, 1000, 64),
+                                             (96, 272, 25)])
 def test_the_panels_match_float64(rng, qtype, rows, n_cols, T):
     """Edges on every side: rows not a multiple of 16 (nor the 32-row chunks), columns not of 16 or
-    of PANEL_K, tokens not of 6."""
+    of PANEL_K, tokens not of 6 or 12; and full panels on both halves."""
     w = _weights(rng, qtype, rows, n_cols)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     out = np.full((T, rows), np.nan, np.float32)
