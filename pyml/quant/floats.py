@@ -214,21 +214,26 @@ def _pack_panel(kind, w, r0, r_hi, panel):
         transpose_u32(stage, 0, 64, panel, 64 * k0, 16)
 
 
-@numba.njit
-def _row2(acc, t):  # the 16 sums of token t, as two F32x8
-    return load_f32x8(acc[t], 0), load_f32x8(acc[t], 8)
+def _pair_ops(load, store, splat, fma_pair, lanes):
+    """A panel tile's per-token helpers for rows held in two vectors of `lanes` floats: load a
+    token's sums, add s x the panel pair to them, store them."""
+    @numba.njit
+    def row2(acc, t):
+        return load(acc[t], 0), load(acc[t], lanes)
+
+    @numba.njit
+    def fma2(p, s, a):
+        y = splat(s)
+        return fma_pair(p[0], y, a[0]), fma_pair(p[1], y, a[1])
+
+    @numba.njit
+    def store2(acc, t, a):
+        store(acc[t], 0, a[0])
+        store(acc[t], lanes, a[1])
+    return row2, fma2, store2
 
 
-@numba.njit
-def _fma2(p, s, a):  # the pair a + s x the pair p
-    y = f32x8(s)
-    return fma(p[0], y, a[0]), fma(p[1], y, a[1])
-
-
-@numba.njit
-def _store2(acc, t, a):
-    store_f32x8(acc[t], 0, a[0])
-    store_f32x8(acc[t], 8, a[1])
+_row2, _fma2, _store2 = _pair_ops(load_f32x8, store_f32x8, f32x8, fma, 8)
 
 
 @numba.njit
@@ -264,21 +269,7 @@ PANEL_Z = 32
 PANEL_TZ = 8
 
 
-@numba.njit
-def _row2z(acc, t):  # the 32 sums of token t, as two F32x16
-    return load_f32x16(acc[t], 0), load_f32x16(acc[t], 16)
-
-
-@numba.njit
-def _fma2z(p, s, a):
-    y = f32x16(s)
-    return fma16(p[0], y, a[0]), fma16(p[1], y, a[1])
-
-
-@numba.njit
-def _store2z(acc, t, a):
-    store_f32x16(acc[t], 0, a[0])
-    store_f32x16(acc[t], 16, a[1])
+_row2z, _fma2z, _store2z = _pair_ops(load_f32x16, store_f32x16, f32x16, fma16, 16)
 
 
 @numba.njit
