@@ -292,7 +292,7 @@ def _panel_tile_z(panel, half, x, t0, k0, k1, acc):
         _store2z(acc, t0 + n, v)
 
 
-# the panel the compiled code's registers hold: 16 rows x 6 tokens on ymm, 32 x 12 on zmm (with 32
+# the panel the compiled code's registers hold: 16 rows x 6 tokens on ymm, 32 x 8 on zmm (with 32
 # ymm registers and no zmm the 4 x 4 tile stays)
 PANEL_ROWS, PANEL_TOKENS = (PANEL_Z, PANEL_TZ) if ZMM else (PANEL, PANEL_T)
 PANELS = ZMM or TILE == 3
