@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from pyml.core import atomics, perf
 from pyml.core.isa import BF16 as HAVE_BF16
 from pyml.core.jit import FASTMATH
-from pyml.core.ops import PARALLEL_MIN_WORK, exp32
+from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
 from pyml.quant import bf16, simd
 from pyml.quant.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
 
@@ -261,9 +261,7 @@ def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, wi
                     p = c0 + j
                     keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
                     scores[r, j] = scores[r, j] if keep else -np.inf
-            best = np.float32(-np.inf)
-            for j in range(width):
-                best = max(best, scores[r, j])
+            best = max32(scores[r], width)
             if best == -np.inf:
                 scores[r, :width] = 0.0
                 continue
@@ -603,9 +601,7 @@ def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
                             p = c0 + j
                             keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
                             scores[r, j] = scores[r, j] if keep else -np.inf
-                    best = np.float32(-np.inf)
-                    for j in range(CHUNK):
-                        best = max(best, scores[r, j])
+                    best = max32(scores[r], CHUNK)
                     if best == -np.inf:
                         pb[r, :] = 0
                         continue
@@ -616,17 +612,13 @@ def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
                             acc[r, i] *= alpha
                         m[r] = best
                     mr = m[r]
-                    for j in range(CHUNK):
-                        s = scores[r, j]
-                        e = exp32(s - mr)
-                        scores[r, j] = e if s > -np.inf else np.float32(0.0)
-                    su = scores[r].view(np.uint32)
                     total = np.float32(0.0)
                     for j in range(CHUNK):
-                        bits = bf16._round_bits(su[j])
-                        pb[r, j] = bits
-                        su[j] = np.uint32(bits) << np.uint32(16)  # the rounded probability, as float32
-                        total += scores[r, j]
+                        s = scores[r, j]
+                        e = bf16.round_f32(exp32(s - mr))  # the probability PV multiplies, as float32
+                        e = e if s > -np.inf else np.float32(0.0)
+                        pb[r, j] = bf16.high_bits(e)
+                        total += e
                     l[r] += total
                 off = PAIR_BF16 * ((c0 - base) // 2)
                 for g in range(n_vblocks):

@@ -96,6 +96,29 @@ def _round_bits(u):  # float32 bits (uint32) -> bf16 bits, round to nearest even
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+@intrinsic
+def round_f32(typingctx, x):
+    """float32 x rounded to bf16 (nearest even), held as a float32 (low 16 bits zero); x not NaN
+    (an exp's result). In 32-bit arithmetic, where _round_bits's integers widen to 64 bits and
+    halve a loop's vector width."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        odd = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd)
+        return builder.bitcast(builder.and_(rounded, ir.Constant(i32, -0x10000)), ir.FloatType())
+    return numba.types.float32(numba.types.float32), codegen
+
+
+@intrinsic
+def high_bits(typingctx, x):
+    """The bf16 bits of a float32 that round_f32 gave (its upper half)."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.trunc(builder.lshr(builder.bitcast(args[0], i32), ir.Constant(i32, 16)), ir.IntType(16))
+    return numba.types.uint16(numba.types.float32), codegen
+
+
 @numba.njit(parallel=True, cache=True)
 def round_rows(x, out):
     """x float32 [T, K] -> out uint16 [T, >= K] bf16 bits (RNE), zeros in the columns past K."""

@@ -30,6 +30,26 @@ def test_exp32_is_float32_accurate_over_its_range():
     assert 0 < edge[0] == edge[1] < 1e-37 and np.isfinite(edge[2]) and edge[2] == edge[3] > 1e38
 
 
+@numba.njit  # not cached, as _exp32_all
+def _max32_rows(x, widths, out):
+    for r in range(x.shape[0]):
+        out[r] = ops.max32(x[r], widths[r])
+    return out
+
+
+def test_max32_is_numpys_max(rng):
+    x = (rng.standard_normal((400, 70)) * np.logspace(-40, 38, 400)[:, None]).astype(np.float32)
+    x[rng.random(x.shape) < 0.2] = -np.inf  # masked scores
+    x[::7] = -np.inf
+    x[3, :5] = [-0.0, 0.0, -1e-45, 1e-45, -np.float32(3.4e38)]
+    widths = rng.integers(1, 71, 400)
+    widths[3] = 5
+    got = _max32_rows(x, widths, np.empty(400, np.float32))
+    want = np.array([x[r, :widths[r]].max() for r in range(400)], np.float32)
+    assert np.array_equal(got, want)
+    assert got[3] == np.float32(1e-45) and np.all(got[::7] == -np.inf)
+
+
 @pytest.mark.parametrize("rows", [1, 7])
 def test_activations_match_torch(torch, rng, rows):
     x = (rng.standard_normal((rows, 333)) * 4).astype(np.float32)

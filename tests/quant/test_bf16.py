@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import numba
 import numpy as np
 import pytest
 
@@ -58,6 +59,25 @@ def test_activation_rounding_is_round_to_nearest_even(torch):
     assert np.array_equal(got[:, :-1][~nan], want[~nan])
     assert np.all((got[:, :-1][nan] & 0x7F80) == 0x7F80) and np.all(got[:, :-1][nan] & 0x7F)  # still NaN
     assert got[0, -1] == 0  # the padding column of an odd K
+
+
+@numba.njit  # not cached: its cache would be stamped with this file only
+def _round_each(x, values, bits):
+    for i in range(x.size):
+        values[i] = bf16.round_f32(x[i])
+        bits[i] = bf16.high_bits(values[i])
+
+
+def test_probability_rounding_is_round_to_nearest_even(torch, rng):
+    """round_f32 / high_bits (the attention's probabilities; plain integer ops, on every path)."""
+    ties = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7FFFFF, 0x00000001, 0x80000000,
+                     0x7F800000, 0xFF800000, 0x477FF000, 0x00008000, 0x00018000], np.uint32).view(np.float32)
+    x = np.concatenate([ties, rng.random(10_000, np.float32), rng.standard_normal(10_000).astype(np.float32)])
+    values, bits = np.empty_like(x), np.empty(x.size, np.uint16)
+    _round_each(x, values, bits)
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16)
+    assert np.array_equal(bits, want.view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(values, want.to(torch.float32).numpy())
 
 
 @needs_bf16
