@@ -135,6 +135,34 @@ def test_tiled_on_top_of_a_cached_context(pos, T, window):
     np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("use_bf16", [False, pytest.param(True, marks=needs_bf16)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_type", TYPES)
+def test_a_ring_that_wraps_inside_a_chunk(kv_type, use_bf16):
+    """A sliding window's ring of 280 slots (window 20 + 256, to a multiple of 8; not a multiple of
+    the 64-position chunk): after 601 positions it has wrapped twice, and the last positions' span
+    crosses its end inside a chunk. Prefill and decode against float64."""
+    rng = np.random.default_rng(5)
+    window, n, pos = 20, 601, 560
+    k = rng.standard_normal((n, 2, 64), np.float32)
+    v = rng.standard_normal((n, 2, 64), np.float32)
+    cache = KVCache(1, 2, 64, n, kv_type, windows=[window])
+    assert cache.slots[0] == 280
+    for p in range(0, n, 40):  # a chat's turns: the ring keeps the last 280 positions
+        cache.update(0, p, k[p:p + 40], v[p:p + 40])
+    stored_k, stored_v = cache.view(0, n, n - 280)
+    kt, vt = np.zeros((2, n, 64), np.float32), np.zeros((2, n, 64), np.float32)
+    kt[:, n - 280:], vt[:, n - 280:] = stored_k, stored_v
+    q = rng.standard_normal((n - pos, 6, 64), np.float32)
+    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=use_bf16)
+    expect = reference(q, kt, vt, np.arange(pos, n), 0.125, window)
+    if use_bf16:
+        assert np.abs(got - expect).max() < BOUND_BF16
+    else:
+        np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
+    got = attention_ops.attend_decode(q[-1], *cache.layer(0), n - window, n, 0.125, np.empty_like(q[-1]), window)
+    np.testing.assert_allclose(got, expect[-1], rtol=2e-5, atol=2e-6)
+
+
 @needs_bf16
 @pytest.mark.parametrize("T", [1, 2, 9, 64, 65, 130])
 @pytest.mark.parametrize("kv_type,heads,kv_heads,hd,window",
