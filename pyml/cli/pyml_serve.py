@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pyml.cli.main import Parser, run_command, say
 from pyml.cli.options import add_model_options, model_options
 from pyml.cli.serve_app import Server
 from pyml.core import perf
+from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import DEFAULT_MODEL, load_model
 
@@ -39,20 +41,34 @@ def model_id(args) -> str:
     return Path(name).name if Path(name).exists() else name
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one line at once, not
+    after the load; and --port 0's port is known, to be said. (uvicorn's own bind would log and exit.)"""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PymlError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run(args) -> int:
     perf.configure(args.log)
     if args.ctx_size < 2:
         say(f"pyml-serve: error: --ctx-size must be >= 2, got {args.ctx_size}")
         return 2
+    sock = listening_socket(args.host, args.port)
     lm = load_model(**model_options(args))
     ctx = min(args.ctx_size, lm.model.max_positions)
     server = Server(lm, args.alias or model_id(args), ctx, args.api_key)
-    config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
+    config = uvicorn.Config(server.app(), host=args.host, port=sock.getsockname()[1], log_level="warning",
                             timeout_graceful_shutdown=5)
-    http = uvicorn.Server(config)
-    say(f"pyml-serve: {server.model_id} ({lm.source}), context {ctx}, on http://{args.host}:{args.port} "
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    say(f"pyml-serve: {server.model_id} ({lm.source}), context {ctx}, on http://{host}:{sock.getsockname()[1]} "
         f"(load {lm.load_s * 1e3:.0f} ms, threads {lm.runtime.threads})")
-    http.run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

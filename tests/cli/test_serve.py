@@ -8,9 +8,11 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,15 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class Served:
-    def __init__(self, proc, port, model_id):
-        self.proc, self.port, self.model_id = proc, port, model_id
+    def __init__(self, proc, port, model_id, said):
+        self.proc, self.port, self.model_id, self.said = proc, port, model_id, said
         self.base = f"http://{HOST}:{port}"
 
     def request(self, method, path, body=None, raw: bytes | None = None, timeout=30):
@@ -51,24 +47,39 @@ class Served:
         raise AssertionError("no VmRSS")
 
 
+def _said(proc) -> list[str]:
+    """The server's stderr lines as they come, read by a thread (a full pipe would stall the server)."""
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return lines
+
+
 def start_server(model: Path):
-    port = free_port()
+    """pyml-serve on a port the OS picks (--port 0), learnt from the line the server says: a port
+    picked here and handed over could be taken by another test's server in between."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
     env.pop("LOG", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(model), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(model), "--port", "0",
                              "-t", "1", "--alias", "tiny"], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    served = Served(proc, port, "tiny")
+    said = _said(proc)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
+    port = None
+    while time.monotonic() < deadline and port is None:
+        assert proc.poll() is None or said, "pyml-serve exited without a word"
+        assert proc.poll() is None, "".join(said)
+        port = next((int(m.group(1)) for line in said if (m := re.search(rf"on http://{HOST}:(\d+) ", line))), None)
+        time.sleep(0.1)
+    served = Served(proc, port, "tiny", said)
+    while port is not None and time.monotonic() < deadline:
+        assert proc.poll() is None, "".join(said)
         try:
             if served.request("GET", "/health", timeout=2)[0] == 200:
                 return served
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    pytest.fail("pyml-serve did not answer /health within 120 s")
+    pytest.fail(f"pyml-serve did not answer /health within 120 s: {''.join(said)}")
 
 
 def stop_server(served: Served):
@@ -78,6 +89,19 @@ def stop_server(served: Served):
     except subprocess.TimeoutExpired:
         served.proc.kill()
         served.proc.wait(timeout=5)
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    """The socket is bound first: the error names the port, not the (missing) model."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(tmp_path / "missing.gguf"),
+                               "--port", str(port)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"pyml-serve: error: cannot listen on {HOST}:{port}: Address already in use"]
 
 
 @pytest.fixture(scope="module")
