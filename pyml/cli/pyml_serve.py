@@ -60,13 +60,14 @@ def run(args) -> int:
         say(f"pyml-serve: error: --ctx-size must be >= 2, got {args.ctx_size}")
         return 2
     sock = listening_socket(args.host, args.port)
+    port = sock.getsockname()[1]  # --port 0: the one the OS gave
     lm = load_model(**model_options(args))
     ctx = min(args.ctx_size, lm.model.max_positions)
     server = Server(lm, args.alias or model_id(args), ctx, args.api_key)
-    config = uvicorn.Config(server.app(), host=args.host, port=sock.getsockname()[1], log_level="warning",
+    config = uvicorn.Config(server.app(), host=args.host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    say(f"pyml-serve: {server.model_id} ({lm.source}), context {ctx}, on http://{host}:{sock.getsockname()[1]} "
+    say(f"pyml-serve: {server.model_id} ({lm.source}), context {ctx}, on http://{host}:{port} "
         f"(load {lm.load_s * 1e3:.0f} ms, threads {lm.runtime.threads})")
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -72,25 +72,26 @@ def _f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+def _flip_negative(builder, bits):
+    """int32 bits with a negative float's magnitude bits inverted: float32 bits -> a key that orders
+    as the floats do (NaN aside), and the key back (the map is its own inverse)."""
+    i32 = ir.IntType(32)
+    return builder.xor(bits, builder.and_(builder.ashr(bits, ir.Constant(i32, 31)), ir.Constant(i32, 0x7FFFFFFF)))
+
+
 @intrinsic
 def _order_key(typingctx, x):
-    """An int32 that orders as the float32 x does (NaN aside): a negative float's sign-magnitude
-    bits turned to two's complement order."""
+    """An int32 that orders as the float32 x does (NaN aside)."""
     def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        bits = builder.bitcast(args[0], i32)
-        return builder.xor(bits, builder.and_(builder.ashr(bits, ir.Constant(i32, 31)), ir.Constant(i32, 0x7FFFFFFF)))
+        return _flip_negative(builder, builder.bitcast(args[0], ir.IntType(32)))
     return types.int32(types.float32), codegen
 
 
 @intrinsic
 def _from_order_key(typingctx, key):
-    """The float32 of an _order_key (the map is its own inverse)."""
+    """The float32 of an _order_key."""
     def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        key = args[0]
-        bits = builder.xor(key, builder.and_(builder.ashr(key, ir.Constant(i32, 31)), ir.Constant(i32, 0x7FFFFFFF)))
-        return builder.bitcast(bits, ir.FloatType())
+        return builder.bitcast(_flip_negative(builder, args[0]), ir.FloatType())
     return types.float32(types.int32), codegen
 
 
