@@ -66,8 +66,7 @@ def start_server(model: Path):
     deadline = time.monotonic() + 120
     port = None
     while time.monotonic() < deadline and port is None:
-        assert proc.poll() is None or said, "pyml-serve exited without a word"
-        assert proc.poll() is None, "".join(said)
+        assert proc.poll() is None, "".join(said) or "pyml-serve exited without a word"
         port = next((int(m.group(1)) for line in said if (m := re.search(rf"on http://{HOST}:(\d+) ", line))), None)
         time.sleep(0.1)
     served = Served(proc, port, "tiny", said)
