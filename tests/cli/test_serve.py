@@ -26,8 +26,8 @@ HOST = "127.0.0.1"
 
 
 class Served:
-    def __init__(self, proc, port, model_id, said):
-        self.proc, self.port, self.model_id, self.said = proc, port, model_id, said
+    def __init__(self, proc, port, model_id):
+        self.proc, self.port, self.model_id = proc, port, model_id
         self.base = f"http://{HOST}:{port}"
 
     def request(self, method, path, body=None, raw: bytes | None = None, timeout=30):
@@ -47,6 +47,16 @@ class Served:
         raise AssertionError("no VmRSS")
 
 
+SERVE = [sys.executable, str(ROOT / "bin" / "pyml-serve")]
+
+
+def serve_env() -> dict:
+    """This checkout on the server's path, and LOG unset (its [perf] lines are not the tests' subject)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
+    env.pop("LOG", None)
+    return env
+
+
 def _said(proc) -> list[str]:
     """The server's stderr lines as they come, read by a thread (a full pipe would stall the server)."""
     lines = []
@@ -57,10 +67,7 @@ def _said(proc) -> list[str]:
 def start_server(model: Path):
     """pyml-serve on a port the OS picks (--port 0), learnt from the line the server says: a port
     picked here and handed over could be taken by another test's server in between."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
-    env.pop("LOG", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(model), "--port", "0",
-                             "-t", "1", "--alias", "tiny"], env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([*SERVE, "-m", str(model), "--port", "0", "-t", "1", "--alias", "tiny"], env=serve_env(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said = _said(proc)
     deadline = time.monotonic() + 120
@@ -69,7 +76,7 @@ def start_server(model: Path):
         assert proc.poll() is None, "".join(said) or "pyml-serve exited without a word"
         port = next((int(m.group(1)) for line in said if (m := re.search(rf"on http://{HOST}:(\d+) ", line))), None)
         time.sleep(0.1)
-    served = Served(proc, port, "tiny", said)
+    served = Served(proc, port, "tiny")
     while port is not None and time.monotonic() < deadline:
         assert proc.poll() is None, "".join(said)
         try:
@@ -92,13 +99,12 @@ def stop_server(served: Served):
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
     """The socket is bound first: the error names the port, not the (missing) model."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-serve"), "-m", str(tmp_path / "missing.gguf"),
-                               "--port", str(port)], env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*SERVE, "-m", str(tmp_path / "missing.gguf"), "--port", str(port)], env=serve_env(),
+                              capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"pyml-serve: error: cannot listen on {HOST}:{port}: Address already in use"]
 
