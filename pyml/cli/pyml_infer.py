@@ -73,7 +73,7 @@ def _generate(args, prompt: str, options: dict, prof) -> int:
         size = args.ctx_size or lm.model.max_positions
         say(f"pyml-infer: stopped at the context size ({min(size, lm.model.max_positions)} tokens; "
             f"--context-shift goes on past it)")
-    say(f"[{result.summary()} | load {lm.load_s * 1e3:.0f} ms | threads {lm.runtime.threads}"
+    say(f"[{result.summary()} | {startup_summary(lm)} | threads {lm.runtime.threads}"
         f"{' | interrupted' if interrupted else ''}]")
     return 130 if interrupted else 0
 
@@ -83,7 +83,15 @@ def result_object(result: GenerationResult, lm: LanguageModel) -> dict:
     return {"model": lm.source, "text": result.text, "tokens": result.tokens,
             "prompt_tokens": len(result.prompt_tokens), "generated_tokens": len(result.tokens),
             "stop_reason": result.stop_reason, "context_shifts": result.context_shifts,
-            "timings": result.timings(), "load_ms": lm.load_s * 1e3, "threads": lm.runtime.threads}
+            "timings": result.timings(), "load_ms": lm.load_s * 1e3, "compile_ms": lm.compile_s * 1e3,
+            "warmup_ms": lm.warmup_s * 1e3, "threads": lm.runtime.threads}
+
+
+def startup_summary(lm: LanguageModel) -> str:
+    """Load, kernel compiles and warm-up as three figures: a first run's minute of compiling is
+    not a slow load."""
+    first = " (first run only)" if lm.compile_s >= 0.05 else ""
+    return f"load {lm.load_s:.2f} s | compile {lm.compile_s:.1f} s{first} | warm-up {lm.warmup_s:.2f} s"
 
 
 

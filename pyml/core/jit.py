@@ -29,6 +29,8 @@ so the locators are in place before any kernel is decorated.
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 from pathlib import Path
 
 from numba.core import caching
@@ -93,6 +95,36 @@ def _stamped(base: type) -> type:
 
     PackageStampedLocator.__qualname__ = f"PackageStamped{base.__name__}"
     return PackageStampedLocator
+
+
+def kernel_cache_folders() -> list[Path]:
+    """The folders holding pyml's compiled kernels, wherever Numba put them (the order of
+    `install`'s locators): NUMBA_CACHE_DIR's pyml_* folders, the __pycache__ beside the sources,
+    Numba's user-wide cache."""
+    found = []
+    chosen = os.environ.get("NUMBA_CACHE_DIR")
+    roots = [Path(chosen)] if chosen else []
+    roots += [Path(os.path.expanduser("~")) / ".cache" / "numba"]
+    for root in roots:
+        found += sorted(p for p in root.glob("pyml_*") if p.is_dir())
+    found += [folder / "__pycache__" for folder in _KERNEL_DIRS if (folder / "__pycache__").is_dir()]
+    return found
+
+
+def kernel_cache_entries(folder: Path) -> dict:
+    """One folder's kernel files: `files`, `bytes`, and `current`, the functions whose index was
+    written from these sources and this instruction-set path (the others are recompiled on use)."""
+    files = [f for f in folder.iterdir() if f.suffix in (".nbi", ".nbc")]
+    current = 0
+    for index in (f for f in files if f.suffix == ".nbi"):
+        try:
+            with open(index, "rb") as fh:
+                pickle.load(fh)  # Numba's version
+                stamp, _ = pickle.loads(fh.read())
+        except Exception:  # noqa: BLE001 - a damaged or foreign index is simply not current
+            continue
+        current += stamp == FINGERPRINT
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "current": current}
 
 
 def _drop_stale_kernels() -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pyml import quant
-from pyml.core import derived, isa, perf
+from pyml.core import compiles, derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
@@ -52,6 +52,7 @@ class LanguageModel:
     runtime: RuntimeConfig
     chat_template: str | None = None
     warmup_s: float = 0.0  # seconds spent warming up: load_model's decode step, then the first prefill's
+    compile_s: float = 0.0  # seconds spent compiling kernels (a first run's, or after an edit): not in the two above
     _prefill_cold: bool = field(default=False, repr=False)  # the prefill kernels are still to be loaded
     _warm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -67,9 +68,12 @@ class LanguageModel:
             if prefill and not self._prefill_cold:
                 return
             t0 = perf.clock()
-            with perf.context(phase="warmup"):
+            label = f"{Path(self.source).name}'s {'prefill' if prefill else 'decode step'}"
+            with compiles.showing(label, _compile_key(self.source, prefill)) as compiled, \
+                    perf.context(phase="warmup"):
                 self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
-            self.warmup_s += perf.clock() - t0
+            self.compile_s += compiled.seconds
+            self.warmup_s += perf.clock() - t0 - compiled.seconds
             if prefill:
                 self._prefill_cold = False
 
@@ -344,35 +348,44 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     if gguf is None and safetensors is None:
         gguf = DEFAULT_MODEL
     runtime = RuntimeConfig(threads if threads is not None else RuntimeConfig().threads, warmup).apply()
-    t0 = perf.clock()
-    with perf.context(phase="load"), _perf.debug("model::load", "{}", gguf or safetensors, op="load"):
-        if safetensors is not None:
-            where = hub.resolve_safetensors(safetensors)
-            built = build_packed(lambda: build_safetensors(where), where, lm_head_quant, float_compute)
-        else:
-            where = hub.resolve_gguf(gguf)
-            built = build_packed(lambda: build_gguf(where), where, lm_head_quant, float_compute)
-        model = built.model
-        model.kv_type = check_kv_type(kv_type, model.head_dim)
-    load_s = perf.clock() - t0
-    _perf.logger.debug("%s", model.describe())
-    runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
-    # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
-    # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
-    # pause in the middle of a 25 ms decode step. Frozen, they are never walked again. The heap
-    # the tokenizer's build freed goes back to the system before the warm-up pages in the weights,
-    # or the two would add up in the peak (Gemma 270M: 84 MB).
-    gc.collect()
-    gc.freeze()
-    freed = return_free_heap()
-    _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
-    lm = LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template,
-                       _prefill_cold=warmup)
-    if warmup:
-        # the model's own decode step warms exactly the kernels it uses (a third of quant.warmup()'s
-        # 0.55 s went to types SmolLM2 never touches); the prefill's wait for a prompt that needs them
-        lm.warm_up()
+    source = gguf or safetensors
+    # one compile display for the load and its warm-up: a first run compiles in both
+    with compiles.showing(Path(source).name, _compile_key(source, False)) as compiled:
+        t0 = perf.clock()
+        with perf.context(phase="load"), _perf.debug("model::load", "{}", source, op="load"):
+            if safetensors is not None:
+                where = hub.resolve_safetensors(safetensors)
+                built = build_packed(lambda: build_safetensors(where), where, lm_head_quant, float_compute)
+            else:
+                where = hub.resolve_gguf(gguf)
+                built = build_packed(lambda: build_gguf(where), where, lm_head_quant, float_compute)
+            model = built.model
+            model.kv_type = check_kv_type(kv_type, model.head_dim)
+        load_compile_s = compiled.seconds  # the packing kernels, on a first run
+        load_s = perf.clock() - t0 - load_compile_s
+        _perf.logger.debug("%s", model.describe())
+        runtime.set_blas_threads(1)  # docs/performance.md, "No BLAS in a forward pass"
+        # A loaded model is millions of long-lived Python objects (Gemma's 262K-token vocabulary in
+        # the metadata and tokenizer): each full collection of the cyclic GC walks them all, a 78 ms
+        # pause in the middle of a 25 ms decode step. Frozen, they are never walked again. The heap
+        # the tokenizer's build freed goes back to the system before the warm-up pages in the weights,
+        # or the two would add up in the peak (Gemma 270M: 84 MB).
+        gc.collect()
+        gc.freeze()
+        freed = return_free_heap()
+        _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
+        lm = LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template,
+                           compile_s=load_compile_s, _prefill_cold=warmup)
+        if warmup:
+            # the model's own decode step warms exactly the kernels it uses (a third of quant.warmup()'s
+            # 0.55 s went to types SmolLM2 never touches); the prefill's wait for a prompt that needs them
+            lm.warm_up()
     return lm
+
+
+def _compile_key(source: str, prefill: bool) -> str:
+    """Which kernels a compile display estimates from: the model, the step, the instruction set."""
+    return f"{source}|{'prefill' if prefill else 'load'}|{isa.ISA}"
 
 
 def _warm_forward(model: DecoderModel, prefill: bool):

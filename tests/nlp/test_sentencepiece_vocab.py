@@ -1,9 +1,12 @@
 """SentencePiece GGUF vocabularies encoded by Google's `sentencepiece` (pyml/nlp/sentencepiece_vocab.py).
 
-Three oracles, none of them our encoder: llama.cpp's own tokenizer (llama-cpp-python,
-`vocab_only`), the same rules as a `tokenizers` BPE (tests/nlp/tokenizers_spm.py: how pyml encoded
-these files before), and the `protobuf` reader with sentencepiece's own schema for the ModelProto
-we write. transformers' GGUF tokenizer is compared in test_tokenizer.py.
+Three oracles, none of them our encoder: the same rules as a `tokenizers` BPE
+(tests/nlp/tokenizers_spm.py: how pyml encoded these files before), the `protobuf` reader with
+sentencepiece's own schema for the ModelProto we write, and - in the `peer` tier, with the bench
+extra's llama-cpp-python, which has no wheel on the package index and so is compiled on install -
+llama.cpp's own tokenizer (`vocab_only`). transformers' GGUF tokenizer is compared in
+test_tokenizer.py; its converter matches runs of spaces differently from llama.cpp, so it cannot
+stand in for llama.cpp on this corpus.
 """
 
 from __future__ import annotations
@@ -48,15 +51,12 @@ def gemma3(gemma3_file):
     return Tokenizer.from_gguf_metadata(gemma3_file.metadata)
 
 
-def test_gemma3_ids_match_llamacpp_and_the_tokenizers_build(gemma3, gemma3_file, gemma3_gguf):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llama = llama_cpp.Llama(str(gemma3_gguf), vocab_only=True, verbose=False)
+def test_gemma3_ids_match_the_tokenizers_build(gemma3, gemma3_file):
     reference = tokenizers_spm(gemma3_file.metadata)
     corpus = gemma_corpus()
     assert len(corpus) > 300
     for text in corpus:
         ids = gemma3.encode(text, add_special_tokens=False)
-        assert ids == llama.tokenize(text.encode("utf-8"), add_bos=False, special=True), text
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         if "\u2581" not in text:  # a written "▁" reads back as a space, in llama.cpp too
             assert gemma3.decode(ids) == text
@@ -64,18 +64,36 @@ def test_gemma3_ids_match_llamacpp_and_the_tokenizers_build(gemma3, gemma3_file,
     assert gemma3.encode("") == [2] and gemma3.encode("", add_special_tokens=False) == []
 
 
-def test_gemma3_chat_template_tokens(gemma3, gemma3_gguf):
-    llama_cpp = pytest.importorskip("llama_cpp")
+@pytest.mark.peer
+def test_gemma3_ids_match_llamacpp(gemma3, gemma3_gguf):
+    llama_cpp = pytest.importorskip("llama_cpp", reason='llama.cpp is the bench extra\'s peer: pip install ".[bench]"')
     llama = llama_cpp.Llama(str(gemma3_gguf), vocab_only=True, verbose=False)
-    prompt = gemma3.apply_chat_template([{"role": "user", "content": "Hi  there\n\tok?"},
-                                         {"role": "assistant", "content": "Yes."},
-                                         {"role": "user", "content": "日本語 🤗"}])
-    ids = gemma3.encode(prompt)
+    for text in gemma_corpus():
+        ids = gemma3.encode(text, add_special_tokens=False)
+        assert ids == llama.tokenize(text.encode("utf-8"), add_bos=False, special=True), text
+
+
+CHAT = [{"role": "user", "content": "Hi  there\n\tok?"}, {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "日本語 🤗"}]
+
+
+def test_gemma3_chat_template_tokens(gemma3, gemma3_file):
+    ids = gemma3.encode(gemma3.apply_chat_template(CHAT))
     # the template writes <bos> itself: pyml keeps one (test_tokenizer.py), llama.cpp would add a second
-    assert ids == llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-    assert ids.count(105) == 4 and ids.count(106) == 3 and ids[0] == 2  # <start_of_turn>, <end_of_turn>
+    assert ids.count(105) == 4 and ids.count(106) == 3 and ids[0] == 2 and ids.count(2) == 1
     assert gemma3.decode(ids, skip_special_tokens=True) == gemma3.decode(
         [i for i in ids if i not in (2, 105, 106)])
+    text = gemma3.decode(ids)  # the special tokens are atomic: every turn's text between them is the rules'
+    reference = tokenizers_spm(gemma3_file.metadata)
+    assert ids == reference.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.peer
+def test_gemma3_chat_template_tokens_match_llamacpp(gemma3, gemma3_gguf):
+    llama_cpp = pytest.importorskip("llama_cpp", reason='llama.cpp is the bench extra\'s peer: pip install ".[bench]"')
+    llama = llama_cpp.Llama(str(gemma3_gguf), vocab_only=True, verbose=False)
+    prompt = gemma3.apply_chat_template(CHAT)
+    assert gemma3.encode(prompt) == llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
 
 
 # --- the ModelProto, read back by protobuf with sentencepiece's schema ---
