@@ -210,6 +210,11 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     assert report_main(["compare", str(tmp_path), str(tmp_path / "nope")]) == 2
     assert "error:" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"  # a JSONL that is not a profile (pyml-batch's input)
+    prompts.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "Bye"}\n')
+    assert report_main([str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompts.jsonl: not a pyml profile" in err
 
 
 def test_compare_cold_and_warm_shows_the_warmup(profiled, checkpoint, tmp_path, capsys):
