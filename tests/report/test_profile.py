@@ -99,6 +99,14 @@ def test_profile_directory_holds_events_and_run_info(profiled):
     assert over["off_ms"] > 0 and over["on_ms"] > 0 and over["steps"] == 30 and over["lines"] is True
     assert len(over["pairs"]) == 5 and over["pct"] == pytest.approx((statistics.median(over["pairs"]) - 1) * 100)
     assert "calibration" not in phases
+    # what the machine did meanwhile, per phase, and per decode step
+    use = info["machine_use"]
+    assert use["threads_used"] == info["threads"] and use["usable_cores"] >= 1 and use["samples"] >= 2
+    assert {"load", "warmup", "prefill", "decode"} <= set(use["phases"])
+    dec = use["phases"]["decode"]
+    assert dec["wall_s"] > 0 and dec["cpu_s"] >= 0 and dec["nivcsw"] >= 0
+    assert use["decode_steps"]["step"] == [1, 2, 3, 4, 5]
+    assert info["warmup_s"] > 0 and "compile_s" in info
 
 
 def test_the_report_states_what_the_recording_added_to_this_run(profiled, tmp_path):
