@@ -172,9 +172,13 @@ def test_bottlenecks_ranked_by_share_with_mitigations(run):
     assert items[0]["title"] == aggregate.GLUE and items[0]["share"] == pytest.approx(21.0)
     head = next(i for i in items if i["title"] == aggregate.HEAD)
     assert head["ms_per_step"] == pytest.approx(1.4)
-    assert any("--lm-head-quant q8_0" in m for m in head["mitigations"])
+    q8 = next(s for s in head["suggestions"] if s["changes"] == {"--lm-head-quant": "q8_0"})
+    assert q8["gain_ms"] == pytest.approx(1.4 * (1 - (34 / 32) / 4))  # the bytes it stops reading, same GB/s
+    assert q8["command"] is None  # the run's command is not known: the option alone
     attn = next(i for i in items if i["title"] == aggregate.ATTN_PROJ)
-    assert "already one matmul" in attn["mitigations"][0]
+    assert any("already one matmul" in m for m in attn["mitigations"])
+    quantize = next(m for m in attn["mitigations"] if m.startswith("Quantize the weights to Q8_0"))
+    assert "3.8x fewer bytes" in quantize and "pyml-quantize reads GGUF files" in quantize  # a safetensors run
 
 
 def test_cold_layer_and_first_step_are_findings():
@@ -190,12 +194,15 @@ def test_cold_layer_and_first_step_are_findings():
 
 
 def test_verdict_head_bound():
-    run = make_run([decode_step(i, head_ms=1.4) for i in range(1, 4)])
-    for r in run.records:  # make the head the obvious cost: 30% of the step
-        if r.name == "model::forward":
-            r.parts["projection"] = 3.0
-    v = findings.verdict(run)
-    assert v["primary"].startswith("lm_head") and v["potential"] == "High"
+    roots = [decode_step(i, head_ms=4.0) for i in range(1, 4)]
+    for step in roots:  # room for a 4 ms head: 31% of a 13 ms step
+        step.dur, step.children[0].dur = 13.0, 12.0
+    run = make_run(roots)
+    ranking = findings.bottlenecks(run)
+    assert ranking[0]["title"] == aggregate.HEAD
+    v = findings.verdict(run, ranking)
+    assert v["primary"] == findings.first_bottleneck(ranking) == "output head (31% of decode time)"
+    assert v["status"] == "lm_head projection is a significant overhead"
 
 
 def test_a_quantized_linear_is_one_call():

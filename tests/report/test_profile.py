@@ -167,7 +167,8 @@ def test_all_outputs_agree(profiled, tmp_path):
     pcts = [float(m) for m in re.findall(r"^\| \S.*\| ([\d.]+) \|$", md.split("## Time per phase")[0], re.M)]
     assert sum(pcts[:-1]) == pytest.approx(100.0, abs=0.05 * len(pcts))  # the rows, to rounding
     report = (tmp_path / "report.md").read_text()
-    for section in ("## High-level timing", "## Decode breakdown (per step)", "## Per-layer breakdown (trace, layer 1",
+    for section in ("## High-level timing", "## Decode breakdown (per step)", "## Per-layer breakdown (trace, single-token decode, median over 3 layers × 5 steps)",
+                    "## The machine during the run",
                     "## Attention vs FFN", "## Output head", "## Top bottlenecks", "## Methodology"):
         assert section in report
     jitter = (tmp_path / "jitter.md").read_text()
@@ -198,9 +199,10 @@ def test_plots_are_skipped_in_one_line_without_matplotlib(profiled, tmp_path, mo
 def test_cli_on_directory_and_log(profiled, tmp_path, capsys):
     assert report_main([str(profiled / "run.log"), "--out", str(tmp_path / "fromlog"), "--no-plots"]) == 0
     assert report_main([str(profiled / "warm"), "--out", str(tmp_path / "fromdir"), "--no-plots"]) == 0
+    # the step and layer tables agree; what the machine did (run.json) is in the profile only
     a = (tmp_path / "fromdir" / "jitter.md").read_text().split("## Decode step timings")[1]
     b = (tmp_path / "fromlog" / "jitter.md").read_text().split("## Decode step timings")[1]
-    assert a == b
+    assert a.split("## Where the jitter came from")[0] == b.split("## Where the jitter came from")[0]
     a = (tmp_path / "fromdir" / "modules.md").read_text().split("## Time per phase")[1]
     b = (tmp_path / "fromlog" / "modules.md").read_text().split("## Time per phase")[1]
     assert a == b
