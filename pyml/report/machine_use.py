@@ -28,16 +28,10 @@ import resource
 import threading
 import time
 
+from pyml.report.machine import read_text, usable_cores
+
 INTERVAL_S = 0.025
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _read(path) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def proc_stat() -> tuple | None:
@@ -46,7 +40,7 @@ def proc_stat() -> tuple | None:
 
     /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice
     (guest time is already inside user); busy is all but idle and iowait."""
-    line = _read("/proc/stat").split("\n", 1)[0].split()
+    line = read_text("/proc/stat").split("\n", 1)[0].split()
     if len(line) < 5 or line[0] != "cpu":
         return None
     v = [int(x) for x in line[1:9]]
@@ -64,17 +58,10 @@ def load_average() -> list | None:
 
 
 def process_threads() -> int | None:
-    for line in _read("/proc/self/status").splitlines():
+    for line in read_text("/proc/self/status").splitlines():
         if line.startswith("Threads:"):
             return int(line.split()[1])
     return None
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def sample() -> tuple:

@@ -167,7 +167,8 @@ def test_all_outputs_agree(profiled, tmp_path):
     pcts = [float(m) for m in re.findall(r"^\| \S.*\| ([\d.]+) \|$", md.split("## Time per phase")[0], re.M)]
     assert sum(pcts[:-1]) == pytest.approx(100.0, abs=0.05 * len(pcts))  # the rows, to rounding
     report = (tmp_path / "report.md").read_text()
-    for section in ("## High-level timing", "## Decode breakdown (per step)", "## Per-layer breakdown (trace, single-token decode, median over 3 layers × 5 steps)",
+    for section in ("## High-level timing", "## Decode breakdown (per step)",
+                    "## Per-layer breakdown (trace, single-token decode, median over 3 layers × 5 steps)",
                     "## The machine during the run",
                     "## Attention vs FFN", "## Output head", "## Top bottlenecks", "## Methodology"):
         assert section in report
