@@ -62,6 +62,9 @@ def spikes(run) -> dict:
 def assess(run) -> dict:
     """The evidence for and against contention, whether it is named, and the decode time it cost."""
     use = run.info.get("machine_use") or {}
+    spread = bool(run.info.get("workers")) or any(r.worker for r in run.records)
+    if spread:  # the figures are the driver process's: the workers' CPU would read as "other processes"
+        use = {}
     phases = use.get("phases") or {}
     dec = phases.get("decode") or {}
     cores = use.get("usable_cores") or (run.info.get("machine") or {}).get("usable_cores")
@@ -110,6 +113,9 @@ def assess(run) -> dict:
     if steal:
         note(steal >= 5, f"{steal:.1f}% of the machine's CPU time was stolen by the hypervisor")
         strong |= steal >= 5
+    if spread:
+        quiet.append("the run was spread over worker processes: the machine figures are left out (the "
+                     "workers' CPU would read as other processes'), only the step times are judged")
     named = strong or weak >= 2
     waited = max(0.0, 1 - ratio) * wall * 1e3 if ratio is not None and wall else 0.0
     lost = max(sp["lost_ms"], waited) if named else sp["lost_ms"]

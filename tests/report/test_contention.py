@@ -133,3 +133,12 @@ def test_options_are_edited_as_the_cli_spells_them():
     assert advice.with_options(args, {"--threads": 1, "--no-warmup": None, "--temperature": 0}) == \
         ["-m", "x", "--profile", "p", "--threads", "1", "--temperature", "0"]
     assert advice.infer_args(["python", "-c", "..."]) is None
+
+
+def test_a_run_over_worker_processes_is_not_judged_by_the_drivers_machine_figures():
+    """pyml-batch --ray: the workers' CPU is other processes' to the driver's sampler."""
+    run = contended_run()
+    run.info["workers"] = [{"worker": 1}, {"worker": 2}]
+    a = contention.assess(run)
+    assert not a["named"] and any("worker processes" in q for q in a["quiet"])
+    assert len(a["evidence"]) == 1  # the slices in the step times alone
