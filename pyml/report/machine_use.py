@@ -15,7 +15,8 @@ decode step), in proportion to the overlap: per phase, and per decode step for a
 jitter (contention.py). Time between top-level spans (tokenizing, writing lines) is "between".
 
 The records themselves cannot be the clock: perf delivers them in bulk, at most once a second.
-A sample takes the GIL for ~20 µs; at 40 a second that is under 0.1% of the run.
+A sample is one getrusage and one /proc/stat read, which gives the GIL back while it waits on
+the kernel (its cost: docs/profiling.md).
 Outside Linux the /proc figures are None; getrusage and the GC pauses remain.
 """
 
