@@ -51,7 +51,7 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
         if f["head"]:
             out.append(f"Vocabulary pruning: project only the ids a task can emit ({f['head']['out']:,} rows "
                        f"today; engine work, no option yet)")
-        else:
+        elif run.kind == "log":  # a profile records every op: only a debug-level log lacks them
             out.append("Its shape and GB/s need the op-level records: `--profile DIR` records them")
         out.append("Speculative decoding spreads one head pass over several accepted tokens (engine work)")
     elif cat in (aggregate.FFN, aggregate.ATTN_PROJ):
@@ -107,7 +107,8 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
                                    f"logits top-k/top-p need: up to {advice.ms(cat_ms)} less per step",
                               cat_ms)
     elif cat in (aggregate.ATTN_COARSE, aggregate.FFN_COARSE):
-        out.append("Split into ops: `--profile DIR` (or `LOG=trace`) records every op inside a layer")
+        if run.kind == "log":
+            out.append("Split into ops: `--profile DIR` (or `LOG=trace`) records every op inside a layer")
     if (cat in (aggregate.FFN, aggregate.ATTN_PROJ, aggregate.HEAD) and f["threads"] and f["cores"]
             and f["threads"] < f["cores"] and not f["contended"]):
         gain = cat_ms * (1 - f["threads"] / f["cores"])
