@@ -244,7 +244,7 @@ def verdict(run, ranking=None) -> dict | None:
     layer_jitter = max(layer_durs) / min(layer_durs) if layer_durs and min(layer_durs) > 0 else None
     primary = first_bottleneck(ranking)
     top = ranking[0] if ranking else None
-    secondary = []
+    secondary = [f"{r['title']} ({r['share']:.0f}%)" for r in ranking[1:] if r["title"].startswith("machine")]
     if layer_jitter and layer_jitter >= 2.5:
         secondary.append(f"layer jitter ({layer_jitter:.1f}x)")
     if step_jitter and step_jitter >= 1.5:

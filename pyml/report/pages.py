@@ -538,11 +538,7 @@ def _json_sections(bd):
 def report_json(run, layer=None, timing=None, ranking=None) -> dict:
     ranking = findings.bottlenecks(run, timing) if ranking is None else ranking
     steps = aggregate.decode_steps(run)
-    layers = aggregate.blocks_by_layer(run, "decode")
-    if layer is None and layers:
-        layer = sorted(layers)[len(layers) // 2]
-    bd = aggregate.layer_breakdown(run, layer, "decode") if layer is not None else None
-    bd = _json_sections(bd)
+    bd = _json_sections(aggregate.layer_breakdown(run, layer, "decode")) if layer is not None else None
     return {
         "source": run.source, "kind": run.kind, "info": run.info, "notes": run.notes, "events": len(run.records),
         "timeline": aggregate.timeline(run), "decode_steps": steps, "components": aggregate.components(steps),
