@@ -388,6 +388,8 @@ def load_run(path) -> Run:
     else:
         with open(p, "rb") as f:
             head = f.read(4096).lstrip()
+        if b"\0" in head:  # a model file, an archive: not read whole to find no [perf] line in it
+            raise ReportInputError(f"{p}: not a pyml profile or log: a binary file")
         if head.startswith(b"{"):
             recs, orphans = normalize(read_events(p))
             info, kind = _read_info(p.parent / "run.json"), "events"

@@ -127,6 +127,13 @@ def test_bad_log_names_the_line(tmp_path):
         load_run(log)
 
 
+def test_a_binary_file_is_not_read_whole(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(10_000))
+    with pytest.raises(PymlError, match=r"model.gguf: not a pyml profile or log: a binary file$"):
+        load_run(model)
+
+
 def test_missing_inputs(tmp_path):
     with pytest.raises(PymlError, match="no such file"):
         load_run(tmp_path / "nope")
