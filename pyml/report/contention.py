@@ -3,7 +3,8 @@ and the jitter of slow decode steps put down to its causes where the evidence al
 
 Thresholds, so a reader can disagree with them:
 - other processes used >= OTHERS_CORES cores on average while our threads wanted every core
-  (threads + others > cores), or the load average ended above the cores: contention;
+  (threads + others > cores), or the load average (ours included) ended OTHERS_CORES or more
+  above the cores: contention;
 - otherwise two of: the process ran < CPU_PER_WALL of the wall clock (it waited for a core),
   >= NIVCSW_PER_S involuntary context switches a second, spikes in multiples of the scheduler's
   time slice, a prefill slower per token than decode (a batch is cheaper per token when the
@@ -85,9 +86,10 @@ def assess(run) -> dict:
                    f"(machine {dec.get('machine_busy_pct', 0):.0f}% busy) while this run used {threads} threads")
     load = (use.get("load_average_end") or [None])[0]
     if load is not None and cores:
-        strong |= load > cores
-        note(load > cores, f"load average {load:.2f} at the end (start "
-                           f"{(use.get('load_average_start') or ['?'])[0]}) on {cores} cores")
+        over = load >= cores + OTHERS_CORES
+        strong |= over
+        note(over, f"load average {load:.2f} at the end (start "
+                   f"{(use.get('load_average_start') or ['?'])[0]}) on {cores} cores")
     weak = 0
     ratio = dec.get("cpu_per_wall")
     if ratio is not None:

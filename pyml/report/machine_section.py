@@ -44,10 +44,10 @@ def machine_section(doc, run) -> None:
         doc.p("**No contention named**" + (": " + "; ".join(a["quiet"]) if a["quiet"] else "")
               + (" (but: " + "; ".join(a["evidence"]) + ")" if a["evidence"] else "") + ".")
     doc.p(f"Rules (pyml/report/contention.py): others >= {contention.OTHERS_CORES} cores while threads + others "
-          f"exceed the cores, or a load average above the cores; else two of: CPU/wall < {contention.CPU_PER_WALL}, "
-          f">= {contention.NIVCSW_PER_S} involuntary switches a second, layer spikes in multiples of a "
-          f"{contention.QUANTUM_MS[0]}–{contention.QUANTUM_MS[1]} ms time slice, prefill slower per token than "
-          f"decode.")
+          f"exceed the cores, or a load average {contention.OTHERS_CORES} or more above the cores; else two of: "
+          f"CPU/wall < {contention.CPU_PER_WALL}, >= {contention.NIVCSW_PER_S} involuntary switches a second, "
+          f"layer spikes in multiples of a {contention.QUANTUM_MS[0]}–{contention.QUANTUM_MS[1]} ms time slice, "
+          f"prefill slower per token than decode.")
 
 
 def jitter_causes_section(doc, run) -> None:

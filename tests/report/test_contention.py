@@ -98,6 +98,12 @@ def test_a_quiet_run_does_not_name_contention():
     assert contention.attribute_steps(run) == []
 
 
+def test_a_run_whose_own_threads_make_the_load_is_not_contended():
+    run = quiet_run()
+    run.info["machine_use"]["load_average_end"] = [2.3, 1.0, 1.0]  # our 2 threads, and a little more
+    assert not contention.assess(run)["named"]
+
+
 def test_contention_without_machine_figures_needs_two_signs():
     """A log has no run.json: spikes in slices alone are one sign, not a verdict."""
     run = contended_run()
