@@ -148,3 +148,17 @@ def test_a_run_over_worker_processes_is_not_judged_by_the_drivers_machine_figure
     a = contention.assess(run)
     assert not a["named"] and any("worker processes" in q for q in a["quiet"])
     assert len(a["evidence"]) == 1  # the slices in the step times alone
+
+
+def test_quantizing_is_suggested_for_a_gguf_with_the_run_on_the_new_file(tmp_path):
+    src = tmp_path / "m-f16.gguf"
+    src.write_bytes(b"GGUF")
+    run = quiet_run()
+    run.info["model"] = {"source": str(src)}
+    (said,) = advice.quantize_weights(run, "q8_0", "quantize", 1.5)
+    dst = str(tmp_path / "m-f16-q8_0.gguf")
+    assert said["commands"] == [["pyml-quantize", str(src), dst, "--type", "q8_0"],
+                                ["pyml-infer", "-p", "Hi", "-n", "8", "-t", "2", "--model", dst,
+                                 "--profile", "prof-q8_0"]]
+    run.info["model"] = {"source": str(tmp_path)}  # a safetensors directory: pyml-quantize reads GGUF only
+    assert advice.quantize_weights(run, "q8_0", "quantize", 1.5) == []
