@@ -32,12 +32,8 @@ def _facts(run) -> dict:
     }
 
 
-def _mb(b) -> str:
-    return f"{b / 1e6:,.1f} MB"
-
-
 def _projection_bytes(rows) -> tuple:
-    """(bytes per token, ms) of the rows with a known type."""
+    """(weight bytes read, ms) over the decode steps, of the rows whose type is known."""
     rows = [r for r in rows if r["bytes"]]
     return sum(r["bytes"] for r in rows), sum(r["ms"] for r in rows)
 
