@@ -41,7 +41,7 @@ def run(args) -> int:
     with ctx as prof:
         code = _generate(args, prompt, options, prof)
     if prof is not None:
-        say(f"pyml-infer: profile in {args.profile}: " + ", ".join(p.name for p in prof.written))
+        say(f"pyml-infer: {prof.outcome()}")
     return code
 
 

@@ -271,6 +271,24 @@ def build_packed(build, source: Path, lm_head_quant: str | None = None, float_co
     return built
 
 
+def check_head_quant(kind: str, type_name: str, row_len: int) -> QuantType:
+    """--lm-head-quant `kind` for a head stored as `type_name` (F32, Q8_0, ...) with rows of
+    `row_len` values: the type to store it as, or a PymlError saying why not (pyml-report asks
+    this before it suggests the option)."""
+    qtype = HEAD_TYPES.get(str(kind).lower())
+    if qtype is None:
+        raise PymlError(f"--lm-head-quant {kind!r}: use one of {', '.join(HEAD_TYPES)}")
+    stored = QuantType.__members__.get(str(type_name).upper())
+    if stored not in quant.FLOAT_TYPES:
+        raise PymlError(f"--lm-head-quant {kind}: the output head is already stored as {type_name}; "
+                        f"the option re-stores float (F32/F16/BF16) heads only")
+    block = quant.traits_of(qtype).block_size
+    if row_len % block:
+        raise PymlError(f"--lm-head-quant {kind}: the head's rows have {row_len} values, "
+                        f"not a multiple of the {qtype.name} block of {block}")
+    return qtype
+
+
 def quantize_head(model: DecoderModel, kind: str) -> None:
     """--lm-head-quant: store a float output head as Q8_0 / Q4_0 blocks at load.
 
@@ -278,18 +296,9 @@ def quantize_head(model: DecoderModel, kind: str) -> None:
     [262144 x 1152] is 1.21 GB in F32, 604 MB in BF16, 321 MB in Q8_0, 170 MB in Q4_0; decode is
     bound by the bytes it reads. The embedding keeps its own float weight even when the head is
     tied to it: a lookup reads one row, and quantizing it would only add error."""
-    qtype = HEAD_TYPES.get(str(kind).lower())
-    if qtype is None:
-        raise PymlError(f"--lm-head-quant {kind!r}: use one of {', '.join(HEAD_TYPES)}")
     head = model.lm_head
     w = head.weight
-    if w.qtype not in quant.FLOAT_TYPES:
-        raise PymlError(f"--lm-head-quant {kind}: the output head is already stored as {w.type_name}; "
-                        f"the option re-stores float (F32/F16/BF16) heads only")
-    block = quant.traits_of(qtype).block_size
-    if w.shape[1] % block:
-        raise PymlError(f"--lm-head-quant {kind}: the head's rows have {w.shape[1]} values, "
-                        f"not a multiple of the {qtype.name} block of {block}")
+    qtype = check_head_quant(kind, w.type_name, w.shape[1])
     with _perf.debug("head::quantize", "{} {}->{}", list(w.shape), w.type_name, qtype.name,
                      module=head.name, op="quantize"):
         model.lm_head = head.requantize(qtype)

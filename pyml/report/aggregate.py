@@ -317,35 +317,85 @@ def _subtree(rec):
         yield from _subtree(c)
 
 
+def _block_rows(b) -> dict:
+    """(section, label) -> {ms, calls, details, category} of one block's own time, every µs once."""
+    rows = {}
+    for child, sec in _assign_sections(b):
+        for r in _subtree(child):
+            for label, cat, ms in pieces(r):
+                row = rows.setdefault((sec, label), {"ms": 0.0, "calls": 0, "details": r.details, "category": cat})
+                row["ms"] += ms
+                row["calls"] += is_call(r)
+    for label, cat, ms in pieces(b):
+        row = rows.setdefault(("block", label), {"ms": 0.0, "calls": 0, "details": "", "category": cat})
+        row["ms"] += ms
+        row["calls"] += 1
+    return rows
+
+
+def _sections(per_op: dict) -> dict:
+    sections = {}
+    for sec in ("attn", "ffn", "block"):
+        items = sorted(((k[1], v) for k, v in per_op.items() if k[0] == sec), key=lambda kv: -kv[1]["ms"])
+        sections[sec] = {"ms": sum(v["ms"] for _, v in items), "rows": items}
+    return sections
+
+
 def layer_breakdown(run, layer: int, phase: str = "decode") -> dict | None:
     """Mean time per op inside one layer, grouped under attention and FFN (trace level)."""
     blocks = blocks_by_layer(run, phase).get(layer)
     if not blocks:
         return None
     n = len(blocks)
-    rows = {}  # (section, label) -> {ms, calls, details}
+    rows = {}
     for b in blocks:
-        for child, sec in _assign_sections(b):
-            for r in _subtree(child):
-                for label, cat, ms in pieces(r):
-                    row = rows.setdefault((sec, label), {"ms": 0.0, "calls": 0, "details": r.details,
-                                                         "category": cat})
-                    row["ms"] += ms
-                    row["calls"] += is_call(r)
-        for label, cat, ms in pieces(b):
-            row = rows.setdefault(("block", label), {"ms": 0.0, "calls": 0, "details": "", "category": cat})
-            row["ms"] += ms
-            row["calls"] += 1
+        for key, v in _block_rows(b).items():
+            row = rows.setdefault(key, {"ms": 0.0, "calls": 0, "details": v["details"], "category": v["category"]})
+            row["ms"] += v["ms"]
+            row["calls"] += v["calls"]
     mean = {k: {**v, "ms": v["ms"] / n, "calls": v["calls"] / n} for k, v in rows.items()}
-    total = statistics.fmean(b.dur_ms for b in blocks)
-    sections = {}
-    for sec in ("attn", "ffn", "block"):
-        items = sorted(((k[1], v) for k, v in mean.items() if k[0] == sec), key=lambda kv: -kv[1]["ms"])
-        sections[sec] = {"ms": sum(v["ms"] for _, v in items), "rows": items}
-    return {"layer": layer, "phase": phase, "n": n, "total": total, "sections": sections,
-            "traced": any(b.children for b in blocks),
+    return {"layer": layer, "phase": phase, "n": n, "total": statistics.fmean(b.dur_ms for b in blocks),
+            "sections": _sections(mean), "traced": any(b.children for b in blocks),
             "attn_part": statistics.fmean(b.parts.get("attn", 0.0) for b in blocks),
             "ffn_part": statistics.fmean(b.parts.get("ffn", 0.0) for b in blocks)}
+
+
+OUTLIER_FACTOR = 1.5   # a layer whose mean is this far from the median layer's (either way) is an outlier
+
+
+def _quantile(sorted_vals, q):
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
+
+
+def op_medians(run, phase: str = "decode") -> dict | None:
+    """Per op inside a layer: the median of its own time over every layer of every step of `phase`,
+    with the spread (10th-90th percentile) and the number of blocks it ran in; and the layers whose
+    mean time is an outlier against the median layer (OUTLIER_FACTOR), named."""
+    by_layer = blocks_by_layer(run, phase)
+    blocks = [b for bs in by_layer.values() for b in bs]
+    if not blocks:
+        return None
+    values: dict = {}
+    for b in blocks:
+        for key, v in _block_rows(b).items():
+            row = values.setdefault(key, {"vals": [], "calls": [], "details": v["details"], "category": v["category"]})
+            row["vals"].append(v["ms"])
+            row["calls"].append(v["calls"])
+    per_op = {}
+    for key, v in values.items():
+        vals = sorted(v["vals"])
+        per_op[key] = {"ms": statistics.median(vals), "p10": _quantile(vals, 0.1), "p90": _quantile(vals, 0.9),
+                       "blocks": len(vals), "calls": statistics.median(v["calls"]), "details": v["details"],
+                       "category": v["category"]}
+    totals = sorted(b.dur_ms for b in blocks)
+    means = {layer: statistics.fmean(b.dur_ms for b in bs) for layer, bs in by_layer.items()}
+    typical = statistics.median(means.values())
+    outliers = [{"layer": k, "mean": m, "median_layer": typical, "factor": m / typical}
+                for k, m in means.items() if typical > 0 and (m >= OUTLIER_FACTOR * typical
+                                                              or m * OUTLIER_FACTOR <= typical)]
+    return {"phase": phase, "n": len(blocks), "layers": len(by_layer), "steps": len(blocks) // max(len(by_layer), 1),
+            "total": statistics.median(totals), "p10": _quantile(totals, 0.1), "p90": _quantile(totals, 0.9),
+            "sections": _sections(per_op), "traced": any(b.children for b in blocks), "outliers": outliers}
 
 
 # --- matmuls: bytes moved and bandwidth ------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.report.machine import run_info
+from pyml.report.machine_use import MachineSampler
 from pyml.report.records import normalize
 from pyml.report.timing import RecordSink, measure_decode_overhead, measure_timing_overhead
 from pyml.report.writer import write_reports
@@ -55,6 +56,7 @@ class Profile:
         self._sink = RecordSink(self._flush_thread)
         self._file = None
         self._lm = None
+        self._machine = None
 
     # --- what the caller knows --------------------------------------------------------
     def set_model(self, lm):
@@ -65,6 +67,12 @@ class Profile:
         self.info["threads"] = lm.runtime.threads
         self.info["warmup"] = lm.runtime.warmup
         self.info["load_s"] = lm.load_s
+        self._note_warmup(lm)
+
+    def _note_warmup(self, lm):
+        # compile_s: the Numba compile time the LanguageModel measured (absent on older versions)
+        self.info["warmup_s"] = getattr(lm, "warmup_s", None)
+        self.info["compile_s"] = getattr(lm, "compile_s", None)
 
     def set_result(self, result):
         """Record the generation's own summary (a GenerationResult) in run.json."""
@@ -73,6 +81,16 @@ class Profile:
             "prefill_s": result.prefill_s, "decode_steps": len(result.decode_s),
             "decode_ms_per_token": result.decode_ms_per_token, "decode_tok_s": result.decode_tok_s,
             "stop_reason": result.stop_reason, "summary": result.summary()}
+        if self._lm is not None:  # the first prefill may have warmed (and compiled) its kernels
+            self._note_warmup(self._lm)
+
+    def outcome(self) -> str:
+        """One line for the command that ran it: why the generation stopped, and what was written where."""
+        gen = self.info.get("generation") or {}
+        stop = (f"stopped: {gen.get('stop_reason') or 'unknown'} after {gen.get('generated_tokens', 0)} tokens; "
+                if gen else "no generation recorded; ")
+        names = ["events.jsonl", "run.json"] + [p.name for p in self.written]
+        return f"{stop}profile in {self.dir.resolve()}: {', '.join(names)}"
 
     # --- records made elsewhere --------------------------------------------------------------
     def add_records(self, records: list, worker: int, clock_shift: float = 0.0) -> None:
@@ -103,8 +121,15 @@ class Profile:
         self.info["t0"] = perf.clock()
         self.info["started"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         _active.append(self)
-        perf.add_collector(self._sink, level=perf.TRACE)
+        self._machine, self._spans = MachineSampler(), []
+        perf.add_collector(self._collect, level=perf.TRACE)
         return self
+
+    def _collect(self, record):
+        if record["parent"] is None:  # what the machine did is shared out over these (machine_use.py)
+            self._spans.append((record["phase"], record["step"], record["start"],
+                                record["start"] + record["dur_ms"] / 1e3))
+        self._sink(record)
 
     def _flush_thread(self, thread=None):
         buf = self._sink.buf
@@ -122,8 +147,9 @@ class Profile:
         self.events += len(recs)
 
     def __exit__(self, exc_type, exc, tb):
-        perf.remove_collector(self._sink)
+        perf.remove_collector(self._collect)
         _active.remove(self)
+        self.info["machine_use"] = self._machine.summary(self._spans, self.info.get("threads"))
         try:
             self._flush_thread()
         finally:

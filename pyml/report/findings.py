@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from pyml.report import aggregate
+from pyml.report import advice, aggregate, contention
 
 COLD_FACTOR = 1.5          # a layer or step this much slower than the median is "cold"
 
@@ -28,46 +28,53 @@ def _facts(run) -> dict:
         "float_weights": any(r["dtype"] in ("F32", "F16", "BF16") for r in mm if r["category"] != aggregate.HEAD),
         "threads": run.info.get("threads"), "cores": machine.get("usable_cores"),
         "vocab": head["out"] if head else None, "tied": model.get("tied_head"),
+        "contended": contention.assess(run)["named"],
     }
 
 
-def _mb(b) -> str:
-    return f"{b / 1e6:,.1f} MB"
+def _projection_bytes(rows) -> tuple:
+    """(weight bytes read, ms) over the decode steps, of the rows whose type is known."""
+    rows = [r for r in rows if r["bytes"]]
+    return sum(r["bytes"] for r in rows), sum(r["ms"] for r in rows)
 
 
-def _mitigations(cat: str, f: dict, run, timing) -> list:
-    out = []
-    quant_tip = ("Quantize the weights: Q8_0 reads ~3.8x fewer bytes per token than F32, Q4_0 ~7x "
-                 "(decode is bound by reading the weights once per token)")
-    if cat == aggregate.HEAD and f["head"]:
-        h = f["head"]
-        n = (h["in"] or 0) * (h["out"] or 0)
-        if h["dtype"] in ("F32", "F16", "BF16"):
-            out.append(f"Quantize the head: `--lm-head-quant q8_0` reads ~{_mb(n * 34 / 32)} per token instead "
-                       f"of {_mb(h['bytes'] / max(h['calls'], 1))} (q4_0: ~{_mb(n * 18 / 32)})")
-        elif h["dtype"] == "Q8_0":
-            out.append(f"Already Q8_0: `--lm-head-quant q4_0` would read ~{_mb(n * 18 / 32)} per token")
-        out.append(f"Vocabulary pruning: project only the ids a task can emit ({h['out']:,} rows today)")
-        out.append("Speculative decoding spreads one head pass over several accepted tokens")
-    elif cat == aggregate.HEAD:
-        out.append("Quantize the head (`--lm-head-quant q8_0`); profile at trace level for its shape and GB/s")
-    elif cat == aggregate.FFN:
+def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, n: int) -> tuple[list, list]:
+    """(what could be done, as text; the options and commands to try, checked: advice.py).
+    cat_ms: the category's ms per decode step; step_ms: a mean decode step."""
+    out, try_ = [], []
+    if cat == aggregate.HEAD:
+        try_ += advice.head_quant(run, f["head"], step_ms)
+        if f["head"]:
+            out.append(f"Vocabulary pruning: project only the ids a task can emit ({f['head']['out']:,} rows "
+                       f"today; engine work, no option yet)")
+        elif run.kind == "log":  # a profile records every op: only a debug-level log lacks them
+            out.append("Its shape and GB/s need the op-level records: `--profile DIR` records them")
+        out.append("Speculative decoding spreads one head pass over several accepted tokens (engine work)")
+    elif cat in (aggregate.FFN, aggregate.ATTN_PROJ):
+        rows = f["ffn_rows"] if cat == aggregate.FFN else f["attn_rows"]
         if f["float_weights"]:
-            out.append(quant_tip)
-        if f["gate_up_separate"]:
-            out.append("Fuse gate and up into one matmul (Linear.fuse: needs one storage type for both)")
-        slow = [r for r in f["ffn_rows"] if r["gb_s"]]
-        if slow:
-            lo, hi = min(r["gb_s"] for r in slow), max(r["gb_s"] for r in slow)
-            out.append(f"A faster matmul kernel: the FFN projections stream their weights at "
-                       f"{lo:.3g}–{hi:.3g} GB/s")
-    elif cat == aggregate.ATTN_PROJ:
-        if f["qkv_separate"]:
+            before, ms = _projection_bytes(rows)
+            after = sum(r["in"] * r["out"] * 34 / 32 * r["calls"] for r in rows if r["bytes"])
+            gain = ms / n * (1 - after / before) if before else None
+            text = (f"Quantize the weights to Q8_0: {before / max(after, 1):.1f}x fewer bytes a token; at the "
+                    f"measured speed about {advice.ms(gain or 0)} less per decode step")
+            said = advice.quantize_weights(run, "q8_0", text, gain)
+            try_ += said
+            if not said:
+                out.append(text + " (pyml-quantize reads GGUF files: convert this model with llama.cpp's "
+                                  "convert_hf_to_gguf.py first)")
+        if cat == aggregate.FFN:
+            if f["gate_up_separate"]:
+                out.append("Fuse gate and up into one matmul (Linear.fuse: needs one storage type for both)")
+            slow = [r for r in rows if r["gb_s"]]
+            if slow:
+                lo, hi = min(r["gb_s"] for r in slow), max(r["gb_s"] for r in slow)
+                out.append(f"A faster matmul kernel (engine work): the FFN projections stream their weights at "
+                           f"{lo:.3g}–{hi:.3g} GB/s")
+        elif f["qkv_separate"]:
             out.append("Fuse Q, K and V into one matmul (one call instead of three per layer)")
         else:
             out.append("Q, K and V are already one matmul")
-        if f["float_weights"]:
-            out.append(quant_tip)
     elif cat == aggregate.ATTN_CORE:
         ops = aggregate.label_table(run.records, {"decode"})
         if "softmax" in ops and "sdpa" not in ops:
@@ -84,21 +91,27 @@ def _mitigations(cat: str, f: dict, run, timing) -> list:
                        f"{cost['per_span_us']:.2f} µs"
                        + (f" + {cost['compiled_per_step']:.0f} timed inside compiled code × "
                           f"{cost['per_compiled_us'] * 1e3:.0f} ns" if cost["compiled_per_step"] else "")
-                       + f" ≈ {cost['ms_per_step']:.3f} ms ({cost['pct']:.1f}% of a step); profile at debug "
-                       f"level (`LOG=debug`) for layer totals at a fraction of the cost")
+                       + f" ≈ {cost['ms_per_step']:.3f} ms ({cost['pct']:.1f}% of a step), which a run "
+                       f"without --profile and LOG does not pay")
         out.append("Fewer, larger ops: fused kernels (QKV, gate+up, attention) remove per-op Python dispatch, "
-                   "which is what small models are bound by")
+                   "which is what small models are bound by (engine work)")
     elif cat in (aggregate.NORM, aggregate.ACT):
         out.append("Fold into a neighbouring kernel (norm + next matmul, activation + gate); on small models "
-                   "the call costs more than the arithmetic")
+                   "the call costs more than the arithmetic (engine work)")
     elif cat == aggregate.SAMPLE:
-        out.append(f"Greedy sampling (temperature 0) skips sorting the {f['vocab'] or 'vocabulary'} logits that "
-                   f"top-k/top-p need")
+        try_ += advice.greedy(run, f"Greedy sampling (`--temperature 0`) skips sorting the {f['vocab'] or ''} "
+                                   f"logits top-k/top-p need: up to {advice.ms(cat_ms)} less per step",
+                              cat_ms)
     elif cat in (aggregate.ATTN_COARSE, aggregate.FFN_COARSE):
-        out.append("Profile at trace level (`LOG=trace` or `pyml.profile`) to split this into ops")
-    if cat in (aggregate.FFN, aggregate.ATTN_PROJ, aggregate.HEAD) and f["threads"] and f["cores"] and f["threads"] < f["cores"]:
-        out.append(f"Use every core: `--threads {f['cores']}` (this run used {f['threads']})")
-    return out
+        if run.kind == "log":
+            out.append("Split into ops: `--profile DIR` (or `LOG=trace`) records every op inside a layer")
+    if (cat in (aggregate.FFN, aggregate.ATTN_PROJ, aggregate.HEAD) and f["threads"] and f["cores"]
+            and f["threads"] < f["cores"] and not f["contended"]):
+        gain = cat_ms * (1 - f["threads"] / f["cores"])
+        try_ += advice.threads(run, f["cores"], "Use every core: `--threads {n}` (this run used "
+                               f"{f['threads']}): at most {advice.ms(gain)} less per step if these matmuls "
+                               f"scale with the cores", gain)
+    return out, try_
 
 
 def _core_per_step(run) -> list:
@@ -127,13 +140,17 @@ def _detail(cat, run, f, labels) -> str:
 
 
 def bottlenecks(run, timing=None, limit: int = 6, min_share: float = 1.0) -> list:
-    """Where decode time goes, ranked by share of decode time, each with mitigations."""
+    """The ranking every page uses: where decode time goes, by share of decode time, each with
+    what could be done (`mitigations`) and the options or commands to try (`suggestions`, checked
+    by advice.py, each with its expected gain). Contention comes first when contention.py names
+    it and it cost >= contention.FIRST_PCT of decode time: it distorts every other figure."""
     steps = aggregate.decode_steps(run)
     if not steps:
         return []
     n = len(steps)
     cats = aggregate.category_table(run.records, {"decode"})
     total = sum(cats.values())
+    step_ms = total / n
     labels = aggregate.label_table(run.records, {"decode"})
     f = _facts(run)
     items = []
@@ -141,38 +158,75 @@ def bottlenecks(run, timing=None, limit: int = 6, min_share: float = 1.0) -> lis
         share = 100.0 * ms / total if total else 0.0
         if share < min_share:
             continue
-        items.append({"title": cat, "ms_per_step": ms / n, "share": share, "detail": _detail(cat, run, f, labels),
-                      "mitigations": _mitigations(cat, f, run, timing)})
-    # jitter that costs time: a cold first layer, a cold first step
+        text, said = _mitigations(cat, f, run, timing, ms / n, step_ms, n)
+        items.append(_item(cat, ms / n, share, _detail(cat, run, f, labels), text, said))
+    items += _cold(run, steps, total, n)
+    items.sort(key=lambda x: -x["share"])
+    machine = _contention_item(run, n, total)
+    if machine is not None:
+        items.append(machine)
+    items.sort(key=lambda x: (not x["first"], -x["share"]))
+    return items[:limit]
+
+
+def first_bottleneck(ranking) -> str:
+    """The first of the ranking, as every page names it."""
+    if not ranking:
+        return "none recorded"
+    top = ranking[0]
+    return f"{top['title']} ({top['share']:.0f}% of decode time)"
+
+
+def _item(title, ms_per_step, share, detail, mitigations, suggestions, first=False) -> dict:
+    return {"title": title, "ms_per_step": ms_per_step, "share": share, "detail": detail,
+            "mitigations": mitigations, "suggestions": suggestions, "first": first}
+
+
+def _cold(run, steps, total, n) -> list:
+    """Jitter that costs time: a cold first layer, a cold first step."""
+    out = []
     layers = aggregate.layer_stats(run, "decode")
+    warm_text = "Warm up before timing: drop `--no-warmup` (pyml.load_model warms by default)"
     if len(layers) >= 3:
         med = statistics.median(r["mean"] for r in layers[1:])
         if layers[0]["mean"] >= COLD_FACTOR * med:
             excess = layers[0]["mean"] - med
-            items.append({"title": "cold layer 0", "ms_per_step": excess,
-                          "share": 100.0 * excess * n / total if total else 0.0,
-                          "detail": f"layer 0 {layers[0]['mean']:.3f}ms vs median {med:.3f}ms",
-                          "mitigations": ["Warm up before timing (pyml.load_model does by default; "
-                                          "`--no-warmup` turns it off)",
-                                          "Check the embedding output is not freshly paged in every step"]})
+            out.append(_item("cold layer 0", excess, 100.0 * excess * n / total if total else 0.0,
+                             f"layer 0 {layers[0]['mean']:.3f}ms vs median {med:.3f}ms",
+                             ["Check the embedding output is not freshly paged in every step"],
+                             advice.warm_up(run, warm_text, excess)))
     if n >= 3:
         med = statistics.median(s["total"] for s in steps[1:])
         if steps[0]["total"] >= COLD_FACTOR * med:
             excess = steps[0]["total"] - med
-            items.append({"title": "slow first decode step", "ms_per_step": excess / n,
-                          "share": 100.0 * excess / total if total else 0.0,
-                          "detail": f"step 1 {steps[0]['total']:.2f}ms vs median {med:.2f}ms",
-                          "mitigations": ["Warm up (compiles kernels, starts the thread pools, pages in the "
-                                          "weights) before the first measured token"]})
-    items.sort(key=lambda x: -x["share"])
-    return items[:limit]
+            said = advice.warm_up(run, warm_text + f": about {advice.ms(excess)} off the first step", excess)
+            out.append(_item("slow first decode step", excess / n, 100.0 * excess / total if total else 0.0,
+                             f"step 1 {steps[0]['total']:.2f}ms vs median {med:.2f}ms",
+                             [] if said else ["The warm-up ran; the first step still paid for something cold "
+                                              "(pages of the weights, the caches): see jitter.md"], said))
+    return out
 
 
-def verdict(run) -> dict | None:
-    """The audit's closing lines: status, primary and secondary bottleneck, potential."""
+def _contention_item(run, n, total) -> dict | None:
+    a = contention.assess(run)
+    if not a["named"]:
+        return None
+    try_ = contention.threads_to_try(a)
+    said = advice.threads(run, try_, "Fewer threads than cores, so the run's threads do not wait for each "
+                          "other behind another process: `-t {n}`; up to "
+                          f"{advice.ms(a['lost_ms'] / n)} per step back (the time lost)", a["lost_ms"] / n)
+    text = ["A quieter machine: stop or wait for the other processes (`top` shows them), then profile again "
+            "and `pyml-report compare` the two runs"]
+    return _item("machine contention: other processes held the cores", a["lost_ms"] / n, a["lost_pct"],
+                 "; ".join(a["evidence"]), text, said, first=a["first"])
+
+
+def verdict(run, ranking=None) -> dict | None:
+    """The audit's closing lines: status, primary (the ranking's first) and secondary, potential."""
     steps = aggregate.decode_steps(run)
     if not steps:
         return None
+    ranking = bottlenecks(run) if ranking is None else ranking
     comps = aggregate.components(steps)
     cats = aggregate.category_table(run.records, {"decode"})
     total = sum(cats.values()) or 1.0
@@ -184,17 +238,9 @@ def verdict(run) -> dict | None:
     step_jitter = max(steady) / min(steady) if min(steady) > 0 else None
     layer_durs = [d for s in steps for d in s["layer_ms"]]
     layer_jitter = max(layer_durs) / min(layer_durs) if layer_durs and min(layer_durs) > 0 else None
-    if head >= 15:
-        primary = f"lm_head projection ({head:.0f}% of decode time)"
-    elif glue >= 30:
-        primary = f"Python/NumPy glue between ops ({glue:.0f}% of decode time)"
-    elif af and af["ratio"] and af["ratio"] >= 2:
-        primary = f"FFN ({af['ratio']:.1f}x the attention time per layer)"
-    elif af and af["ratio"] and af["ratio"] <= 0.5:
-        primary = f"attention ({1 / af['ratio']:.1f}x the FFN time per layer)"
-    else:
-        primary = "None dominant"
-    secondary = []
+    primary = first_bottleneck(ranking)
+    top = ranking[0] if ranking else None
+    secondary = [f"{r['title']} ({r['share']:.0f}%)" for r in ranking[1:] if r["title"].startswith("machine")]
     if layer_jitter and layer_jitter >= 2.5:
         secondary.append(f"layer jitter ({layer_jitter:.1f}x)")
     if step_jitter and step_jitter >= 1.5:
@@ -215,13 +261,16 @@ def verdict(run) -> dict | None:
     if layer_jitter:
         why.append(f"layer jitter {layer_jitter:.1f}x")
     split = f", attention:FFN {af['attn_pct']:.0f}:{100 - af['attn_pct']:.0f}" if af and af["attn_pct"] else ""
-    if primary == "None dominant":
-        status = f"Well-balanced: layers {comps['layers']['pct']:.0f}% of a step{split}"
-    elif primary.startswith("lm_head"):
+    if top is not None and top["title"].startswith("machine contention"):
+        status = ("Contended: other processes held the cores, so every other figure here is inflated; "
+                  "profile again on a quieter machine or with fewer threads")
+    elif top is not None and top["title"] == aggregate.HEAD and top["share"] >= 15:
         status = "lm_head projection is a significant overhead"
-    elif primary.startswith("Python"):
+    elif top is not None and top["title"] == aggregate.GLUE and top["share"] >= 30:
         status = ("Bound by per-op dispatch: the time between timed ops outweighs the ops themselves "
                   "(typical of a model small for its op count)")
+    elif top is None or top["share"] < 25:
+        status = f"Well-balanced: layers {comps['layers']['pct']:.0f}% of a step{split}"
     else:
         status = f"Layers dominate ({comps['layers']['pct']:.0f}% of a step){split}"
     return {"status": status, "primary": primary, "secondary": secondary or ["none"],

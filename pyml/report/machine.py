@@ -19,7 +19,8 @@ from pyml.core import isa
 from pyml.core.version import __version__
 
 
-def _read(path) -> str:
+def read_text(path) -> str:
+    """A /proc (or other small) file's text; "" where it cannot be read (not Linux)."""
     try:
         with open(path) as f:
             return f.read()
@@ -27,18 +28,23 @@ def _read(path) -> str:
         return ""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in read_text("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor() or platform.machine())
     mem = {}
-    for line in _read("/proc/meminfo").splitlines():
+    for line in read_text("/proc/meminfo").splitlines():
         k, _, v = line.partition(":")
         if k in ("MemTotal", "MemAvailable"):
             mem[k] = int(v.split()[0]) * 1024
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = os.cpu_count()
+    affinity = usable_cores()
     blas = []
     try:
         blas = [{k: d.get(k) for k in ("internal_api", "version", "num_threads", "threading_layer")}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from pyml.report import aggregate
-from pyml.report import findings
+from pyml.report import aggregate, contention, findings
 from pyml.report.doc import Doc, ms, num, pct, ratio
+from pyml.report.machine_section import jitter_causes_section, machine_section
 
 _COMPONENT_NAMES = {"embedding": "Embedding", "layers": "Layers", "norm": "Norm",
                     "projection": "Projection (lm_head)", "sample": "Sample", "other": "Other (untimed)"}
@@ -61,7 +61,9 @@ def overhead_line(run) -> str | None:
 
 # --- report.md ------------------------------------------------------------------------------
 
-def report_page(run, layer: int | None = None, timing=None, timing_src="", plots=()) -> Doc:
+def report_page(run, layer: int | None = None, timing=None, timing_src="", plots=(), ranking=None) -> Doc:
+    """ranking: findings.bottlenecks(run, timing), computed once for every page (default: here)."""
+    ranking = findings.bottlenecks(run, timing) if ranking is None else ranking
     doc = Doc(f"Performance trace bottleneck report: {run.label}")
     doc.p(_model_line(run))
     doc.p(_source_line(run))
@@ -76,7 +78,7 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     if tl["load_ms"] is not None:
         rows.append(["Load", ms(tl["load_ms"]), tl["load_source"] or ""])
     if tl["warmup_ms"] is not None:
-        rows.append(["Warm-up", ms(tl["warmup_ms"]), "kernels compiled, thread pools started, one short forward"])
+        rows.append(["Warm-up", ms(tl["warmup_ms"]), _warmup_note(run)])
     pre = tl["prefill"]
     if pre:
         rows.append([f"Prefill ({pre['tokens']} tokens)", ms(pre["ms"]),
@@ -110,17 +112,21 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     _head_section(doc, run, steps)
     _matmul_section(doc, run)
 
-    items = findings.bottlenecks(run, timing)
-    if items:
+    machine_section(doc, run)
+    if ranking:
         doc.h("Top bottlenecks (ranked by share of decode time)")
-        for i, it in enumerate(items, 1):
+        for i, it in enumerate(ranking, 1):
             doc.h(f"{i}. {it['title']} — {ms(it['ms_per_step'])}/step, {pct(it['share'])} of decode", 3)
             if it["detail"]:
                 doc.p(it["detail"])
-            if it["mitigations"]:
-                doc.items(it["mitigations"])
+            lines = [s["text"] + (f": `{s['command']}`" if s["command"] else "") for s in it["suggestions"]]
+            if lines or it["mitigations"]:
+                doc.items(lines + it["mitigations"])
         doc.p("Shares are of the summed decode-step time; every event's own time is counted once, in one "
-              "category, so the categories add up to 100% (those under 1% are not listed).")
+              "category, so the categories add up to 100% (those under 1% are not listed). Machine contention "
+              "is time lost waiting for a core, spread over the categories; it comes first when named and at "
+              "least 10% of decode. Every option suggested was checked against what pyml accepts for this "
+              "model and run, and its gain is worked out from this run's figures.")
 
     _methodology(doc, run, timing, timing_src)
     if plots:
@@ -132,6 +138,17 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
                "`jitter.md` — decode step and per-layer jitter, with the audit's verdict",
                "`trace.json` — the whole timeline: open it in https://ui.perfetto.dev or chrome://tracing"])
     return doc
+
+
+def _warmup_note(run) -> str:
+    """What the warm-up was: kernels compiled (the first run) or loaded from Numba's cache."""
+    compile_s = run.info.get("compile_s")
+    what = "thread pools started, one short forward"
+    if compile_s is None:
+        return f"kernels loaded or compiled, {what}"
+    if compile_s >= 0.5:
+        return f"**compiled {compile_s:.1f} s** (a first run: kernels into Numba's cache), {what}"
+    return f"kernels from cache (compiling {compile_s:.2f} s), {what}"
 
 
 def _workers_section(doc, run):
@@ -164,17 +181,23 @@ def _model_table(doc, run):
 
 
 def _layer_section(doc, run, layer):
+    """The ops inside a layer: the median over every layer and step (default), or one layer's mean."""
     layers = aggregate.blocks_by_layer(run, "decode")
     if not layers:
         return
-    if layer is None:
-        layer = sorted(layers)[len(layers) // 2]
-    bd = aggregate.layer_breakdown(run, layer, "decode")
-    if bd is None:
-        doc.h(f"Per-layer breakdown (layer {layer})")
-        doc.p(f"Layer {layer} does not exist in this run (layers 0–{max(layers)}).")
-        return
-    doc.h(f"Per-layer breakdown (trace, layer {layer}, single-token decode, mean of {bd['n']} steps)")
+    if layer is not None:
+        bd = aggregate.layer_breakdown(run, layer, "decode")
+        if bd is None:
+            doc.h(f"Per-layer breakdown (layer {layer})")
+            doc.p(f"Layer {layer} does not exist in this run (layers 0–{max(layers)}).")
+            return
+        doc.h(f"Per-layer breakdown (trace, layer {layer}, single-token decode, mean of {bd['n']} steps)")
+        spread = False
+    else:
+        bd = aggregate.op_medians(run, "decode")
+        doc.h(f"Per-layer breakdown (trace, single-token decode, median over {bd['layers']} layers × "
+              f"{bd['steps']} steps)")
+        spread = True
     if not bd["traced"]:
         doc.p("This run was recorded at debug level: the layer's ops were not timed. Record at trace level "
               "(`pyml.profile`, or `LOG=trace`) for this table.")
@@ -182,19 +205,39 @@ def _layer_section(doc, run, layer):
     names = {"attn": "Attention", "ffn": "FFN", "block": "Block"}
     for sec in ("attn", "ffn", "block"):
         s = bd["sections"][sec]
-        if not s["rows"]:
-            continue
         for label, v in s["rows"]:
             calls = v["calls"]
-            rows.append([f"{names[sec]}: {label}", _short_details(v["details"]),
-                         f"{calls:.0f}" if calls == int(calls) else f"{calls:.1f}",
-                         ms(v["ms"]), pct(100 * v["ms"] / bd["total"])])
-        if sec != "block":
-            rows.append([f"**{names[sec]} total**", "", "", f"**{ms(s['ms'])}**", pct(100 * s["ms"] / bd["total"])])
-    rows.append(["**Layer total**", "", "", f"**{ms(bd['total'])}**", "100.0%"])
-    doc.table(["Op", "Details", "Calls", "Time", "% of layer"], rows, "llrrr")
-    doc.p("Each event's own time (its duration minus the events inside it); *(other)* rows are the Python "
-          "and NumPy work between timed ops in that span, e.g. reshapes, masks and residual adds.")
+            row = [f"{names[sec]}: {label}", _short_details(v["details"]),
+                   f"{calls:.0f}" if calls == int(calls) else f"{calls:.1f}", ms(v["ms"])]
+            if spread:
+                row.append(f"{ms(v['p10'])}–{ms(v['p90'])}")
+            rows.append(row + [pct(100 * v["ms"] / bd["total"]) if bd["total"] else "—"])
+        if sec != "block" and s["rows"]:
+            rows.append([f"**{names[sec]} total**", "", "", f"**{ms(s['ms'])}**"] + ([""] if spread else [])
+                        + [pct(100 * s["ms"] / bd["total"]) if bd["total"] else "—"])
+    if spread:
+        rows.append(["**Layer (median)**", "", "", f"**{ms(bd['total'])}**", f"{ms(bd['p10'])}–{ms(bd['p90'])}",
+                     "100.0%"])
+        doc.table(["Op", "Details", "Calls", "Median", "p10–p90", "% of layer"], rows, "llrrrr")
+        doc.p("Each op's own time (its duration minus the events inside it) in one layer of one step; the "
+              "median over every layer of every decode step, and the spread between the 10th and 90th "
+              "percentile. Medians of parts need not add up to the median layer. *(other)* rows are the Python "
+              "and NumPy work between timed ops in that span, e.g. reshapes, masks and residual adds. "
+              "`--layer N` shows one layer's means instead.")
+        if bd["outliers"]:
+            doc.p("**Outlier layers** (mean time at least 1.5x from the median layer's "
+                  f"{ms(bd['outliers'][0]['median_layer'])}, which the medians above are not moved by): "
+                  + ", ".join(f"layer {o['layer']} {ms(o['mean'])} ({o['factor']:.1f}x)" for o in bd["outliers"]))
+    else:
+        rows.append(["**Layer total**", "", "", f"**{ms(bd['total'])}**", "100.0%"])
+        doc.table(["Op", "Details", "Calls", "Time", "% of layer"], rows, "llrrr")
+        doc.p("Each event's own time (its duration minus the events inside it); *(other)* rows are the Python "
+              "and NumPy work between timed ops in that span, e.g. reshapes, masks and residual adds.")
+        outlier = next((o for o in (aggregate.op_medians(run, "decode") or {}).get("outliers", [])
+                        if o["layer"] == layer), None)
+        if outlier:
+            doc.p(f"**Outlier**: this layer took {outlier['factor']:.1f}x the median layer's time; the default "
+                  f"table (no `--layer`) gives the median over every layer.")
 
 
 def _short_details(d: str) -> str:
@@ -321,12 +364,16 @@ def _methodology(doc, run, timing, timing_src):
 
 # --- modules.md ----------------------------------------------------------------------------------
 
-def modules_page(run, top: int = 30) -> Doc:
+def modules_page(run, top: int = 30, ranking=None) -> Doc:
+    ranking = findings.bottlenecks(run) if ranking is None else ranking
     doc = Doc(f"Modules and ops: {run.label}")
     doc.p(_model_line(run))
     doc.p(_source_line(run))
     mt = aggregate.module_table(run.records, aggregate.scope(run.records))
     _module_header(doc, run, mt)
+    if ranking:
+        doc.p(f"**Primary bottleneck**: {findings.first_bottleneck(ranking)} — the ranking of report.md; "
+              f"the hotspot above is one module's own time over prefill and decode")
     _module_rows(doc, mt, top)
     doc.p("Total = time inside the module's events not spent in a child module's events (self time), so the "
           "rows add up to the total measured time. Ops without a module of their own (softmax, norms, KV cache) "
@@ -415,7 +462,8 @@ def _module_rows(doc, mt, top):
 
 # --- jitter.md ---------------------------------------------------------------------------------
 
-def jitter_page(run) -> Doc:
+def jitter_page(run, ranking=None) -> Doc:
+    ranking = findings.bottlenecks(run) if ranking is None else ranking
     doc = Doc(f"Jitter analysis: {run.label}")
     doc.p(_model_line(run))
     doc.p(_source_line(run))
@@ -467,28 +515,30 @@ def jitter_page(run) -> Doc:
         rows.append([name, f"{ms(c['min'])}–{ms(c['max'])}", ms(c["mean"]), pct(c["pct"])])
     doc.table(["Component", "Range", "Mean", "% of total"], rows)
 
-    v = findings.verdict(run)
+    jitter_causes_section(doc, run)
+    v = findings.verdict(run, ranking)
     doc.h("Bottleneck summary")
     doc.items([f"**Status**: {v['status']}", f"**Primary bottleneck**: {v['primary']}",
                f"**Secondary**: {'; '.join(v['secondary'])}",
                f"**Optimization potential**: {v['potential']} ({v['because']})"])
-    doc.p("Rules: the head is the primary bottleneck from 15% of decode time, glue from 30%, FFN or attention "
-          "at 2x the other; potential is High from a 25% head, 40% glue or 2x step jitter, Medium from 10%, 20%, "
-          "2.5x layer jitter or 1.3x step jitter.")
+    doc.p("Rules: the primary bottleneck is the first of report.md's ranking; potential is High from a 25% "
+          "head, 40% glue or 2x step jitter, Medium from 10%, 20%, 2.5x layer jitter or 1.3x step jitter.")
     return doc
 
 
 # --- everything as one JSON document ---------------------------------------------------------------
 
-def report_json(run, layer=None, timing=None) -> dict:
+def _json_sections(bd):
+    if not bd:
+        return bd
+    return {**bd, "sections": {k: {"ms": v["ms"], "rows": [{"label": lbl, **row} for lbl, row in v["rows"]]}
+                               for k, v in bd["sections"].items()}}
+
+
+def report_json(run, layer=None, timing=None, ranking=None) -> dict:
+    ranking = findings.bottlenecks(run, timing) if ranking is None else ranking
     steps = aggregate.decode_steps(run)
-    layers = aggregate.blocks_by_layer(run, "decode")
-    if layer is None and layers:
-        layer = sorted(layers)[len(layers) // 2]
-    bd = aggregate.layer_breakdown(run, layer, "decode") if layer is not None else None
-    if bd:
-        bd = {**bd, "sections": {k: {"ms": v["ms"], "rows": [{"label": lbl, **row} for lbl, row in v["rows"]]}
-                                 for k, v in bd["sections"].items()}}
+    bd = _json_sections(aggregate.layer_breakdown(run, layer, "decode")) if layer is not None else None
     return {
         "source": run.source, "kind": run.kind, "info": run.info, "notes": run.notes, "events": len(run.records),
         "timeline": aggregate.timeline(run), "decode_steps": steps, "components": aggregate.components(steps),
@@ -497,7 +547,9 @@ def report_json(run, layer=None, timing=None) -> dict:
         "modules": aggregate.module_table(run.records, aggregate.scope(run.records)),
         "ops": {p: aggregate.label_table(run.records, {p}) for p in aggregate.GENERATION},
         "categories": {p: aggregate.category_table(run.records, {p}) for p in aggregate.GENERATION},
-        "bottlenecks": findings.bottlenecks(run, timing), "verdict": findings.verdict(run),
+        "bottlenecks": ranking, "verdict": findings.verdict(run, ranking),
+        "op_medians": _json_sections(aggregate.op_medians(run, "decode")), "contention": contention.assess(run),
+        "jitter_causes": contention.attribute_steps(run),
         "timing": timing, "instrumentation": aggregate.instrumentation_cost(run, timing),
         "consistency": aggregate.consistency(run, timing),
     }

@@ -181,6 +181,11 @@ def normalize(raws: list[dict], main_thread: int | None = None,
 _REQUIRED = {"id": int, "name": str, "dur_ms": (int, float), "start": (int, float)}
 
 
+def _not_a_profile(path, wrong: str) -> EventsFormatError:
+    return EventsFormatError(f"{path}: not a pyml profile: its first line is no perf event ({wrong}); "
+                             f"pyml.profile(dir) and pyml-infer --profile DIR write one")
+
+
 def read_events(path: Path) -> list[dict]:
     """Raw dicts from an events.jsonl, with a one-line error naming the line for bad input."""
     raws = []
@@ -199,15 +204,17 @@ def read_events(path: Path) -> list[dict]:
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise EventsFormatError(f"{path}:{n}: not a JSON record ({e.msg} at column {e.colno})") from None
+            wrong = f"not a JSON record ({e.msg} at column {e.colno})"
+            raise (_not_a_profile(path, wrong) if not raws else EventsFormatError(f"{path}:{n}: {wrong}")) from None
         if not isinstance(r, dict):
-            raise EventsFormatError(f"{path}:{n}: expected a JSON object, got {type(r).__name__}")
+            wrong = f"expected a JSON object, got {type(r).__name__}"
+            raise _not_a_profile(path, wrong) if not raws else EventsFormatError(f"{path}:{n}: {wrong}")
         for k, types in _REQUIRED.items():
-            if k not in r:
-                raise EventsFormatError(f"{path}:{n}: record has no {k!r} field")
-            if not isinstance(r[k], types) or isinstance(r[k], bool):
-                raise EventsFormatError(f"{path}:{n}: field {k!r} has the wrong type "
-                                        f"({type(r[k]).__name__})")
+            wrong = (f"record has no {k!r} field" if k not in r else
+                     f"field {k!r} has the wrong type ({type(r[k]).__name__})"
+                     if not isinstance(r[k], types) or isinstance(r[k], bool) else None)
+            if wrong:  # on the first record: some other JSONL, not a profile cut short
+                raise _not_a_profile(path, wrong) if not raws else EventsFormatError(f"{path}:{n}: {wrong}")
         if r.get("parent") is not None and not isinstance(r["parent"], int):
             raise EventsFormatError(f"{path}:{n}: field 'parent' must be an integer or null")
         if r.get("worker") is not None and (not isinstance(r["worker"], int) or isinstance(r["worker"], bool)
@@ -321,7 +328,8 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
             if depth > 0:
                 rec["orphan"] = True
     if not raws:
-        raise LogFormatError(f"{path}: no [perf] lines (was the run logged with LOG=trace or --log trace?)")
+        raise LogFormatError(f"{path}: not a pyml profile or log: no [perf] lines "
+                             f"(a log needs LOG=trace or --log trace)")
     if info.get("legacy"):
         old_logs.link(raws)
     return raws, info
@@ -380,6 +388,8 @@ def load_run(path) -> Run:
     else:
         with open(p, "rb") as f:
             head = f.read(4096).lstrip()
+        if b"\0" in head:  # a model file, an archive: not read whole to find no [perf] line in it
+            raise ReportInputError(f"{p}: not a pyml profile or log: a binary file")
         if head.startswith(b"{"):
             recs, orphans = normalize(read_events(p))
             info, kind = _read_info(p.parent / "run.json"), "events"

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from pyml.report import chrome, pages
+from pyml.report import chrome, findings, pages
 from pyml.report.plots import MATPLOTLIB_MISSING, matplotlib_available, write_plots
 from pyml.report.doc import render_html, render_md
 from pyml.report.records import ReportInputError, Run, load_run
@@ -54,12 +54,13 @@ def write_reports(source, out_dir=None, formats=("md",), plots: bool = True, lay
             written += [out / name for name, _ in pngs]
         elif log is not None:
             print(MATPLOTLIB_MISSING, file=log)
-    docs = {"report": pages.report_page(run, layer, timing, timing_src, pngs),
-            "modules": pages.modules_page(run, top), "jitter": pages.jitter_page(run)}
+    ranking = findings.bottlenecks(run, timing)  # once: every page names the same first bottleneck
+    docs = {"report": pages.report_page(run, layer, timing, timing_src, pngs, ranking),
+            "modules": pages.modules_page(run, top, ranking), "jitter": pages.jitter_page(run, ranking)}
     for fmt in formats:
         if fmt == "json":
             path = out / "report.json"
-            path.write_text(json.dumps(pages.report_json(run, layer, timing), indent=1, default=str) + "\n")
+            path.write_text(json.dumps(pages.report_json(run, layer, timing, ranking), indent=1, default=str) + "\n")
             written.append(path)
             continue
         render = render_md if fmt == "md" else render_html

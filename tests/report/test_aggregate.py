@@ -172,9 +172,13 @@ def test_bottlenecks_ranked_by_share_with_mitigations(run):
     assert items[0]["title"] == aggregate.GLUE and items[0]["share"] == pytest.approx(21.0)
     head = next(i for i in items if i["title"] == aggregate.HEAD)
     assert head["ms_per_step"] == pytest.approx(1.4)
-    assert any("--lm-head-quant q8_0" in m for m in head["mitigations"])
+    q8 = next(s for s in head["suggestions"] if s["changes"] == {"--lm-head-quant": "q8_0"})
+    assert q8["gain_ms"] == pytest.approx(1.4 * (1 - (34 / 32) / 4))  # the bytes it stops reading, same GB/s
+    assert q8["command"] is None  # the run's command is not known: the option alone
     attn = next(i for i in items if i["title"] == aggregate.ATTN_PROJ)
-    assert "already one matmul" in attn["mitigations"][0]
+    assert any("already one matmul" in m for m in attn["mitigations"])
+    quantize = next(m for m in attn["mitigations"] if m.startswith("Quantize the weights to Q8_0"))
+    assert "3.8x fewer bytes" in quantize and "pyml-quantize reads GGUF files" in quantize  # a safetensors run
 
 
 def test_cold_layer_and_first_step_are_findings():
@@ -190,12 +194,15 @@ def test_cold_layer_and_first_step_are_findings():
 
 
 def test_verdict_head_bound():
-    run = make_run([decode_step(i, head_ms=1.4) for i in range(1, 4)])
-    for r in run.records:  # make the head the obvious cost: 30% of the step
-        if r.name == "model::forward":
-            r.parts["projection"] = 3.0
-    v = findings.verdict(run)
-    assert v["primary"].startswith("lm_head") and v["potential"] == "High"
+    roots = [decode_step(i, head_ms=4.0) for i in range(1, 4)]
+    for step in roots:  # room for a 4 ms head: 31% of a 13 ms step
+        step.dur, step.children[0].dur = 13.0, 12.0
+    run = make_run(roots)
+    ranking = findings.bottlenecks(run)
+    assert ranking[0]["title"] == aggregate.HEAD
+    v = findings.verdict(run, ranking)
+    assert v["primary"] == findings.first_bottleneck(ranking) == "output head (31% of decode time)"
+    assert v["status"] == "lm_head projection is a significant overhead"
 
 
 def test_a_quantized_linear_is_one_call():
@@ -226,3 +233,31 @@ def test_a_run_without_generation_is_tabled_whole():
     assert mt["total_ms"] == pytest.approx(5.0) and mt["phases"] == "all"
     md = render_md(modules_page(run))
     assert "| lm_head | Linear F32 | 1 | 2.00 | 2.000 | 40.0 |" in md and "(no phase)" in md
+
+
+def test_per_op_table_is_the_median_over_layers_and_steps_with_the_outlier_named():
+    from tests.report.streams import block
+    roots = []
+    for k in range(1, 4):
+        blocks = [block(i) for i in range(5)]
+        blocks[3].dur += 6.0  # layer 3: 9 ms where the others take 3 (6 ms more of its own glue)
+        roots.append(S("generator::decode_step", 23.0, S("model::forward", 22.0, *blocks, module="model"),
+                       phase="decode", step=k))
+    run = make_run(roots)
+    med = aggregate.op_medians(run)
+    assert (med["n"], med["layers"], med["steps"]) == (15, 5, 3) and med["total"] == pytest.approx(3.0)
+    rows = {label: v for sec in med["sections"].values() for label, v in sec["rows"]}
+    assert rows["matmul:attn.c_attn"]["ms"] == pytest.approx(0.6) and rows["matmul:attn.c_attn"]["blocks"] == 15
+    assert rows["block (other)"]["ms"] == pytest.approx(0.3) and rows["block (other)"]["p90"] == pytest.approx(6.3)
+    assert [(o["layer"], round(o["factor"], 3)) for o in med["outliers"]] == [(3, 3.0)]
+    page = render_md(pages.report_page(run))
+    assert "median over 5 layers × 3 steps" in page and "layer 3 9.00ms (3.0x)" in page
+    assert "this layer took 3.0x" in render_md(pages.report_page(run, layer=3))  # asked for: said it is odd
+
+
+@pytest.mark.parametrize("compile_s, said", [(62.0, "| Warm-up | 210.0ms | **compiled 62.0 s** (a first run"),
+                                             (0.01, "| Warm-up | 210.0ms | kernels from cache (compiling 0.01 s)"),
+                                             (None, "| Warm-up | 210.0ms | kernels loaded or compiled")])
+def test_the_warm_up_says_whether_it_compiled(compile_s, said):
+    run = make_run([S("runtime::warmup", 210.0, phase="warmup")] + generation(2), {"compile_s": compile_s})
+    assert said in render_md(pages.report_page(run))

@@ -99,6 +99,14 @@ def test_profile_directory_holds_events_and_run_info(profiled):
     assert over["off_ms"] > 0 and over["on_ms"] > 0 and over["steps"] == 30 and over["lines"] is True
     assert len(over["pairs"]) == 5 and over["pct"] == pytest.approx((statistics.median(over["pairs"]) - 1) * 100)
     assert "calibration" not in phases
+    # what the machine did meanwhile, per phase, and per decode step
+    use = info["machine_use"]
+    assert use["threads_used"] == info["threads"] and use["usable_cores"] >= 1 and use["samples"] >= 2
+    assert {"load", "warmup", "prefill", "decode"} <= set(use["phases"])
+    dec = use["phases"]["decode"]
+    assert dec["wall_s"] > 0 and dec["cpu_s"] >= 0 and dec["nivcsw"] >= 0
+    assert use["decode_steps"]["step"] == [1, 2, 3, 4, 5]
+    assert info["warmup_s"] > 0 and "compile_s" in info
 
 
 def test_the_report_states_what_the_recording_added_to_this_run(profiled, tmp_path):
@@ -159,7 +167,9 @@ def test_all_outputs_agree(profiled, tmp_path):
     pcts = [float(m) for m in re.findall(r"^\| \S.*\| ([\d.]+) \|$", md.split("## Time per phase")[0], re.M)]
     assert sum(pcts[:-1]) == pytest.approx(100.0, abs=0.05 * len(pcts))  # the rows, to rounding
     report = (tmp_path / "report.md").read_text()
-    for section in ("## High-level timing", "## Decode breakdown (per step)", "## Per-layer breakdown (trace, layer 1",
+    for section in ("## High-level timing", "## Decode breakdown (per step)",
+                    "## Per-layer breakdown (trace, single-token decode, median over 3 layers × 5 steps)",
+                    "## The machine during the run",
                     "## Attention vs FFN", "## Output head", "## Top bottlenecks", "## Methodology"):
         assert section in report
     jitter = (tmp_path / "jitter.md").read_text()
@@ -190,9 +200,10 @@ def test_plots_are_skipped_in_one_line_without_matplotlib(profiled, tmp_path, mo
 def test_cli_on_directory_and_log(profiled, tmp_path, capsys):
     assert report_main([str(profiled / "run.log"), "--out", str(tmp_path / "fromlog"), "--no-plots"]) == 0
     assert report_main([str(profiled / "warm"), "--out", str(tmp_path / "fromdir"), "--no-plots"]) == 0
+    # the step and layer tables agree; what the machine did (run.json) is in the profile only
     a = (tmp_path / "fromdir" / "jitter.md").read_text().split("## Decode step timings")[1]
     b = (tmp_path / "fromlog" / "jitter.md").read_text().split("## Decode step timings")[1]
-    assert a == b
+    assert a.split("## Where the jitter came from")[0] == b.split("## Where the jitter came from")[0]
     a = (tmp_path / "fromdir" / "modules.md").read_text().split("## Time per phase")[1]
     b = (tmp_path / "fromlog" / "modules.md").read_text().split("## Time per phase")[1]
     assert a == b
@@ -210,6 +221,11 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     assert report_main(["compare", str(tmp_path), str(tmp_path / "nope")]) == 2
     assert "error:" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"  # a JSONL that is not a profile (pyml-batch's input)
+    prompts.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "Bye"}\n')
+    assert report_main([str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompts.jsonl: not a pyml profile" in err
 
 
 def test_compare_cold_and_warm_shows_the_warmup(profiled, checkpoint, tmp_path, capsys):

@@ -94,10 +94,14 @@ def test_interrupted_span_leaves_orphans_as_top_level_events(tmp_path):
     ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": \n', r"events.jsonl:2: not a JSON record"),
     ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": "y", "start": 0.0}\n',
      r"events.jsonl:2: record has no 'dur_ms' field"),
-    ('{"id": 1, "name": "x", "dur_ms": "fast", "start": 0.0}\n', r"events.jsonl:1: field 'dur_ms' has the wrong type"),
+    ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": "x", "dur_ms": "fast", "start": 0.0}\n',
+     r"events.jsonl:2: field 'dur_ms' has the wrong type"),
+    # a first line that is no perf event: some other JSONL, said as such
+    ('{"id": "req-1", "prompt": "Hello"}\n', r"events.jsonl: not a pyml profile: .*field 'id' has the wrong type"),
+    ('{\n  "model": {}\n}\n', r"events.jsonl: not a pyml profile: .*not a JSON record"),
     ('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n{"id": 2, "name": "y", "dur_ms": 1.0, "st',
      r"events.jsonl:2: truncated"),
-    ('[1, 2]\n', r"events.jsonl:1: expected a JSON object"),
+    ('[1, 2]\n', r"events.jsonl: not a pyml profile: .*expected a JSON object"),
 ])
 def test_bad_events_file_names_the_line(tmp_path, text, message):
     (tmp_path / "events.jsonl").write_text(text)
@@ -121,6 +125,13 @@ def test_bad_log_names_the_line(tmp_path):
     log.write_text("nothing here\n")
     with pytest.raises(LogFormatError, match="no \\[perf\\] lines"):
         load_run(log)
+
+
+def test_a_binary_file_is_not_read_whole(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(10_000))
+    with pytest.raises(PymlError, match=r"model.gguf: not a pyml profile or log: a binary file$"):
+        load_run(model)
 
 
 def test_missing_inputs(tmp_path):
