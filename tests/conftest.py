@@ -46,14 +46,14 @@ def say(record_property):
     return lambda text: record_property("said", text)
 
 
-_COMPILED = {}  # worker id -> (kernels, seconds) compiled in that test process
+_COMPILED = {}  # worker id -> (kernels, seconds, [(kernel, argument types)]) compiled in that test process
 
 
 def pytest_sessionfinish(session):
     """Each test process says how many kernels it compiled (subprocesses the tests start are not
     counted): the figure a cold run's time mostly goes to."""
     from pyml.core import compiles
-    stats = (compiles.kernels(), compiles.seconds())
+    stats = (compiles.kernels(), compiles.seconds(), compiles.compiled())
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["pyml_compiled"] = stats
@@ -71,8 +71,9 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     if _COMPILED:
         kernels, secs = (sum(v[i] for v in _COMPILED.values()) for i in (0, 1))
+        distinct = len({c for v in _COMPILED.values() for c in v[2]})
         terminalreporter.write_line(
-            f"kernels compiled in the test processes: {kernels} in {secs:.0f} s ("
+            f"kernels compiled in the test processes: {kernels} in {secs:.0f} s, {distinct} distinct ("
             + ", ".join(f"{k} {v[0]} in {v[1]:.0f} s" for k, v in sorted(_COMPILED.items())) + ")")
     said = [f"{report.nodeid}: {text}" for reports in terminalreporter.stats.values() for report in reports
             if getattr(report, "when", None) == "call"

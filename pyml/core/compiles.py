@@ -32,6 +32,7 @@ class _Listener(event.Listener):
 
     def __init__(self):
         self.kernels = 0        # compiles of any depth, this process
+        self.compiled = []      # (kernel, argument types) of each, in order
         self.seconds = 0.0      # outermost compiles' wall time, this process
         self._depth = 0
         self._t0 = 0.0
@@ -43,6 +44,7 @@ class _Listener(event.Listener):
         dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
         func = getattr(dispatcher, "py_func", None)
         name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}" if func is not None else "?"
+        self.compiled.append((name, str(ev.data.get("args", "")) if isinstance(ev.data, dict) else ""))
         if self._depth == 0:
             self._t0 = time.perf_counter()
             self.current = name
@@ -66,6 +68,11 @@ event.register("numba:compile", _listener)  # compiles are serialised by Numba's
 def kernels() -> int:
     """Kernels compiled in this process so far (cache loads are not compiles)."""
     return _listener.kernels
+
+
+def compiled() -> list[tuple[str, str]]:
+    """(kernel, argument types) of every compile in this process so far."""
+    return list(_listener.compiled)
 
 
 def seconds() -> float:

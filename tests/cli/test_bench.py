@@ -58,6 +58,7 @@ def test_bandwidth_probe_reads_in_vector_lanes():
     assert re.search(r"\bvaddps\s+%[yz]mm", asm), "the bandwidth probe's sum is not vectorised"
 
 
+@pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json
 def test_log_cost_table(tmp_path, smollm2_gguf):
     r = run_bench("--log-cost", "--models", "smollm2-135m-q4_1", "--reps", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -75,6 +76,7 @@ def test_bad_flags_are_one_line(tmp_path):
     one_line_error(run_bench("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
 
 
+@pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json
 def test_memory_table(tmp_path, smollm2_gguf):
     """Each model measured in a process of its own: the weights it reads are resident (the model part
     is at least the file), and the table is what the file holds."""
@@ -91,6 +93,7 @@ def test_memory_table(tmp_path, smollm2_gguf):
     assert abs(int(over) - (int(model_mib) - int(file_mib) - float(kv_mib))) <= 2
 
 
+@pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json
 def test_lists_of_prompt_lengths_and_depths(tmp_path, smollm2_gguf):
     """-p/-n/-d lists as llama-bench takes them: every test at every depth, in one table; decode at
     depth is held to a limit that counts the cached keys and values it reads."""

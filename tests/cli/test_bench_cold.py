@@ -7,6 +7,7 @@ from pyml.cli import bench_cold
 from pyml.cli.standins import write_llama_gguf
 
 
+@pytest.mark.deep  # a benchmark table of fresh processes; the load they time: tests/nlp/test_packed_cache.py
 def test_one_shot_figures_hang_together(tmp_path):
     path = write_llama_gguf(tmp_path / "m.gguf", "llama-tiny", "q4_0")
     m = bench_cold.one_shot("pyml", path, 4, threads=1)
@@ -17,6 +18,7 @@ def test_one_shot_figures_hang_together(tmp_path):
     assert m["added_files"] > 0 and abs(added - m["model_memory"]) < 0.25 * m["model_memory"], m
 
 
+@pytest.mark.deep  # a benchmark table of fresh processes; the load they time: tests/nlp/test_packed_cache.py
 def test_a_second_process_shares_the_models_pages(tmp_path, monkeypatch):
     monkeypatch.setenv("PYML_PACKED_CACHE", str(tmp_path / "packed"))
     path = write_llama_gguf(tmp_path / "m.gguf", "llama-tiny", "q4_0")

@@ -8,6 +8,7 @@ from pyml.cli import kernel_bench
 from pyml.quant import QuantType
 
 
+@pytest.mark.deep  # kernel_bench's timed peaks; the kernels they time: tests/quant/test_matmul.py
 def test_compute_peaks_are_rates_of_the_right_order():
     fp32, int8 = kernel_bench.compute_peaks(rounds=1, n=200_000)
     # 8 float lanes x 2 FLOP per FMA, at least one FMA per ns on any x86 core of the last decade
@@ -15,6 +16,7 @@ def test_compute_peaks_are_rates_of_the_right_order():
     assert int8 > fp32  # 32 byte products per instruction against 8 float FMAs
 
 
+@pytest.mark.deep  # kernel_bench's timed peaks; the kernels they time: tests/quant/test_matmul.py
 def test_weights_are_measured_in_the_layout_the_model_uses():
     rng = np.random.default_rng(0)
     assert isinstance(kernel_bench._weights(rng, QuantType.Q4_0, 16, 64), quant.Packed)
@@ -24,6 +26,7 @@ def test_weights_are_measured_in_the_layout_the_model_uses():
     assert kernel_bench.gemm_gflops(QuantType.Q4_0, 16, 64, T=4, rounds=1) > 0
 
 
+@pytest.mark.deep  # kernel_bench's timed peaks; the kernels they time: tests/quant/test_matmul.py
 def test_int8_peak_chains_do_the_products_they_count():
     """compute_peaks counts 12 x 32 byte products per iteration: with every byte 1, each iteration
     must add exactly 384 to the total, on the vpdpbusd chains and on the AVX2 path's vpmaddubsw ones
@@ -33,6 +36,7 @@ def test_int8_peak_chains_do_the_products_they_count():
     assert kernel_bench._maddubs_chains(100, q) == 384 * 100
 
 
+@pytest.mark.deep  # kernel_bench's timed peaks; the kernels they time: tests/quant/test_matmul.py
 def test_zmm_float_peak_chains_do_the_fmas_they_count():
     """The avx512 paths' float32 peak counts 12 chains x 16 lanes of FMAs per iteration: with both
     factors 1, each iteration adds exactly 192 to the total (compute_peaks takes the better of it
@@ -51,6 +55,7 @@ print(json.dumps({"madds": len(madds), "stack": sum("rsp" in line for line in li
 """
 
 
+@pytest.mark.deep  # kernel_bench's timed peaks; the kernels they time: tests/quant/test_matmul.py
 def test_the_avx2_peak_fits_an_avx2_cpus_registers(say):
     """Compiled as for an AVX2-only CPU (PYML_ISA=avx2 caps LLVM's features, core/isa.py), the peak's
     loop keeps its operands and sums in 16 ymm registers: no stack traffic between its multiplies,

@@ -56,6 +56,7 @@ def without_timings(lines):
     return [{k: v for k, v in o.items() if k != "timings"} for o in lines]
 
 
+@pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, batch_in, sequential, tmp_path,
                                                                capsys):
     out, prof = tmp_path / "out.jsonl", tmp_path / "prof"
@@ -80,6 +81,7 @@ def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, b
     assert len(json.loads((prof / "run.json").read_text())["workers"]) == 2
 
 
+@pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batch_in, sequential, tmp_path,
                                                            monkeypatch, capsys):
     killed = []
@@ -102,6 +104,7 @@ def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batc
     assert sum(done) == 9 and done[killed[0]] <= 1 + ray_runner.IN_FLIGHT
 
 
+@pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequential, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     done = [o for o in sequential if o.get("id") in ("p0", "p4", "p7")]
@@ -114,6 +117,7 @@ def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequ
     assert without_timings(got[3:]) == without_timings(rest)
 
 
+@pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_sweep_on_ray_gives_the_sequential_table(local_ray, monkeypatch, tmp_path):
     monkeypatch.setattr(pyml_sweep, "SIZES", {"t1": (64, 256, 2, 4), "t2": (96, 384, 3, 4)})
     monkeypatch.setattr(pyml_sweep, "CONTEXTS", (8, 16))

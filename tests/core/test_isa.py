@@ -1,6 +1,7 @@
 """The instruction-set path: chosen from the host's features, lowered by PYML_ISA, part of the kernel
 cache stamp; every path this machine can run gives the gguf package's answers."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -88,6 +89,7 @@ _PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.deep  # every ISA path in subprocesses; the native path's kernels against gguf: tests/quant/test_matmul.py, test_interleaved.py
 def test_every_path_this_cpu_runs_matches_gguf_and_has_its_own_cache_stamp(say):
     available = isa.supported(isa.HOST_FEATURES)
     unavailable = [p for p in isa.PATHS if p not in available]
@@ -175,6 +177,7 @@ def isa_probe(source, path):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.deep  # every ISA path in subprocesses; the native path's kernels against gguf: tests/quant/test_matmul.py, test_interleaved.py
 def test_forced_avx2_compiles_as_for_an_avx2_only_cpu(say):
     available = isa.supported(isa.HOST_FEATURES)
     if "avx2" not in available:

@@ -42,18 +42,21 @@ def _warm():
             harness.check(path, model=True)
 
 
+@pytest.mark.deep  # a fuzz campaign; the refusals it explores: tests/reliability/test_hostile_files.py, test_fuzz_corpus.py
 @ci(1500)
 @given(gguf_files())
 def test_gguf_loader_accepts_or_refuses_cleanly(tmp_path_factory, case):
     _check(tmp_path_factory.mktemp("g"), case, case.what, ".gguf")
 
 
+@pytest.mark.deep  # a fuzz campaign; the refusals it explores: tests/reliability/test_hostile_files.py, test_fuzz_corpus.py
 @ci(300)
 @given(gguf_files())
 def test_gguf_model_loads_and_runs_or_refuses_cleanly(tmp_path_factory, case):
     _check(tmp_path_factory.mktemp("m"), case, case.what, ".gguf", model=True)
 
 
+@pytest.mark.deep  # a fuzz campaign; the refusals it explores: tests/reliability/test_hostile_files.py, test_fuzz_corpus.py
 @ci(1500)
 @given(safetensors_files())
 def test_safetensors_loader_accepts_or_refuses_cleanly(tmp_path_factory, case):

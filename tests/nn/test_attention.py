@@ -49,7 +49,7 @@ STEPS = 200
 AGREEMENT = {"f16": 0.9, "q8_0": 0.9}
 
 
-@pytest.mark.slow  # two real models, 3 x 200 decode steps each: ~1-2 min
+@pytest.mark.deep  # two real models, 3 x 200 decode steps each (~1-2 min); each KV type against f32 and a float64 oracle: the tests above
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_kv_types_agree_with_f32_on_the_real_models(model, smollm2_gguf, gemma3_gguf):
     path = smollm2_gguf if model == "smollm2" else gemma3_gguf

@@ -44,7 +44,7 @@ def attention_cost(model, cache, context: int, repeats: int = 21) -> float:
     return statistics.median(times)
 
 
-@pytest.mark.slow  # 2,000 steps at trace level: ~2-5 min on a shared 2-core machine
+@pytest.mark.deep  # the soak: 2,000 steps at trace level, ~2-5 min on a shared 2-core machine; trace-level steps: tests/core/test_perf.py, tests/nn/test_fused.py
 def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdown(smollm2_gguf, request):
     lm = pyml.load_model(gguf=str(smollm2_gguf), threads=1)
     request.addfinalizer(lambda: RuntimeConfig().apply())  # back to every core for later tests
