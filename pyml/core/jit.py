@@ -22,18 +22,27 @@ a CI cache kept across runs once served kernels compiled before a NaN fix in sim
 goes through Numba's cache-locator hook (the one NUMBA_CACHE_LOCATOR_CLASSES uses); if that
 internal API is missing, stale entries are instead deleted whenever the sources change.
 
+One kernel is compiled by one process at a time: a process that misses the cache takes a lock
+file for that function and signature (flock: released by the kernel if the process dies), looks
+in the cache once more and compiles only if it is still missing. Several processes starting on a
+cold cache at once - the test suite's workers and the commands its tests start, two pyml-serve
+replicas, pyml-batch's Ray workers - each wait for a kernel another is compiling and load it,
+instead of compiling it again on a core the others need.
+
 Importing this module installs the locators; every kernel module imports FASTMATH from here,
 so the locators are in place before any kernel is decorated.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pickle
+import threading
 from pathlib import Path
 
-from numba.core import caching
+from numba.core import caching, dispatcher
 
 from pyml.core.isa import ISA
 
@@ -66,6 +75,7 @@ def install() -> None:
     if any(getattr(c, "_pyml_stamped", False) for c in impl._locator_classes):
         return
     impl._locator_classes[:0] = [_stamped(base) for base in bases]
+    _compile_once_across_processes()
 
 
 def _stamped(base: type) -> type:
@@ -97,6 +107,46 @@ def _stamped(base: type) -> type:
     return PackageStampedLocator
 
 
+_held = threading.local()  # this thread's compile locks, innermost last (a compile types its callees)
+
+
+def _compile_once_across_processes() -> None:
+    """Wrap Numba's cache look-up and compile so that a miss on one of pyml's kernels takes that
+    kernel's lock file (see the module's docstring) until the compile that follows has ended."""
+    load, compile_ = caching.Cache.load_overload, dispatcher.Dispatcher.compile
+    if getattr(load, "_pyml", False) or not hasattr(fcntl, "flock"):
+        return
+
+    def load_overload(self, sig, target_context):
+        found = load(self, sig, target_context)
+        if (found is not None or not getattr(self._impl.locator, "_pyml_stamped", False)
+                or not hasattr(_held, "stack")):  # not one of our kernels, or not through compile()
+            return found
+        name = f"{self._impl.filename_base}-{hashlib.sha1(repr(sig).encode()).hexdigest()[:16]}.lock"
+        try:
+            fd = os.open(os.path.join(self._cache_path, name), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a read-only cache folder: nothing to share, so nothing to wait for
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process compiles this kernel
+        _held.stack.append(fd)
+        return load(self, sig, target_context)  # it may have compiled it meanwhile
+
+    def compile(self, sig):
+        if not hasattr(_held, "stack"):
+            _held.stack = []
+        depth = len(_held.stack)
+        try:
+            return compile_(self, sig)
+        finally:  # saved to the cache (or failed): the others may go on
+            while len(_held.stack) > depth:
+                fd = _held.stack.pop()
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    load_overload._pyml = True
+    caching.Cache.load_overload, dispatcher.Dispatcher.compile = load_overload, compile
+
+
 def kernel_cache_folders() -> list[Path]:
     """The folders holding pyml's compiled kernels, wherever Numba put them (the order of
     `install`'s locators): NUMBA_CACHE_DIR's pyml_* folders, the __pycache__ beside the sources,
@@ -114,7 +164,7 @@ def kernel_cache_folders() -> list[Path]:
 def kernel_cache_entries(folder: Path) -> dict:
     """One folder's kernel files: `files`, `bytes`, and `current`, the functions whose index was
     written from these sources and this instruction-set path (the others are recompiled on use)."""
-    files = [f for f in folder.iterdir() if f.suffix in (".nbi", ".nbc")]
+    files = [f for f in folder.iterdir() if f.suffix in (".nbi", ".nbc")]  # not the compile locks
     current = 0
     for index in (f for f in files if f.suffix == ".nbi"):
         try:

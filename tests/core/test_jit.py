@@ -90,3 +90,35 @@ def test_a_run_on_another_isa_path_leaves_the_native_entries_alone(tmp_path):
     assert other["misses"] == 1 and other["path"] != native["path"]
     again = probe()
     assert (again["hits"], again["misses"]) == (1, 0)  # still on disk after the portable run
+
+
+_RACE = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    from pyml.quant import TRAITS, QuantType
+    kernel = TRAITS[QuantType.Q5_1].kernels.dequant_rows
+    ready, other = sys.argv[1], sys.argv[2]
+    open(ready, "w").close()
+    while not os.path.exists(other):  # both processes ask for the kernel at the same moment
+        time.sleep(0.001)
+    kernel(np.zeros((2, 24), np.uint8), np.array([1], np.int64), np.empty((1, 32), np.float32))
+    stats = kernel.stats
+    print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+""")
+
+
+def test_two_processes_on_a_cold_cache_compile_a_kernel_once(tmp_path):
+    """Both ask for one uncached kernel at once: one compiles it, the other waits for its lock and
+    loads what the first wrote (without the lock both compiled: [1, 1] misses)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    flags = [str(tmp_path / "a"), str(tmp_path / "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, mine, other], env=env, cwd=PACKAGE.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mine, other in (flags, flags[::-1])]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["misses"] for r in results) == [0, 1], results
+    assert sorted(r["hits"] for r in results) == [0, 1], results
