@@ -143,6 +143,8 @@ class Server:
                 raise RequestError(str(e), status=503, kind="server_error", code="queue_full") from None
         except RequestError as e:
             headers = {"Retry-After": "1"} if e.status == 503 else None
+            if e.status in (408, 413):  # the rest of the body is not worth reading: close, do not drain it
+                headers = {"Connection": "close"}
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
         answer = _Answer(self, job, chat, arrived, http)
         if req.stream:

@@ -162,7 +162,10 @@ class Worker:
     def _loop(self):
         numba.set_num_threads(self.threads)  # per thread: the main thread's setting does not reach here
         self.threads_in_use = numba.get_num_threads()
-        self._started.set()
+        try:  # the prefill's kernels now, not inside the first request (on a first run they compile)
+            self.lm.warm_up(prefill=True)
+        finally:
+            self._started.set()
         while (job := self.jobs.get()) is not None:
             self.metrics.queue.set(len(self.jobs))
             if job.cancelled:
