@@ -5,6 +5,7 @@ The server is a real process on 127.0.0.1, started and stopped by the fixture; t
 tiny random-weight GPT-2 so every request takes milliseconds. Every loop is bounded."""
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -99,6 +100,16 @@ def stop_server(served: Served):
     except subprocess.TimeoutExpired:
         served.proc.kill()
         served.proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def serving(model: Path, *flags: str):
+    """start_server(model, *flags) for the length of a with block."""
+    served = start_server(model, *flags)
+    try:
+        yield served
+    finally:
+        stop_server(served)
 
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):

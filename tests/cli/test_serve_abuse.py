@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import HOST, start_server, stop_server
+from tests.cli.test_serve import HOST, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -33,9 +33,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    served = start_server(tiny)
-    yield served
-    stop_server(served)
+    with serving(tiny) as served:
+        yield served
 
 
 def error_of(status_and_data):
@@ -159,8 +158,7 @@ def test_fuzz_no_request_body_gives_a_5xx(server, body, chat):
 
 # --- the edges: key, Host, content type, body size, slow clients -----------------------------
 def test_the_api_key_guards_everything_but_health(tiny):
-    served = start_server(tiny, "--api-key", "s3cret")
-    try:
+    with serving(tiny, "--api-key", "s3cret") as served:
         assert served.request("GET", "/health")[0] == 200
         for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None),
                                    ("POST", "/v1/completions", COMPLETION)):
@@ -169,8 +167,6 @@ def test_the_api_key_guards_everything_but_health(tiny):
             assert served.request(method, path, body, headers={"Authorization": "Bearer s3cret"})[0] == 200
         client = openai.OpenAI(base_url=served.base + "/v1", api_key="s3cret", timeout=30, max_retries=0)
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
-    finally:
-        stop_server(served)
 
 
 def test_a_loopback_server_answers_only_loopback_host_names(server):
@@ -207,8 +203,7 @@ def read_status(sock) -> int:
 
 
 def test_bodies_past_max_body_are_refused_before_being_read(tiny):
-    served = start_server(tiny, "--max-body", "1000")
-    try:
+    with serving(tiny, "--max-body", "1000") as served:
         big = json.dumps({**COMPLETION, "prompt": "x" * 2000}).encode()
         status, err = error_of(served.request("POST", "/v1/completions", raw=big))
         assert status == 413 and err["code"] == "request_too_large"
@@ -219,13 +214,10 @@ def test_bodies_past_max_body_are_refused_before_being_read(tiny):
             sock.sendall(b"%x\r\n%s\r\n" % (len(big), big))
             assert read_status(sock) == 413
         assert served.request("POST", "/v1/completions", COMPLETION)[0] == 200
-    finally:
-        stop_server(served)
 
 
 def test_slow_clients_are_cut_off_after_the_read_timeout(tiny):
-    served = start_server(tiny, "--read-timeout", "1")
-    try:
+    with serving(tiny, "--read-timeout", "1") as served:
         t0 = time.monotonic()
         half_headers = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         slow_body = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -235,32 +227,24 @@ def test_slow_clients_are_cut_off_after_the_read_timeout(tiny):
             assert read_status(slow_body) == 408
         assert time.monotonic() - t0 < 5
         assert served.request("POST", "/v1/completions", COMPLETION)[0] == 200
-    finally:
-        stop_server(served)
 
 
 # --- threads, defaults, metrics -------------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_worker_thread_runs_with_the_threads_asked_for(tiny, threads):
-    served = start_server(tiny, "-t", str(threads))
-    try:
+    with serving(tiny, "-t", str(threads)) as served:
         health = json.loads(served.request("GET", "/health")[1])
         assert health["threads"] == threads  # numba.get_num_threads() read inside the worker thread
         banner = next(line for line in served.said if "on http://" in line)
         assert re.search(rf"threads {threads}\b", banner), banner
         assert served.request("POST", "/v1/completions", {**COMPLETION, "prompt": "a longer prompt"})[0] == 200
-    finally:
-        stop_server(served)
 
 
 def test_the_default_max_tokens_is_the_servers_bound(tiny):
-    served = start_server(tiny, "-n", "5")
-    try:
+    with serving(tiny, "-n", "5") as served:
         status, data = served.request("POST", "/v1/completions", {"prompt": "Once upon", "temperature": 0})
         usage = json.loads(data)["usage"]
         assert status == 200 and usage["completion_tokens"] <= 5
-    finally:
-        stop_server(served)
 
 
 def request_seconds_count(server) -> float:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import HOST, start_server, stop_server
+from tests.cli.test_serve import HOST, generated_tokens, serving, start_server
 
 LONG = {"model": "tiny", "prompt": "Long story", "max_tokens": 1000, "temperature": 0}
 
@@ -29,9 +29,8 @@ def wide(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(wide):
-    served = start_server(wide)
-    yield served
-    stop_server(served)
+    with serving(wide) as served:
+        yield served
 
 
 def health(server) -> dict:
@@ -97,13 +96,6 @@ def test_300_clients_that_give_up_leave_the_server_idle_and_answering(server):
           f"next request {answered * 1e3:.0f} ms")
 
 
-def generated_tokens(server) -> float:
-    for line in server.request("GET", "/metrics")[1].decode().splitlines():
-        if line.startswith("pyml_generated_tokens_total "):
-            return float(line.split()[1])
-    raise AssertionError("no pyml_generated_tokens_total")
-
-
 def test_a_whole_reply_client_that_leaves_frees_the_model(server):
     wait_idle(server, within=10)
     before = generated_tokens(server)
@@ -125,8 +117,7 @@ def test_a_whole_reply_client_that_leaves_frees_the_model(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(wide):
-    served = start_server(wide, "--max-queue", "2")
-    try:
+    with serving(wide, "--max-queue", "2") as served:
         holders = [post(served.port, LONG) for _ in range(3)]  # one runs, two wait
         deadline = time.monotonic() + 5
         while health(served)["queue"] < 2:
@@ -140,13 +131,10 @@ def test_a_full_queue_answers_503_with_retry_after(wide):
             sock.close()
         wait_idle(served, within=3)
         assert served.request("POST", "/v1/completions", {**LONG, "max_tokens": 2})[0] == 200
-    finally:
-        stop_server(served)
 
 
 def test_a_request_past_the_timeout_is_cancelled_and_answered_504(wide):
-    served = start_server(wide, "--timeout", "1")
-    try:
+    with serving(wide, "--timeout", "1") as served:
         t0 = time.monotonic()
         status, data = served.request("POST", "/v1/completions", LONG)
         assert status == 504 and json.loads(data)["error"]["code"] == "timeout"
@@ -156,8 +144,6 @@ def test_a_request_past_the_timeout_is_cancelled_and_answered_504(wide):
             streamed = read_until_closed(sock, time.monotonic() + 5, until=b"data: [DONE]")
         assert b'"code": "timeout"' in streamed and b"data: [DONE]" in streamed
         wait_idle(served, within=2)
-    finally:
-        stop_server(served)
 
 
 def test_sigterm_ends_the_work_and_exits_within_a_few_seconds(wide):
