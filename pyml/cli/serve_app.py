@@ -27,6 +27,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pyml.cli.main import one_line
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_requests import Request, RequestError, parse
 from pyml.cli.serve_worker import Job, Metrics, QueueFull, Worker
@@ -165,7 +166,7 @@ class Server:
             self._check_chars(len(req.prompt))
             ids = self.lm.encode(req.prompt)
         except PymlError as e:  # the tokenizer's or a template's refusal: the request's fault
-            raise RequestError(str(e)) from None
+            raise RequestError(one_line(e)) from None
         self._check_length(ids, req)
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
@@ -176,7 +177,7 @@ class Server:
         try:
             return self.lm.chat_prompt(messages)
         except PymlError as e:  # the template refused the conversation (e.g. roles out of order)
-            raise RequestError(str(e), "messages") from None
+            raise RequestError(one_line(e), "messages") from None
 
     def _check_chars(self, n_chars: int):
         if n_chars > self.max_prompt_chars:

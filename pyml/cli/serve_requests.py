@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyml.cli.main import one_line
 from pyml.core.errors import PymlError
 from pyml.nlp.sampling import SamplingConfig
 
@@ -163,7 +164,7 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
     try:
         SamplingConfig(**sampling)
     except PymlError as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(one_line(e)) from None
     options = _get(body, "pyml", dict, {}, what="an object")
     stream_options = _get(body, "stream_options", dict, {}, what="an object")
     for where, given, known in (("pyml", options, {"profile"}), ("stream_options", stream_options, {"include_usage"})):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numba
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pyml.cli.main import one_line
 from pyml.cli.request_profile import profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError
 from pyml.core.errors import PymlError
@@ -175,7 +176,7 @@ class Worker:
             try:
                 self._run(job)
             except PymlError as e:  # bad input the model side found: the request's fault, one line
-                job.put("error", RequestError(str(e)))
+                job.put("error", RequestError(one_line(e)))
             except Exception as e:  # the server keeps answering; the client learns what happened
                 job.put("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
                                               kind="server_error"))

@@ -271,3 +271,17 @@ def test_a_stream_keeps_its_connection_answerable(server):
             assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
     finally:
         conn.close()
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path):
+    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=256)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system messages:\\nthis model was not trained with them') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    with serving(model) as served:
+        system = {**CHAT, "messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}
+        status, err = error_of(served.request("POST", "/v1/chat/completions", system))
+        assert status == 400 and err["param"] == "messages"
+        assert err["message"] == "chat template: no system messages: this model was not trained with them"
+        assert served.request("POST", "/v1/chat/completions", CHAT)[0] == 200
