@@ -9,6 +9,7 @@ import http.client
 import json
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import HOST, serving
+from tests.cli.test_serve import HOST, SERVE, serve_env, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -285,3 +286,14 @@ def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path)
         assert status == 400 and err["param"] == "messages"
         assert err["message"] == "chat template: no system messages: this model was not trained with them"
         assert served.request("POST", "/v1/chat/completions", CHAT)[0] == 200
+
+
+@pytest.mark.parametrize("flags, said", [(["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+                                         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+                                         (["--read-timeout", "-1"], "--read-timeout must be > 0 seconds, got -1"),
+                                         (["--max-body", "0"], "--max-body must be >= 1, got 0"),
+                                         (["-n", "0"], "--max-tokens must be >= 1, got 0")])
+def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
+    done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
+                          env=serve_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [f"pyml-serve: error: {said}"]
