@@ -97,7 +97,7 @@ class Uvicorn(uvicorn.Server):
         self.pyml = server
 
     async def shutdown(self, sockets=None):
-        self.pyml.stop()
+        self.pyml.stop(wait=0)  # not on the event loop: the lifespan's end waits for the thread
         await super().shutdown(sockets)
 
 

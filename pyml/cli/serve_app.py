@@ -60,8 +60,9 @@ class Limits:
 
 
 def longest_token_chars(lm: LanguageModel) -> int:
-    """The most characters one token of `lm`'s vocabulary stands for: a prompt longer than
-    ctx_size times this cannot fit, and is refused without being tokenized."""
+    """At least the characters one token of `lm`'s vocabulary stands for (its most bytes: a
+    character is one byte or more): a prompt longer than ctx_size times this cannot fit, and is
+    refused without being tokenized."""
     tok = lm.tokenizer
     if tok is None:
         return 1
@@ -100,9 +101,10 @@ class Server:
         """Start the model's worker thread (before the banner, which says its thread count)."""
         self.worker.start()
 
-    def stop(self) -> None:
-        """Shutting down: waiting requests are answered 503, the running one is cancelled."""
-        self.worker.stop()
+    def stop(self, wait: float = 3.0) -> None:
+        """Shutting down: waiting requests are answered 503, the running one is cancelled; wait up
+        to `wait` seconds for the worker thread to end."""
+        self.worker.stop(wait)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -114,8 +116,9 @@ class Server:
 
     # --- small endpoints ---
     async def health(self, request):
-        return JSONResponse({"status": "ok", "queue": len(self.worker.jobs), "busy": int(self.worker.current is not None),
-                             "threads": self.worker.threads_in_use, "max_queue": self.limits.queue})
+        w = self.worker
+        return JSONResponse({"status": "ok", "queue": len(w.jobs), "busy": int(w.current is not None),
+                             "threads": w.threads_in_use, "max_queue": self.limits.queue})
 
     async def prometheus(self, request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

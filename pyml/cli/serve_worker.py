@@ -33,6 +33,10 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SHUTTING_DOWN = "the server is shutting down"
 
 
+def shutting_down() -> RequestError:
+    return RequestError(SHUTTING_DOWN, status=503, kind="server_error", code="shutting_down")
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -141,7 +145,7 @@ class Worker:
     def stop(self, timeout: float = 3.0) -> None:
         """Answer the waiting jobs 503, cancel the running one, and let the thread end."""
         for job in self.jobs.close():
-            job.put("error", RequestError(SHUTTING_DOWN, status=503, kind="server_error", code="shutting_down"))
+            job.put("error", shutting_down())
         if (job := self.current) is not None:
             job.cancelled = job.cancelled or "shutdown"
         self.metrics.queue.set(0)
@@ -212,6 +216,6 @@ class Worker:
         if job.cancelled:
             m.cancelled.labels(job.cancelled).inc()
         if job.cancelled == "shutdown":
-            job.put("error", RequestError(SHUTTING_DOWN, status=503, kind="server_error", code="shutting_down"))
+            job.put("error", shutting_down())
         else:
             job.put("done", result)
