@@ -157,6 +157,12 @@ def test_fuzz_no_request_body_gives_a_5xx(server, body, chat):
     assert status < 500, (body, status, data[:300])
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")))
+def test_fuzz_no_byte_string_gives_a_5xx(server, raw):
+    assert server.request("POST", "/v1/chat/completions", raw=raw, timeout=30)[0] < 500
+
+
 # --- the edges: key, Host, content type, body size, slow clients -----------------------------
 def test_the_api_key_guards_everything_but_health(tiny):
     with serving(tiny, "--api-key", "s3cret") as served:
