@@ -139,7 +139,7 @@ class Server:
         arrived = time.perf_counter()
         try:
             raw = await read_body(http, self.limits.max_body, self.limits.read_timeout)
-            req, ids = await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self._prepare_slots)
+            req, ids = await self._prepared(raw, chat, arrived + self.limits.timeout - time.perf_counter())
             job = Job(req, ids, asyncio.get_running_loop())
             try:
                 self.worker.submit(job)
@@ -155,6 +155,16 @@ class Server:
             return StreamingResponse(answer.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await answer.whole()
+
+    async def _prepared(self, raw: bytes, chat: bool, seconds: float) -> tuple[Request, list]:
+        """`_prepare` on the pool, within `seconds` (504 after: the thread is left to finish alone)."""
+        try:
+            with anyio.fail_after(max(0.0, seconds)):
+                return await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self._prepare_slots,
+                                                      abandon_on_cancel=True)
+        except TimeoutError:
+            raise RequestError(f"the request ran over this server's --timeout of {self.limits.timeout:g} s "
+                               "before it was ready to queue", status=504, kind="server_error", code="timeout") from None
 
     def _prepare(self, raw: bytes, chat: bool) -> tuple[Request, list]:
         """The checked request and its prompt's token ids (a worker thread of the pool: may be slow)."""

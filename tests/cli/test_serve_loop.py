@@ -29,7 +29,7 @@ def slow_server(tmp_path_factory):
     render, encode = lm.chat_prompt, lm.encode
 
     def slow_render(messages):
-        time.sleep(SLOW_S)
+        time.sleep(SLOW_S * len(messages))
         return render(messages)
 
     def slow_encode(text):
@@ -38,7 +38,7 @@ def slow_server(tmp_path_factory):
         return encode(text)
 
     lm.chat_prompt, lm.encode = slow_render, slow_encode
-    server = Server(lm, "tiny", 256, limits=Limits(threads=1))
+    server = Server(lm, "tiny", 256, limits=Limits(threads=1, timeout=SLOW_S * 3))
     sock = listening_socket(HOST, 0)
     runner = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
     thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -82,3 +82,14 @@ def test_health_answers_while_a_request_is_rendered_and_tokenized(slow_server, p
     slow.join(timeout=30)
     assert answer["slow"][0] == 200 and time.monotonic() - t0 >= SLOW_S  # it really was slow
     assert 0 < worst < 0.25, worst
+
+
+def test_a_request_whose_preparation_runs_past_the_timeout_is_answered_504(slow_server):
+    """The clock runs from arrival: a template that outlasts --timeout (3 s here) gets a 504 then,
+    not when the template is done (4 s: one second a message)."""
+    t0 = time.monotonic()
+    status, data = request(slow_server, "POST", "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "hi"}] * 4, "max_tokens": 2})
+    took = time.monotonic() - t0
+    assert status == 504 and json.loads(data)["error"]["code"] == "timeout"
+    assert 3 * SLOW_S - 0.1 < took < 4 * SLOW_S - 0.2, took
