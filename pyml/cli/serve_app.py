@@ -164,7 +164,8 @@ class Server:
                                                       abandon_on_cancel=True)
         except TimeoutError:
             raise RequestError(f"the request ran over this server's --timeout of {self.limits.timeout:g} s "
-                               "before it was ready to queue", status=504, kind="server_error", code="timeout") from None
+                               "before it was ready to queue", status=504, kind="server_error",
+                               code="timeout") from None
 
     def _prepare(self, raw: bytes, chat: bool) -> tuple[Request, list]:
         """The checked request and its prompt's token ids (a worker thread of the pool: may be slow)."""

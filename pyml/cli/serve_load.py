@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.give_up is not None:
         r = run_abandon(args.port, int(args.clients.split(",")[0]), args.max_tokens, args.give_up)
-        print(f"statuses {r['statuses']} (0: the client left before the reply ended); idle {r['idle_after_s']:.2f} s after "
+        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
+              f"idle {r['idle_after_s']:.2f} s after "
               f"the last client left; /health {r['health']}")
         return 0
     print("| clients | requests | requests/s | tokens/s | median TTFT s | median latency s |")

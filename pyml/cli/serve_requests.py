@@ -14,7 +14,7 @@ from pyml.nlp.sampling import SamplingConfig
 ROLES = {"system", "developer", "user", "assistant"}  # OpenAI's "developer" is a system message
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 400  # per stop string: text that could begin one is held back, so it bounds that too
-MAX_SEED = 2**64 - 1  # what numpy's generator takes in one word; larger is no more random
+MAX_SEED = 2**64 - 1  # plenty; numpy would take any size (and hash a huge one slowly)
 
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_penalty",
             "frequency_penalty", "presence_penalty", "seed"}

@@ -189,7 +189,8 @@ def test_only_json_bodies_are_read(server):
     for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
         status, err = error_of(server.request("POST", "/v1/completions", COMPLETION, headers={"Content-Type": kind}))
         assert status == 415 and err["code"] == "unsupported_media_type", kind
-    ok = server.request("POST", "/v1/completions", COMPLETION, headers={"Content-Type": "application/json; charset=utf-8"})
+    ok = server.request("POST", "/v1/completions", COMPLETION,
+                        headers={"Content-Type": "application/json; charset=utf-8"})
     assert ok[0] == 200
 
 
