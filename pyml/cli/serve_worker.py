@@ -25,11 +25,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pyml.cli.main import one_line
 from pyml.cli.request_profile import profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError
+from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.nlp.api import LanguageModel
 from pyml.nlp.generator import GenerationResult
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_perf = perf.get("pyml.cli.serve")
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -137,10 +139,11 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name="pyml-serve-model", daemon=True)
 
     def start(self) -> None:
-        """Start the thread (once) and wait until it has set its thread count."""
+        """Start the thread (once) and wait until it has set its thread count and warmed up (on a
+        first run the kernels compile: a minute, with a progress bar)."""
         if not self.thread.is_alive() and not self._started.is_set():
             self.thread.start()
-        self._started.wait(timeout=30)
+        self._started.wait()
 
     def stop(self, timeout: float = 3.0) -> None:
         """Answer the waiting jobs 503, cancel the running one, and let the thread end."""
@@ -169,8 +172,9 @@ class Worker:
         self.threads_in_use = numba.get_num_threads()
         try:  # the prefill's kernels now, not inside the first request (on a first run they compile)
             self.lm.warm_up(prefill=True)
-        finally:
-            self._started.set()
+        except Exception as e:  # the first request warms them again, and answers what goes wrong
+            _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
+        self._started.set()
         while (job := self.jobs.get()) is not None:
             self.metrics.queue.set(len(self.jobs))
             if job.cancelled:
