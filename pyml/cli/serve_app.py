@@ -1,11 +1,13 @@
 """pyml-serve's HTTP side: an OpenAI-compatible Starlette app in front of one model.
 
-Concurrency: one worker thread owns the model and runs one generation at a time, taking
-requests from a FIFO queue (fair: first come, first served). Each request hands the worker
-a Job; the worker pushes text events onto the job's asyncio queue. A client that goes away
-marks its job cancelled, and the worker stops that generation before its next decode step.
-All requests share one PromptCache, so a conversation's next turn (same prefix) prefills
-only its new tokens (llama-server's cache_prompt).
+The event loop only does I/O: a request's body is read within --max-body and --read-timeout
+(serve_guard.py), then parsed, its chat template rendered and its prompt tokenized on a small
+thread pool (a 2 MB prompt must not stall /health), then queued for the model's one worker
+thread (serve_worker.py). Every request is bounded: a full queue answers 503 + Retry-After; a
+request that runs over --timeout is cancelled and answered 504; a client that leaves (stream or
+not) cancels its job, which frees the model before its next decode step. All requests share one
+PromptCache, so a conversation's next turn (same prefix) prefills only its new tokens
+(llama-server's cache_prompt).
 """
 
 from __future__ import annotations
@@ -13,124 +15,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import anyio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pyml.cli.request_profile import profile_summary, recording
+from pyml.cli.main import one_line
+from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_requests import Request, RequestError, parse
+from pyml.cli.serve_worker import Job, Metrics, QueueFull, Worker
 from pyml.core.errors import PymlError
+from pyml.core.runtime import cpu_count
 from pyml.nlp.api import LanguageModel
 from pyml.nlp.generator import GenerationResult
 
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length", "cancelled": "stop"}
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-@dataclass
-class Job:
-    request: Request
-    ids: list
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False
-    profile: dict | None = None
+@dataclass(frozen=True)
+class Limits:
+    """What bounds each request and the server as a whole (pyml-serve's flags; docs/serving.md)."""
+    threads: int = 1                 # -t: Numba threads of the model's worker thread
+    max_queue: int = 0               # --max-queue: requests waiting for the model (0: 16 per core)
+    max_connections: int = 0         # --max-connections: open connections (0: max_queue + 64)
+    max_body: int = 8 * 2**20        # --max-body: bytes of a request body
+    timeout: float = 600.0           # --timeout: seconds from arrival to the last token
+    read_timeout: float = 30.0       # --read-timeout: seconds for a request's headers, and for its body
+    max_tokens: int = 1024           # --max-tokens: a reply's tokens when the request names none
 
-    def put(self, kind: str, value=None):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+    @property
+    def queue(self) -> int:
+        return self.max_queue or 16 * cpu_count()
 
-
-class Metrics:
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("pyml_requests", "requests answered", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("pyml_prompt_tokens", "prompt tokens processed (prefilled)", registry=r)
-        self.cached_tokens = Counter("pyml_cached_prompt_tokens", "prompt tokens reused from the KV cache",
-                                     registry=r)
-        self.generated_tokens = Counter("pyml_generated_tokens", "tokens generated", registry=r)
-        self.queue = Gauge("pyml_queue_length", "requests waiting for the model", registry=r)
-        self.busy = Gauge("pyml_busy", "1 while a generation runs", registry=r)
-        self.decode_tok_s = Gauge("pyml_decode_tokens_per_second", "decode speed of the last request",
-                                  registry=r)
-        self.latency = Histogram("pyml_request_seconds", "request latency, arrival to last token",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("pyml_queue_wait_seconds", "time waiting for the model",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pyml_time_to_first_token_seconds", "arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+    @property
+    def connections(self) -> int:
+        return self.max_connections or self.queue + 64
 
 
-class Worker:
-    """The one thread that runs the model, one job at a time, in arrival order."""
-
-    def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics):
-        self.lm, self.metrics = lm, metrics
-        self.cache = lm.new_prompt_cache(ctx_size)
-        self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name="pyml-serve-model", daemon=True)
-
-    def start(self):
-        self.thread.start()
-
-    def stop(self):
-        self.jobs.put(None)
-        self.thread.join(timeout=10)
-
-    def submit(self, job: Job):
-        self.jobs.put(job)
-        self.metrics.queue.set(self.jobs.qsize())
-
-    def _loop(self):
-        while (job := self.jobs.get()) is not None:
-            self.metrics.queue.set(self.jobs.qsize())
-            if job.cancelled:
-                continue
-            self.metrics.busy.set(1)
-            try:
-                self._run(job)
-            except PymlError as e:
-                job.put("error", RequestError(str(e)))
-            except Exception as e:  # the server keeps answering; the client learns what happened
-                job.put("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
-                                              kind="server_error"))
-            finally:
-                self.metrics.busy.set(0)
-
-    def _run(self, job: Job):
-        req = job.request
-        if not req.cache_prompt:
-            self.cache.reset()
-        result = GenerationResult(job.ids)
-        records = []
-        with recording(records, req.profile):
-            stream = self.lm.stream(job.ids, req.max_tokens or self.cache.max_len - len(job.ids),
-                                    stop=req.stop, cache=self.cache, result=result, **req.sampling)
-            job.put("started")
-            for event in stream:
-                if job.cancelled:
-                    stream.close()  # frees the model now: the next job starts before the next step
-                    result.stop_reason = "cancelled"
-                    break
-                if event.text:
-                    job.put("text", event.text)
-        if req.profile:
-            job.profile = profile_summary(records)
-        m = self.metrics
-        m.prompt_tokens.inc(result.prefilled_tokens)
-        m.cached_tokens.inc(result.cached_tokens)
-        m.generated_tokens.inc(len(result.tokens))
-        if result.decode_s:
-            m.decode_tok_s.set(result.decode_tok_s)
-        job.put("done", result)
+def longest_token_chars(lm: LanguageModel) -> int:
+    """At least the characters one token of `lm`'s vocabulary stands for (its most bytes: a
+    character is one byte or more): a prompt longer than ctx_size times this cannot fit, and is
+    refused without being tokenized."""
+    tok = lm.tokenizer
+    if tok is None:
+        return 1
+    return max(1, max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)))
 
 
 def usage(result: GenerationResult) -> dict:
@@ -140,77 +76,128 @@ def usage(result: GenerationResult) -> dict:
 
 
 class Server:
-    def __init__(self, lm: LanguageModel, model_id: str, ctx_size: int, api_key: str | None = None):
-        self.lm, self.model_id, self.ctx_size, self.api_key = lm, model_id, ctx_size, api_key
+    def __init__(self, lm: LanguageModel, model_id: str, ctx_size: int, api_key: str | None = None,
+                 limits: Limits = Limits(), loopback_only: bool = True):
+        self.lm, self.model_id, self.ctx_size, self.limits = lm, model_id, ctx_size, limits
+        self.api_key, self.loopback_only = api_key, loopback_only
         self.metrics = Metrics()
-        self.worker = Worker(lm, ctx_size, self.metrics)
+        self.worker = Worker(lm, ctx_size, self.metrics, limits.threads, limits.queue)
+        self.max_prompt_chars = ctx_size * longest_token_chars(lm)
         self.created = int(time.time())
+        # parsing, templates and tokenizing: off the event loop, a few at a time
+        self._prepare_slots = anyio.CapacityLimiter(max(2, cpu_count()))
 
-    def app(self) -> Starlette:
+    def app(self):
         routes = [Route("/health", self.health), Route("/metrics", self.prometheus),
                   Route("/v1/models", self.models),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"])]
-        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
-                                                             Exception: self._internal_error},
-                         lifespan=self._lifespan)
+        app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
+                                                            Exception: self._internal_error},
+                        lifespan=self._lifespan)
+        return Guard(app, self.metrics, self.api_key, self.loopback_only)
+
+    def start(self) -> None:
+        """Start the model's worker thread (before the banner, which says its thread count)."""
+        self.worker.start()
+
+    def stop(self, wait: float = 3.0) -> None:
+        """Shutting down: waiting requests are answered 503, the running one is cancelled; wait up
+        to `wait` seconds for the worker thread to end."""
+        self.worker.stop(wait)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        self.worker.start()
+        self.start()
         try:
             yield
         finally:
-            self.worker.stop()
+            self.stop()
 
     # --- small endpoints ---
     async def health(self, request):
-        return JSONResponse({"status": "ok", "queue": self.worker.jobs.qsize()})
+        w = self.worker
+        return JSONResponse({"status": "ok", "queue": len(w.jobs), "busy": int(w.current is not None),
+                             "threads": w.threads_in_use, "max_queue": self.limits.queue})
 
     async def prometheus(self, request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request):
-        if (denied := self._denied(request)) is not None:
-            return denied
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyml",
              "meta": {"context_size": self.ctx_size, "source": self.lm.source}}]})
 
     # --- completions ---
     async def chat_completions(self, request):
-        return await self._complete(request, chat=True, endpoint="chat")
+        return await self._complete(request, chat=True)
 
     async def completions(self, request):
-        return await self._complete(request, chat=False, endpoint="completions")
+        return await self._complete(request, chat=False)
 
-    async def _complete(self, http: HTTPRequest, chat: bool, endpoint: str):
+    async def _complete(self, http: HTTPRequest, chat: bool):
         arrived = time.perf_counter()
-        if (denied := self._denied(http)) is not None:
-            return self._counted(denied, endpoint)
         try:
+            raw = await read_body(http, self.limits.max_body, self.limits.read_timeout)
+            req, ids = await self._prepared(raw, chat, arrived + self.limits.timeout - time.perf_counter())
+            job = Job(req, ids, asyncio.get_running_loop())
             try:
-                body = json.loads(await http.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise RequestError(f"the body is not valid JSON: {e}") from None
-            req = parse(body, chat, self.model_id, self._chat_prompt)
-            ids = self.lm.encode(req.prompt)
-            self._check_length(ids, req)
+                self.worker.submit(job)
+            except QueueFull as e:
+                raise RequestError(str(e), status=503, kind="server_error", code="queue_full") from None
         except RequestError as e:
-            return self._counted(JSONResponse(e.body(), status_code=e.status), endpoint)
-        job = Job(req, ids, asyncio.get_running_loop())
-        self.worker.submit(job)
-        answer = _Answer(self, job, chat, arrived, endpoint)
+            headers = {"Retry-After": "1"} if e.status == 503 else None
+            if e.status in (408, 413):  # the rest of the body is not worth reading: close, do not drain it
+                headers = {"Connection": "close"}
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        answer = _Answer(self, job, chat, arrived, http)
         if req.stream:
             return StreamingResponse(answer.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await answer.whole()
 
+    async def _prepared(self, raw: bytes, chat: bool, seconds: float) -> tuple[Request, list]:
+        """`_prepare` on the pool, within `seconds` (504 after: the thread is left to finish alone)."""
+        try:
+            with anyio.fail_after(max(0.0, seconds)):
+                return await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self._prepare_slots,
+                                                      abandon_on_cancel=True)
+        except TimeoutError:
+            raise RequestError(f"the request ran over this server's --timeout of {self.limits.timeout:g} s "
+                               "before it was ready to queue", status=504, kind="server_error",
+                               code="timeout") from None
+
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[Request, list]:
+        """The checked request and its prompt's token ids (a worker thread of the pool: may be slow)."""
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise RequestError("the body's JSON nests too deep") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+        try:
+            req = parse(body, chat, self.model_id, self._chat_prompt)
+            self._check_chars(len(req.prompt))
+            ids = self.lm.encode(req.prompt)
+        except PymlError as e:  # the tokenizer's or a template's refusal: the request's fault
+            raise RequestError(one_line(e)) from None
+        self._check_length(ids, req)
+        if req.max_tokens is None:
+            req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
+        return req, ids
+
     def _chat_prompt(self, messages):
+        self._check_chars(sum(len(m["content"]) for m in messages))  # before rendering
         try:
             return self.lm.chat_prompt(messages)
         except PymlError as e:  # the template refused the conversation (e.g. roles out of order)
-            raise RequestError(str(e), "messages") from None
+            raise RequestError(one_line(e), "messages") from None
+
+    def _check_chars(self, n_chars: int):
+        if n_chars > self.max_prompt_chars:
+            raise RequestError(f"the prompt is {n_chars:,} characters: more than the context size of "
+                               f"{self.ctx_size} tokens can hold (at most {self.max_prompt_chars:,})",
+                               code="context_length_exceeded")
 
     def _check_length(self, ids, req: Request):
         if len(ids) > self.ctx_size:
@@ -222,16 +209,6 @@ class Server:
         if len(ids) >= self.ctx_size:
             raise RequestError(f"the prompt is {len(ids)} tokens and fills the context size of "
                                f"{self.ctx_size}: no room to generate", code="context_length_exceeded")
-
-    def _denied(self, request) -> JSONResponse | None:
-        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
-            return None
-        return JSONResponse(RequestError("invalid API key", status=401, code="invalid_api_key").body(),
-                            status_code=401)
-
-    def _counted(self, response: Response, endpoint: str) -> Response:
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
 
     async def _http_error(self, request, exc: HTTPException):
         err = RequestError(exc.detail or "not found", status=exc.status_code)
@@ -245,31 +222,50 @@ class Server:
 class _Answer:
     """One request's reply, whole or streamed, built from its job's events."""
 
-    def __init__(self, server: Server, job: Job, chat: bool, arrived: float, endpoint: str):
-        self.server, self.job, self.chat, self.arrived, self.endpoint = server, job, chat, arrived, endpoint
+    def __init__(self, server: Server, job: Job, chat: bool, arrived: float, http: HTTPRequest):
+        self.server, self.job, self.chat, self.arrived, self.http = server, job, chat, arrived, http
+        self.deadline = arrived + server.limits.timeout
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.first_token = None
 
     async def events(self):
-        """(kind, value) from the worker until "done"; a cancelled wait cancels the job."""
-        m = self.server.metrics
+        """(kind, value) from the worker until "done" or "error". Running over --timeout ends in
+        an "error" (504); a wait that ends otherwise (the client left) cancels the job."""
+        m, finished = self.server.metrics, False
         try:
             while True:
-                kind, value = await self.job.events.get()
+                try:
+                    kind, value = await asyncio.wait_for(self.job.events.get(),
+                                                         max(0.0, self.deadline - time.perf_counter()))
+                except asyncio.TimeoutError:
+                    self.server.worker.cancel(self.job, "timeout")
+                    kind, value = "error", RequestError(
+                        f"the request ran over this server's --timeout of {self.server.limits.timeout:g} s",
+                        status=504, kind="server_error", code="timeout")
+                if kind == "gone":  # the client of a whole reply left (_watch_disconnect)
+                    return
                 if kind == "started":
                     m.queue_wait.observe(time.perf_counter() - self.arrived)
                     continue
                 if kind == "text" and self.first_token is None:
                     self.first_token = time.perf_counter()
                     m.ttft.observe(self.first_token - self.arrived)
-                yield kind, value
                 if kind in ("done", "error"):
-                    if kind == "done":
-                        m.latency.observe(time.perf_counter() - self.arrived)
+                    finished = True
+                yield kind, value
+                if finished:
                     return
         finally:
-            self.job.cancelled = True  # a no-op after "done"; else the client left: free the model
+            if not finished:  # the client left: free the model (or the job's place in the queue)
+                self.server.worker.cancel(self.job, "client")
+
+    async def _watch_disconnect(self):
+        """Wait for the client of a whole reply to leave (the body is read: what comes next is
+        the disconnect), and wake `events` then. A stream has Starlette's own watcher."""
+        while (await self.http.receive())["type"] != "http.disconnect":
+            pass
+        self.job.events.put_nowait(("gone", None))
 
     def _final(self, result: GenerationResult) -> dict:
         out = {"usage": usage(result), "timings": result.timings()}
@@ -291,40 +287,41 @@ class _Answer:
 
     async def whole(self) -> Response:
         pieces = []
-        async for kind, value in self.events():
-            if kind == "text":
-                pieces.append(value)
-            elif kind == "error":
-                return self.server._counted(JSONResponse(value.body(), status_code=value.status), self.endpoint)
-            elif kind == "done":
-                body = self._envelope([self._choice("".join(pieces), FINISH.get(value.stop_reason, "stop"),
-                                                    delta=False)], delta=False)
-                body.update(self._final(value))
-                return self.server._counted(JSONResponse(body), self.endpoint)
-
-    async def sse(self):
-        status = "200"
+        watcher = asyncio.create_task(self._watch_disconnect())
         try:
-            if self.chat:
-                yield _sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}], delta=True))
             async for kind, value in self.events():
                 if kind == "text":
-                    yield _sse(self._envelope([self._choice(value, None, delta=True)], delta=True))
-                elif kind == "error":  # headers are sent: the error travels as an event, as OpenAI's does
-                    status = str(value.status)
-                    yield _sse(value.body())
+                    pieces.append(value)
+                elif kind == "error":
+                    return JSONResponse(value.body(), status_code=value.status)
                 elif kind == "done":
-                    last = self._envelope([self._choice(None, FINISH.get(value.stop_reason, "stop"), delta=True)],
-                                          delta=True)
-                    last.update(self._final(value))
-                    if not self.job.request.include_usage:
-                        last["usage"] = None  # OpenAI sends usage in the stream only when asked
-                        last["timings"] = value.timings()
-                    yield _sse(last)
-            yield "data: [DONE]\n\n"
+                    body = self._envelope([self._choice("".join(pieces), FINISH.get(value.stop_reason, "stop"),
+                                                        delta=False)], delta=False)
+                    body.update(self._final(value))
+                    return JSONResponse(body)
         finally:
-            self.server.metrics.requests.labels(self.endpoint, status).inc()
+            watcher.cancel()
+        return Response(status_code=499)  # the client left: nobody reads this
+
+    async def sse(self):
+        if self.chat:
+            yield _sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None, "logprobs": None}], delta=True))
+        async for kind, value in self.events():
+            if kind == "text":
+                yield _sse(self._envelope([self._choice(value, None, delta=True)], delta=True))
+            elif kind == "error":  # headers are sent: the error travels as an event, as OpenAI's does
+                self.http.scope.setdefault("state", {})["pyml_status"] = str(value.status)  # for Guard's count
+                yield _sse(value.body())
+            elif kind == "done":
+                last = self._envelope([self._choice(None, FINISH.get(value.stop_reason, "stop"), delta=True)],
+                                      delta=True)
+                last.update(self._final(value))
+                if not self.job.request.include_usage:
+                    last["usage"] = None  # OpenAI sends usage in the stream only when asked
+                    last["timings"] = value.timings()
+                yield _sse(last)
+        yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> str:

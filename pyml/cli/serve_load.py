@@ -1,6 +1,8 @@
-"""A small load test for pyml-serve: N concurrent streaming clients, requests/s and tokens/s.
+"""A small load test for pyml-serve: N concurrent streaming clients, requests/s and tokens/s;
+or, with --give-up, a burst of clients that leave after S seconds and how soon the server is idle.
 
     python -m pyml.cli.serve_load --port 8080 --clients 1,4,16 --requests 16 --max-tokens 32
+    python -m pyml.cli.serve_load --port 8080 --clients 300 --give-up 2 --max-tokens 900
 
 Talks only to 127.0.0.1; every client sends a bounded number of requests, each with a timeout.
 """
@@ -54,6 +56,39 @@ def run_level(port: int, clients: int, requests: int, max_tokens: int, timeout: 
             "latency_median_s": statistics.median(r[2] for r in results)}
 
 
+def health(port: int) -> dict:
+    conn = http.client.HTTPConnection(HOST, port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def impatient_request(port: int, i: int, max_tokens: int, give_up: float) -> int:
+    """The HTTP status of a streamed request whose client leaves after `give_up` seconds (0: none came)."""
+    try:
+        one_request(port, i, max_tokens, give_up)
+        return 200
+    except RuntimeError as e:  # "HTTP 503: ..."
+        return int(str(e).split()[1].rstrip(":"))
+    except OSError:  # gave up (a timeout) or was refused
+        return 0
+
+
+def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within: float = 60) -> dict:
+    """`clients` at once, each leaving after `give_up` s; then the seconds until /health is idle."""
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        statuses = list(pool.map(lambda i: impatient_request(port, i, max_tokens, give_up), range(clients)))
+    t0 = time.perf_counter()
+    while (h := health(port)).get("busy") or h["queue"]:
+        if time.perf_counter() - t0 > within:
+            break
+        time.sleep(0.05)
+    return {"statuses": {s: statuses.count(s) for s in sorted(set(statuses))},
+            "idle_after_s": time.perf_counter() - t0, "health": h}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="serve_load", description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8080)
@@ -61,7 +96,15 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    p.add_argument("--give-up", type=float, default=None, metavar="S",
+                   help="one burst of --clients clients that leave after S seconds; say how soon the server is idle")
     args = p.parse_args(argv)
+    if args.give_up is not None:
+        r = run_abandon(args.port, int(args.clients.split(",")[0]), args.max_tokens, args.give_up)
+        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
+              f"idle {r['idle_after_s']:.2f} s after "
+              f"the last client left; /health {r['health']}")
+        return 0
     print("| clients | requests | requests/s | tokens/s | median TTFT s | median latency s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for clients in (int(c) for c in args.clients.split(",")):

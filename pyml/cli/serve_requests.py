@@ -1,15 +1,33 @@
 """pyml-serve's request bodies: OpenAI's chat and completion fields, checked, turned into what
-LanguageModel.stream takes. Every bad field is a RequestError naming it (a 4xx, never a 500)."""
+LanguageModel.stream takes. Every bad field is a RequestError naming it (a 4xx, never a 500), and
+every field pyml does not honour is refused by name (`unsupported_parameter`), never ignored:
+a client asking for JSON or a tool call must not proceed on free text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyml.cli.main import one_line
 from pyml.core.errors import PymlError
 from pyml.nlp.sampling import SamplingConfig
 
 ROLES = {"system", "developer", "user", "assistant"}  # OpenAI's "developer" is a system message
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 400  # per stop string: text that could begin one is held back, so it bounds that too
+MAX_SEED = 2**64 - 1  # plenty; numpy would take any size (and hash a huge one slowly)
+
+SAMPLING = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_penalty",
+            "frequency_penalty", "presence_penalty", "seed"}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options", "n",
+          "cache_prompt", "pyml"} | SAMPLING
+HONOURED = {True: COMMON | {"messages"}, False: COMMON | {"prompt"}}  # chat, completions
+# OpenAI fields that change nothing pyml does: accepted and ignored (docs/serving.md says why each)
+IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+# fields pyml does not implement, accepted only at the value that asks for what pyml does anyway
+AS_DEFAULT = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+              "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+              "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,)}
+MESSAGE_FIELDS = {"role", "content"}
 
 
 class RequestError(Exception):
@@ -17,6 +35,7 @@ class RequestError(Exception):
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", code: str | None = None):
+        message, param = _sendable(message), _sendable(param)  # a client's bytes may be echoed here
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
 
@@ -35,6 +54,46 @@ class Request:
     profile: bool = False
     cache_prompt: bool = True
     include_usage: bool = False
+
+
+def _sendable(text: str | None) -> str | None:
+    """`text` that encodes as UTF-8 (a lone surrogate from the client is written as its escape)."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _name(key) -> str:
+    """A client's field name, fit to quote in an error: escaped, and short."""
+    text = repr(key)
+    return text if len(text) <= 64 else text[:60] + "...'"
+
+
+def unsupported(name: str, why: str) -> RequestError:
+    return RequestError(f"'{name}' is not supported by pyml-serve: {why}", name, code="unsupported_parameter")
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Every field is honoured, ignored on purpose (IGNORED), or asks for the default (AS_DEFAULT)."""
+    for key, value in body.items():
+        if key in HONOURED[chat] or key in IGNORED:
+            continue
+        if key in AS_DEFAULT:
+            if value is None or any(value == v and type(value) is type(v) for v in AS_DEFAULT[key]):
+                continue
+            raise unsupported(key, "pyml generates free text only (no logprobs, tools, structured output, "
+                                   "echo or best_of)")
+        if key in HONOURED[not chat]:
+            raise unsupported(key, f"it belongs to /v1/{'completions' if chat else 'chat/completions'}")
+        raise unsupported(_sendable(key)[:64], "no such field here")
+
+
+def _text(value: str, param: str, where: str) -> str:
+    """`value`, if it is Unicode text (JSON's \\ud800 escapes make lone surrogates, which are not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where} is not valid Unicode text: a lone surrogate "
+                           f"{value[e.start]!r} at character {e.start}", param) from None
+    return value
 
 
 def _get(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
@@ -59,9 +118,10 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
     """A Request from a decoded JSON body; `chat_prompt(messages)` renders a conversation."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    check_fields(body, chat)
     model = _get(body, "model", str, None, what="a string")
     if model not in (None, "", model_id):
-        raise RequestError(f"the model '{model}' does not exist: this server serves '{model_id}'",
+        raise RequestError(f"the model {_name(model)} does not exist: this server serves '{model_id}'",
                            "model", status=404, code="model_not_found")
     if chat:
         prompt = chat_prompt(_messages(body))
@@ -71,12 +131,18 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("'prompt' must be a non-empty string", "prompt")
+        prompt = _text(prompt, "prompt", "'prompt'")
     max_tokens = _get(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                       int, None, lambda n: n >= 1, "an integer >= 1")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise RequestError(f"stop string {i} is {len(text)} characters; at most {MAX_STOP_CHARS} are "
+                               "allowed", "stop")
+        _text(text, "stop", f"stop string {i}")
     sampling = dict(
         temperature=float(_number(body, "temperature", 1.0, lambda t: 0 <= t <= 2, "a number in [0, 2]")),
         top_p=float(_number(body, "top_p", 1.0, lambda p: 0 < p <= 1, "a number in (0, 1]")),
@@ -88,19 +154,23 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
                                         "a number in [-2, 2]")),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, lambda f: -2 <= f <= 2,
                                        "a number in [-2, 2]")),
-        seed=_get(body, "seed", int, None, what="an integer"))
+        seed=_get(body, "seed", int, None, lambda n: 0 <= n <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"))
     if "repeat_penalty" in body:  # llama-server's name
         sampling["repetition_penalty"] = float(_number(body, "repeat_penalty", 1.0, lambda r: 0 < r <= 10,
                                                        "a number in (0, 10]"))
     n = _get(body, "n", int, 1, what="an integer")
     if n != 1:
-        raise RequestError("'n' must be 1: one completion per request", "n")
+        raise RequestError("'n' must be 1: one completion per request", "n", code="unsupported_parameter")
     try:
         SamplingConfig(**sampling)
     except PymlError as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(one_line(e)) from None
     options = _get(body, "pyml", dict, {}, what="an object")
     stream_options = _get(body, "stream_options", dict, {}, what="an object")
+    for where, given, known in (("pyml", options, {"profile"}), ("stream_options", stream_options, {"include_usage"})):
+        if unknown := set(given) - known:
+            key = _sendable(str(sorted(unknown, key=str)[0]))[:64]
+            raise unsupported(f"{where}.{key}", f"{where} takes only {', '.join(sorted(known))}")
     return Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
                    stream=_get(body, "stream", bool, False, what="a boolean"),
                    profile=_get(options, "profile", bool, False, what="a boolean"),
@@ -116,16 +186,21 @@ def _messages(body: dict) -> list:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        if extra := [k for k in m if k not in MESSAGE_FIELDS and m[k] is not None]:
+            raise unsupported(f"messages[{i}].{_sendable(str(extra[0]))[:64]}",
+                              "a message has only a role and a text content here (no names, tool calls or audio)")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise RequestError(f"messages[{i}].role {role!r} is not one of {', '.join(sorted(ROLES))}",
+            raise RequestError(f"messages[{i}].role {_name(role)} is not one of {', '.join(sorted(ROLES))}",
                                "messages")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages",
+                                   code="unsupported_parameter")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
+        _text(content, "messages", f"messages[{i}].content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out

@@ -112,13 +112,14 @@ class LanguageModel:
 
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
-               n_keep: int = 0, **sampling) -> Iterator[StreamEvent]:
+               n_keep: int = 0, cancelled=None, **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
         `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
         whose tokens the prompt may start with; `ctx_size`: positions of the cache made when none
         is given; `context_shift`: a full cache keeps its first `n_keep` tokens and drops the oldest
-        half of the rest instead of stopping; `sampling`: SamplingConfig's fields (temperature,
+        half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
+        ends the generation (stop reason "cancelled"); `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
         The prompt and the options are checked here, before the first event is asked for.
         """
@@ -128,7 +129,7 @@ class LanguageModel:
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
-                                              context_shift=context_shift, n_keep=n_keep)
+                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled)
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):

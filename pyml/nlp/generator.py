@@ -28,7 +28,7 @@ class GenerationResult:
     text: str = ""
     prefill_s: float = 0.0
     decode_s: list = field(default_factory=list)    # seconds per decode step
-    stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted
+    stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted | cancelled
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
     context_shifts: int = 0                         # times the full cache dropped half its history
 
@@ -144,7 +144,7 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
-               context_shift: bool = False, n_keep: int = 0) -> Iterator[int]:
+               context_shift: bool = False, n_keep: int = 0, cancelled=None) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
         Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
@@ -152,7 +152,8 @@ class Generator:
         oldest half of the rest, as llama.cpp's context shift does. `ctx_size`: the positions of
         the cache made when none is given (default: prompt + max_new_tokens, within the model's
         window). The prompt is checked here, before the first token is asked for. Closing the
-        iterator ends the generation.
+        iterator ends the generation; so does `cancelled()` turning true, checked before each
+        decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
         """
         prompt_ids = [int(t) for t in prompt_ids]
         if max_new_tokens < 0:
@@ -182,9 +183,9 @@ class Generator:
         res.prompt_tokens = prompt_ids
         res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
         shift = n_keep if context_shift else None
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift)
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift, cancelled)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
         if max_new_tokens == 0:
@@ -212,6 +213,9 @@ class Generator:
                     break
                 if len(res.tokens) >= max_new_tokens:
                     res.stop_reason = "max_tokens"
+                    break
+                if cancelled is not None and cancelled():
+                    res.stop_reason = "cancelled"
                     break
                 step += 1
                 t0 = perf.clock()

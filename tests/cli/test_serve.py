@@ -5,6 +5,7 @@ The server is a real process on 127.0.0.1, started and stopped by the fixture; t
 tiny random-weight GPT-2 so every request takes milliseconds. Every loop is bounded."""
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -30,12 +31,13 @@ class Served:
         self.proc, self.port, self.model_id = proc, port, model_id
         self.base = f"http://{HOST}:{port}"
 
-    def request(self, method, path, body=None, raw: bytes | None = None, timeout=30):
+    def request(self, method, path, body=None, raw: bytes | None = None, timeout=30, headers=None):
         conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
             resp = conn.getresponse()
+            self.last_headers = dict(resp.getheaders())
             return resp.status, resp.read()
         finally:
             conn.close()
@@ -64,10 +66,12 @@ def _said(proc) -> list[str]:
     return lines
 
 
-def start_server(model: Path):
+def start_server(model: Path, *flags: str):
     """pyml-serve on a port the OS picks (--port 0), learnt from the line the server says: a port
-    picked here and handed over could be taken by another test's server in between."""
-    proc = subprocess.Popen([*SERVE, "-m", str(model), "--port", "0", "-t", "1", "--alias", "tiny"], env=serve_env(), stdin=subprocess.DEVNULL,
+    picked here and handed over could be taken by another test's server in between. `flags` come
+    after the defaults (-t 1), so they can replace them."""
+    proc = subprocess.Popen([*SERVE, "-m", str(model), "--port", "0", "-t", "1", "--alias", "tiny", *flags],
+                            env=serve_env(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said = _said(proc)
     deadline = time.monotonic() + 120
@@ -77,6 +81,7 @@ def start_server(model: Path):
         port = next((int(m.group(1)) for line in said if (m := re.search(rf"on http://{HOST}:(\d+) ", line))), None)
         time.sleep(0.1)
     served = Served(proc, port, "tiny")
+    served.said = said
     while port is not None and time.monotonic() < deadline:
         assert proc.poll() is None, "".join(said)
         try:
@@ -95,6 +100,16 @@ def stop_server(served: Served):
     except subprocess.TimeoutExpired:
         served.proc.kill()
         served.proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def serving(model: Path, *flags: str):
+    """start_server(model, *flags) for the length of a with block."""
+    served = start_server(model, *flags)
+    try:
+        yield served
+    finally:
+        stop_server(served)
 
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):

@@ -1,0 +1,225 @@
+"""pyml-serve's model side: the one thread that runs the model, the bounded queue in front of it,
+and the metrics both sides count.
+
+One worker thread owns the model and runs one generation at a time, taking jobs from a FIFO
+queue (fair: first come, first served) of at most `max_queue` waiting jobs; a full queue refuses
+the next (the HTTP side answers 503 + Retry-After). A job whose client leaves, or whose time runs
+out, is cancelled: taken out of the queue at once if it waits, or ended by the generation's
+`cancelled()` check before its next decode step if it runs. Shutting down closes the queue,
+answers every waiting job 503 and cancels the running one.
+
+Numba's thread count is per thread: the worker sets `threads` in its own thread before it runs
+anything, and reports the count Numba then says it uses (`threads_in_use`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import numba
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pyml.cli.main import one_line
+from pyml.cli.request_profile import profile_summary, recording
+from pyml.cli.serve_requests import Request, RequestError
+from pyml.core import perf
+from pyml.core.errors import PymlError
+from pyml.nlp.api import LanguageModel
+from pyml.nlp.generator import GenerationResult
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_perf = perf.get("pyml.cli.serve")
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def shutting_down() -> RequestError:
+    return RequestError(SHUTTING_DOWN, status=503, kind="server_error", code="shutting_down")
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pyml_requests", "requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("pyml_prompt_tokens", "prompt tokens processed (prefilled)", registry=r)
+        self.cached_tokens = Counter("pyml_cached_prompt_tokens", "prompt tokens reused from the KV cache",
+                                     registry=r)
+        self.generated_tokens = Counter("pyml_generated_tokens", "tokens generated", registry=r)
+        self.cancelled = Counter("pyml_cancelled", "generations ended early", ["reason"], registry=r)
+        self.queue = Gauge("pyml_queue_length", "requests waiting for the model", registry=r)
+        self.busy = Gauge("pyml_busy", "1 while a generation runs", registry=r)
+        self.decode_tok_s = Gauge("pyml_decode_tokens_per_second", "decode speed of the last request",
+                                  registry=r)
+        self.latency = Histogram("pyml_request_seconds", "completion request latency, arrival to the last "
+                                 "byte sent, whatever the answer", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("pyml_queue_wait_seconds", "time waiting for the model",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pyml_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+
+
+@dataclass
+class Job:
+    """One request's work: the worker pushes (kind, value) events onto `events`, read by the
+    request's task on the event loop. `cancelled` is set by the event loop (client gone, time out)
+    or by shutdown, and read by the worker before each decode step."""
+    request: Request
+    ids: list
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: str | None = None  # None, or why: "client", "timeout", "shutdown"
+    profile: dict | None = None
+
+    def put(self, kind: str, value=None):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class QueueFull(Exception):
+    pass
+
+
+class JobQueue:
+    """FIFO of waiting jobs, at most `limit`; a cancelled job leaves it at once (its slot is free)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._jobs: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        with self._ready:
+            if self._closed:
+                raise QueueFull(SHUTTING_DOWN)
+            if len(self._jobs) >= self.limit:
+                raise QueueFull(f"{len(self._jobs)} requests are waiting for the model, the most this "
+                                f"server queues (--max-queue {self.limit})")
+            self._jobs.append(job)
+            self._ready.notify()
+
+    def get(self) -> Job | None:
+        """The next job, waiting for one; None once the queue is closed."""
+        with self._ready:
+            while not self._jobs and not self._closed:
+                self._ready.wait()
+            return self._jobs.popleft() if self._jobs else None
+
+    def remove(self, job: Job) -> None:
+        with self._ready:
+            try:
+                self._jobs.remove(job)
+            except ValueError:  # already taken by the worker, or never queued
+                pass
+
+    def close(self) -> list[Job]:
+        """Refuse new jobs; the jobs that were waiting, now out of the queue."""
+        with self._ready:
+            self._closed = True
+            drained = list(self._jobs)
+            self._jobs.clear()
+            self._ready.notify_all()
+            return drained
+
+
+class Worker:
+    """The one thread that runs the model, one job at a time, in arrival order."""
+
+    def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics, threads: int, max_queue: int):
+        self.lm, self.metrics, self.threads = lm, metrics, threads
+        self.cache = lm.new_prompt_cache(ctx_size)
+        self.jobs = JobQueue(max_queue)
+        self.current: Job | None = None
+        self.threads_in_use: int | None = None
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="pyml-serve-model", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (once) and wait until it has set its thread count and warmed up (on a
+        first run the kernels compile: a minute, with a progress bar)."""
+        if not self.thread.is_alive() and not self._started.is_set():
+            self.thread.start()
+        self._started.wait()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Answer the waiting jobs 503, cancel the running one, and let the thread end."""
+        for job in self.jobs.close():
+            job.put("error", shutting_down())
+        if (job := self.current) is not None:
+            job.cancelled = job.cancelled or "shutdown"
+        self.metrics.queue.set(0)
+        if self.thread.is_alive():
+            self.thread.join(timeout=timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; QueueFull if the queue is full or closed."""
+        self.jobs.put(job)
+        self.metrics.queue.set(len(self.jobs))
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Stop `job`: out of the queue if it waits, at the next decode step if it runs."""
+        if job.cancelled is None:
+            job.cancelled = reason
+        self.jobs.remove(job)
+        self.metrics.queue.set(len(self.jobs))
+
+    def _loop(self):
+        numba.set_num_threads(self.threads)  # per thread: the main thread's setting does not reach here
+        self.threads_in_use = numba.get_num_threads()
+        try:  # the prefill's kernels now, not inside the first request (on a first run they compile)
+            self.lm.warm_up(prefill=True)
+        except Exception as e:  # the first request warms them again, and answers what goes wrong
+            _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
+        self._started.set()
+        while (job := self.jobs.get()) is not None:
+            self.metrics.queue.set(len(self.jobs))
+            if job.cancelled:
+                continue
+            self.current = job
+            self.metrics.busy.set(1)
+            try:
+                self._run(job)
+            except PymlError as e:  # bad input the model side found: the request's fault, one line
+                job.put("error", RequestError(one_line(e)))
+            except Exception as e:  # the server keeps answering; the client learns what happened
+                job.put("error", RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                              kind="server_error"))
+            finally:
+                self.current = None
+                self.metrics.busy.set(0)
+
+    def _run(self, job: Job):
+        req = job.request
+        if not req.cache_prompt:
+            self.cache.reset()
+        result = GenerationResult(job.ids)
+        records = []
+        with recording(records, req.profile):
+            stream = self.lm.stream(job.ids, req.max_tokens, stop=req.stop, cache=self.cache, result=result,
+                                    cancelled=lambda: job.cancelled is not None, **req.sampling)
+            job.put("started")
+            for event in stream:
+                if job.cancelled:
+                    stream.close()  # frees the model now: the next job starts before the next step
+                    result.stop_reason = "cancelled"
+                    break
+                if event.text:
+                    job.put("text", event.text)
+        if req.profile:
+            job.profile = profile_summary(records)
+        m = self.metrics
+        m.prompt_tokens.inc(result.prefilled_tokens)
+        m.cached_tokens.inc(result.cached_tokens)
+        m.generated_tokens.inc(len(result.tokens))
+        if result.decode_s:
+            m.decode_tok_s.set(result.decode_tok_s)
+        if job.cancelled:
+            m.cancelled.labels(job.cancelled).inc()
+        if job.cancelled == "shutdown":
+            job.put("error", shutting_down())
+        else:
+            job.put("done", result)

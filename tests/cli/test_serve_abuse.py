@@ -1,0 +1,306 @@
+"""pyml-serve probed as an attacker or a careless client would (issue 35): what it does not
+implement is refused by name, bad input is a 4xx (a hypothesis fuzz campaign finds no 5xx),
+and the edges hold: API key, Host allowlist, JSON-only bodies, body size and read timeouts,
+the worker's thread count.
+
+Servers are real processes on 127.0.0.1 (tests/cli/test_serve.py's fixtures); every loop is bounded."""
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED
+from pyml.cli.standins import write_gpt2
+from tests.cli.test_serve import HOST, SERVE, serve_env, serving
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with serving(tiny) as served:
+        yield served
+
+
+def error_of(status_and_data):
+    status, data = status_and_data
+    return status, json.loads(data)["error"]
+
+
+# --- refused by name --------------------------------------------------------------------------
+REFUSED = [  # (endpoint body, field, value): what OpenAI's API would honour and pyml does not
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (CHAT, "tool_choice", "auto"), (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3),
+    (CHAT, "logit_bias", {"50": 10}), (CHAT, "n", 2), (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "function_call", "auto"), (CHAT, "parallel_tool_calls", True), (CHAT, "modalities", ["audio"]),
+    (CHAT, "prediction", {"type": "content", "content": "x"}), (CHAT, "reasoning_effort", "low"),
+    (CHAT, "made_up_field", 1), (CHAT, "prompt", "a completions field"),
+    (COMPLETION, "echo", True), (COMPLETION, "best_of", 3), (COMPLETION, "suffix", "x"),
+    (COMPLETION, "logprobs", 2), (COMPLETION, "logit_bias", {"50": -100}), (COMPLETION, "messages", []),
+]
+
+
+@pytest.mark.parametrize("body, name, value", REFUSED, ids=[f"{n}={v!r}"[:40] for _, n, v in REFUSED])
+def test_what_pyml_does_not_honour_is_refused_by_name(server, body, name, value):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, err = error_of(server.request("POST", path, {**body, name: value}))
+    assert status == 400
+    assert (err["param"], err["code"], err["type"]) == (name, "unsupported_parameter", "invalid_request_error")
+    assert name in err["message"]
+
+
+def test_message_fields_and_options_pyml_does_not_honour_are_refused_by_name(server):
+    for message, param in (({"role": "user", "content": "hi", "name": "bob"}, "messages[0].name"),
+                           ({"role": "user", "content": "hi", "tool_calls": []}, "messages[0].tool_calls")):
+        status, err = error_of(server.request("POST", "/v1/chat/completions", {**CHAT, "messages": [message]}))
+        assert (status, err["param"], err["code"]) == (400, param, "unsupported_parameter")
+    for body, param in (({**CHAT, "pyml": {"profil": True}}, "pyml.profil"),
+                        ({**CHAT, "stream": True, "stream_options": {"include_obfuscation": True}},
+                         "stream_options.include_obfuscation")):
+        status, err = error_of(server.request("POST", "/v1/chat/completions", body))
+        assert (status, err["param"], err["code"]) == (400, param, "unsupported_parameter")
+
+
+def test_the_openai_client_sees_a_refused_field_as_a_bad_request(server):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=30, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_ignored_fields_are_accepted_and_each_is_documented(server):
+    harmless = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                "safety_identifier": "s", "prompt_cache_key": "k"}
+    assert set(harmless) == IGNORED
+    defaults = {name: values[0] for name, values in AS_DEFAULT.items()}  # asking for what pyml does anyway
+    status, data = server.request("POST", "/v1/chat/completions", {**CHAT, **harmless, **defaults})
+    assert status == 200, data
+    docs = (ROOT / "docs" / "serving.md").read_text()
+    ignored_section = docs[docs.index("#### Accepted and ignored"):]
+    for name in IGNORED:
+        assert f"`{name}`" in ignored_section, f"docs/serving.md does not say why '{name}' is ignored"
+    for name in AS_DEFAULT:
+        assert f"`{name}: " in ignored_section, f"docs/serving.md does not say which '{name}' is accepted"
+
+
+# --- bad input is a 4xx -----------------------------------------------------------------------
+def test_input_errors_are_4xx_and_say_what_is_wrong(server):
+    cases = [
+        (b'{"model": "tiny", "prompt": "hi \\ud800", "max_tokens": 2}', "lone surrogate"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "lone surrogate"),
+        (b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "lone surrogate"),
+        (b'{"prompt": "hi", "\\ud800": 1}', "not supported"),
+        (b'{"model": "\\ud800", "prompt": "hi"}', "does not exist"),
+        (json.dumps({**COMPLETION, "seed": -1}).encode(), "seed"),
+        (json.dumps({**COMPLETION, "seed": 2**70}).encode(), "seed"),
+        (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests too deep"),
+        (b'{"prompt": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, "nests too deep"),
+        (json.dumps({**COMPLETION, "stop": "x" * 401}).encode(), "at most 400"),
+    ]
+    for raw, said in cases:
+        path = "/v1/chat/completions" if b"messages" in raw[:20] else "/v1/completions"
+        status, err = error_of(server.request("POST", path, raw=raw))
+        assert 400 <= status < 500 and said in err["message"], (raw[:60], status, err)
+    assert server.request("POST", "/v1/completions", COMPLETION)[0] == 200
+
+
+def json_values(max_leaves=12):
+    scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+               | st.text(max_size=20))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=max_leaves)
+
+
+FIELDS = sorted(HONOURED[True] | HONOURED[False] | IGNORED | set(AS_DEFAULT))
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
+                                           "content": st.text(max_size=30) | json_values(4)}), max_size=3)
+bodies = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values(6), max_size=8) | \
+    st.fixed_dictionaries({"messages": messages, "max_tokens": st.integers(-2, 4)},
+                          optional={"stop": json_values(3), "seed": st.integers(-5, 2**66),
+                                    "temperature": st.floats(), "stream": st.booleans(),
+                                    "logprobs": json_values(2), "top_k": json_values(1)}) | \
+    st.fixed_dictionaries({"prompt": st.text(max_size=40) | json_values(3), "max_tokens": st.integers(-2, 4)},
+                          optional={"stop": json_values(3), "n": json_values(1), "min_p": json_values(1)})
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=bodies, chat=st.booleans())
+def test_fuzz_no_request_body_gives_a_5xx(server, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    raw = json.dumps(body, allow_nan=True).encode()  # ASCII: a lone surrogate travels as its \u escape
+    status, data = server.request("POST", path, raw=raw, timeout=30)
+    assert status < 500, (body, status, data[:300])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")))
+def test_fuzz_no_byte_string_gives_a_5xx(server, raw):
+    assert server.request("POST", "/v1/chat/completions", raw=raw, timeout=30)[0] < 500
+
+
+# --- the edges: key, Host, content type, body size, slow clients -----------------------------
+def test_the_api_key_guards_everything_but_health(tiny):
+    with serving(tiny, "--api-key", "s3cret") as served:
+        assert served.request("GET", "/health")[0] == 200
+        for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/completions", COMPLETION)):
+            assert served.request(method, path, body)[0] == 401
+            assert served.request(method, path, body, headers={"Authorization": "Bearer s3cre"})[0] == 401
+            assert served.request(method, path, body, headers={"Authorization": "Bearer s3cret"})[0] == 200
+        client = openai.OpenAI(base_url=served.base + "/v1", api_key="s3cret", timeout=30, max_retries=0)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(server):
+    port = server.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost"):
+        assert server.request("GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    for host in (f"evil.example:{port}", "attacker.test", f"127.0.0.1.nip.io:{port}", ""):
+        status, err = error_of(server.request("GET", "/v1/models", headers={"Host": host}))
+        assert status == 421 and err["code"] == "misdirected_request", host
+
+
+def test_only_json_bodies_are_read(server):
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        status, err = error_of(server.request("POST", "/v1/completions", COMPLETION, headers={"Content-Type": kind}))
+        assert status == 415 and err["code"] == "unsupported_media_type", kind
+    ok = server.request("POST", "/v1/completions", COMPLETION,
+                        headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok[0] == 200
+
+
+def send_raw(port, head: bytes, timeout=10) -> socket.socket:
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+    sock.sendall(head)
+    return sock
+
+
+def read_status(sock) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split()[1]) if data else 0
+
+
+def test_bodies_past_max_body_are_refused_before_being_read(tiny):
+    with serving(tiny, "--max-body", "1000") as served:
+        big = json.dumps({**COMPLETION, "prompt": "x" * 2000}).encode()
+        status, err = error_of(served.request("POST", "/v1/completions", raw=big))
+        assert status == 413 and err["code"] == "request_too_large"
+        # no Content-Length (chunked): refused as the bytes read pass the limit
+        sock = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with sock:
+            sock.sendall(b"%x\r\n%s\r\n" % (len(big), big))
+            assert read_status(sock) == 413
+        assert served.request("POST", "/v1/completions", COMPLETION)[0] == 200
+
+
+def test_slow_clients_are_cut_off_after_the_read_timeout(tiny):
+    with serving(tiny, "--read-timeout", "1") as served:
+        t0 = time.monotonic()
+        half_headers = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        slow_body = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        with half_headers, slow_body:
+            assert half_headers.recv(100) == b""  # closed without an answer
+            assert read_status(slow_body) == 408
+        assert time.monotonic() - t0 < 5
+        assert served.request("POST", "/v1/completions", COMPLETION)[0] == 200
+
+
+# --- threads, defaults, metrics -------------------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_worker_thread_runs_with_the_threads_asked_for(tiny, threads):
+    with serving(tiny, "-t", str(threads)) as served:
+        health = json.loads(served.request("GET", "/health")[1])
+        assert health["threads"] == threads  # numba.get_num_threads() read inside the worker thread
+        banner = next(line for line in served.said if "on http://" in line)
+        assert re.search(rf"threads {threads}\b", banner), banner
+        assert served.request("POST", "/v1/completions", {**COMPLETION, "prompt": "a longer prompt"})[0] == 200
+
+
+def test_the_default_max_tokens_is_the_servers_bound(tiny):
+    with serving(tiny, "-n", "5") as served:
+        status, data = served.request("POST", "/v1/completions", {"prompt": "Once upon", "temperature": 0})
+        usage = json.loads(data)["usage"]
+        assert status == 200 and usage["completion_tokens"] <= 5
+
+
+def request_seconds_count(server) -> float:
+    text = server.request("GET", "/metrics")[1].decode()
+    return float(re.search(r"^pyml_request_seconds_count (\S+)$", text, re.M).group(1))
+
+
+def test_every_completion_request_is_counted_in_the_latency_histogram(server):
+    before = request_seconds_count(server)
+    server.request("POST", "/v1/completions", COMPLETION)  # 200, whole
+    server.request("POST", "/v1/completions", {**COMPLETION, "stream": True})  # 200, streamed
+    server.request("POST", "/v1/completions", {**COMPLETION, "seed": -1})  # 400
+    server.request("POST", "/v1/completions", COMPLETION, headers={"Content-Type": "text/plain"})  # 415
+    assert request_seconds_count(server) - before == 4
+
+
+def test_a_stream_keeps_its_connection_answerable(server):
+    """Keep-alive still works with the header deadline armed between requests."""
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=10)
+    try:
+        for _ in range(3):
+            conn.request("POST", "/v1/completions", json.dumps(COMPLETION), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    finally:
+        conn.close()
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path):
+    model = write_gpt2(tmp_path, "gpt2-tiny", n_positions=256)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system messages:\\nthis model was not trained with them') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    with serving(model) as served:
+        system = {**CHAT, "messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}
+        status, err = error_of(served.request("POST", "/v1/chat/completions", system))
+        assert status == 400 and err["param"] == "messages"
+        assert err["message"] == "chat template: no system messages: this model was not trained with them"
+        assert served.request("POST", "/v1/chat/completions", CHAT)[0] == 200
+
+
+@pytest.mark.parametrize("flags, said", [(["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+                                         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+                                         (["--read-timeout", "-1"], "--read-timeout must be > 0 seconds, got -1"),
+                                         (["--max-body", "0"], "--max-body must be >= 1, got 0"),
+                                         (["-n", "0"], "--max-tokens must be >= 1, got 0")])
+def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
+    done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
+                          env=serve_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [f"pyml-serve: error: {said}"]
