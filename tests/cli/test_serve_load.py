@@ -19,6 +19,9 @@ import pytest
 from pyml.cli.standins import write_gpt2
 from tests.cli.test_serve import HOST, generated_tokens, serving, start_server
 
+# deep: a load test; each bound it stresses, one request at a time: tests/cli/test_serve_abuse.py
+pytestmark = pytest.mark.deep
+
 LONG = {"model": "tiny", "prompt": "Long story", "max_tokens": 1000, "temperature": 0}
 
 
