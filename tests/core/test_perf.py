@@ -399,3 +399,33 @@ def test_traced_blocks_outlive_their_event_buffer(lm, records, monkeypatch):
     per_layer = [r for r in records if r["name"] == "linear::forward" and r["module"].startswith(fused.block.name + ".")]
     assert len(per_layer) == 70 * 4  # qkv, o_proj, up, down of every step
     assert all(r["dur_ms"] >= 0 for r in records)
+
+
+def test_the_drains_are_kept_out_of_the_engine_figures_and_counted_apart(lm, records, lines_at, monkeypatch):
+    """A drain that a step's end sets off (made slow here: 0.2 s more each) is not in the step's
+    decode time, which stays within a few ms of the step's own span, and is in the logging cost."""
+    slow, real = 0.2, perf._write
+
+    def write(items):  # the lines' write, inside each drain
+        t0 = perf.clock()
+        while perf.clock() - t0 < slow:  # busy, as making lines is
+            pass
+        real(items)
+    monkeypatch.setattr(perf, "_write", write)
+    with lines_at("trace"):
+        result = lm.generate([1, 2, 3], max_tokens=4)
+    steps = [r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::decode_step"]
+    prefill = next(r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::prefill")
+    assert len(result.decode_s) == len(steps) == 3
+    for took, span in zip(result.decode_s, steps):
+        assert span <= took + 1e-4 and took < span + slow / 4
+    assert prefill <= result.prefill_s + 1e-4 and result.prefill_s < prefill + slow / 4
+    # each step's end drained (DRAIN_EVERY_S is 0 here) and the prefill's: the last flush found nothing
+    assert result.decode_log_s >= 3 * slow and result.prefill_log_s >= slow
+    assert result.log_ms_per_token == pytest.approx(result.decode_log_s / 3 * 1e3)
+
+
+def test_without_logging_nothing_is_counted_as_its_cost(lm):
+    perf.configure("")
+    result = lm.generate([1, 2, 3], max_tokens=3)
+    assert result.decode_log_s == result.prefill_log_s == 0.0 and len(result.decode_s) == 2
