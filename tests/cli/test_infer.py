@@ -44,6 +44,7 @@ def test_generates_and_prints_a_summary(tiny):
     assert "prompt 5 tokens, generated 5 tokens" in summary
     for key in ("prefill", "tok/s", "ms/token", "load", "threads 1"):
         assert key in summary
+    assert "logging" not in summary  # nothing logged, no cost of it to state
 
 
 def test_debug_log_on_the_command_line(tiny):
@@ -92,11 +93,19 @@ def test_trace_lines_come_as_trees_parent_first_without_the_warmup(tiny):
         open_path.append((start, end))
     steps = [i for i, (depth, _, name, *_) in enumerate(lines) if name == "generator::decode_step"]
     assert [lines[i + 1][2] for i in steps] == ["model::forward"] * 3  # the step first, its pass next
+    # the stats line: the engine's decode figure, and what the lines cost beside it
+    summary = proc.stderr.strip().splitlines()[-1]
+    m = re.search(r"decode (\S+) ms/token \(\S+ tok/s\) \+ logging (\S+) ms/token \|", summary)
+    assert m and float(m.group(2)) > 0, summary
 
     env["LOG"] = "trace,warmup"
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300, env=env,
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert "runtime::warmup" in proc.stderr and "phase=warmup" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["logging"]["predicted_per_token_ms"] > 0 and out["timings"]["predicted_n"] == 3
+    assert out["logging"]["predicted_per_token_ms"] == pytest.approx(out["logging"]["predicted_ms"] / 3)
 
 
 def test_missing_directory():
