@@ -402,9 +402,10 @@ def test_traced_blocks_outlive_their_event_buffer(lm, records, monkeypatch):
 
 
 def test_the_drains_are_kept_out_of_the_engine_figures_and_counted_apart(lm, records, lines_at, monkeypatch):
-    """A drain that a step's end sets off (made slow here: 0.2 s more each) is not in the step's
-    decode time, which stays within a few ms of the step's own span, and is in the logging cost."""
-    slow, real = 0.2, perf._write
+    """A drain that a step's end sets off (made slow here: 0.5 s more each) is not in the step's
+    decode time, which stays near the step's own span (a loaded machine may pause the process in
+    between), and is in the logging cost."""
+    slow, real = 0.5, perf._write
 
     def write(items):  # the lines' write, inside each drain
         t0 = perf.clock()
@@ -412,14 +413,15 @@ def test_the_drains_are_kept_out_of_the_engine_figures_and_counted_apart(lm, rec
             pass
         real(items)
     monkeypatch.setattr(perf, "_write", write)
+    monkeypatch.setattr(perf, "LONG_PASS_S", 1e9)  # a slow first prefill (compiling) drains after it, not inside
     with lines_at("trace"):
         result = lm.generate([1, 2, 3], max_tokens=4)
     steps = [r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::decode_step"]
     prefill = next(r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::prefill")
     assert len(result.decode_s) == len(steps) == 3
     for took, span in zip(result.decode_s, steps):
-        assert span <= took + 1e-4 and took < span + slow / 4
-    assert prefill <= result.prefill_s + 1e-4 and result.prefill_s < prefill + slow / 4
+        assert span <= took + 1e-4 and took < span + slow / 2
+    assert prefill <= result.prefill_s + 1e-4 and result.prefill_s < prefill + slow / 2
     # each step's end drained (DRAIN_EVERY_S is 0 here) and the prefill's: the last flush found nothing
     assert result.decode_log_s >= 3 * slow and result.prefill_log_s >= slow
     assert result.log_ms_per_token == pytest.approx(result.decode_log_s / 3 * 1e3)
