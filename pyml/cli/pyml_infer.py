@@ -73,18 +73,31 @@ def _generate(args, prompt: str, options: dict, prof) -> int:
         size = args.ctx_size or lm.model.max_positions
         say(f"pyml-infer: stopped at the context size ({min(size, lm.model.max_positions)} tokens; "
             f"--context-shift goes on past it)")
-    say(f"[{result.summary()} | {startup_summary(lm)} | threads {lm.runtime.threads}"
+    say(f"[{result.summary()}{_log_cost(result)} | {startup_summary(lm)} | threads {lm.runtime.threads}"
         f"{' | interrupted' if interrupted else ''}]")
     return 130 if interrupted else 0
 
 
+def _log_cost(result: GenerationResult) -> str:
+    """The stats line's second cost: beside the engine's decode figure (steps only), what making and
+    writing the records and [perf] lines cost per step, when there were any (the prefill's lines are
+    mostly made in a step's drain: a batch goes out a second after the last one)."""
+    if not (result.decode_log_s or result.prefill_log_s):
+        return ""
+    return f" + logging {result.log_ms_per_token:.2f} ms/token"
+
+
 def result_object(result: GenerationResult, lm: LanguageModel) -> dict:
-    """--json: what was generated and how long it took, in one object."""
+    """--json: what was generated and how long it took, in one object. `timings` are the engine's;
+    `logging` what the records and [perf] lines cost besides (0 with logging off)."""
     return {"model": lm.source, "text": result.text, "tokens": result.tokens,
             "prompt_tokens": len(result.prompt_tokens), "generated_tokens": len(result.tokens),
             "stop_reason": result.stop_reason, "context_shifts": result.context_shifts,
-            "timings": result.timings(), "load_ms": lm.load_s * 1e3, "compile_ms": lm.compile_s * 1e3,
-            "warmup_ms": lm.warmup_s * 1e3, "threads": lm.runtime.threads}
+            "timings": result.timings(),
+            "logging": {"prompt_ms": result.prefill_log_s * 1e3, "predicted_ms": result.decode_log_s * 1e3,
+                        "predicted_per_token_ms": result.log_ms_per_token},
+            "load_ms": lm.load_s * 1e3, "compile_ms": lm.compile_s * 1e3, "warmup_ms": lm.warmup_s * 1e3,
+            "threads": lm.runtime.threads}
 
 
 def startup_summary(lm: LanguageModel) -> str:

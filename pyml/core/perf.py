@@ -26,10 +26,13 @@ resolution), and, on top-level spans only, the generation phase and step:
     [perf] generator::decode_step token=6 model=64.694ms sample=0.037ms total=64.731ms | depth=0 start=8.440050 \
         phase=decode step=1          (one line)
 
-Lines are written when a span ends, so children come before their parent; the
-depth and start put them back in their tree. Spans on a thread other than the
-main thread add `thread=<ident>`; spans timed inside compiled code (CompiledSpan) end with
-`compiled=1`.
+By default the lines of a top-level span (a step, a prefill) wait for it to end and come as
+one tree, each parent first, indented two spaces a level after `[perf] ` (the same text
+otherwise); warm-up passes (`phase=warmup`) make records but print no lines. `LOG=trace,flat`
+writes lines as spans end, children first (the order of the records), `LOG=trace,warmup`
+prints the warm-up too. Either way the depth and start put a line in its tree. Spans on a
+thread other than the main thread add `thread=<ident>`; spans timed inside compiled code
+(CompiledSpan) end with `compiled=1`. What the drains cost this thread is `drain_seconds()`.
 
 Nesting is explicit: a thread-local stack gives every record its parent's id, and
 `perf.context(phase=..., step=...)` stamps the generation phase on every record
@@ -294,32 +297,110 @@ def add_ended(items):
         _drain()
 
 
-def _drain():
+def _drain(final: bool = False):
     """Turn the pending spans (and deferred entries) into records (to the collectors) and `[perf]`
-    lines, in end order."""
+    lines, in end order; in tree order (the default), a top-level span's lines wait for it and
+    are written parent first (`_tree_order`). `final` (flush): also what still waits for a top-level
+    span that has not ended. The time it takes is this thread's (`drain_seconds`)."""
+    if not _pending and not (final and _held):
+        return
+    t0 = clock()
     with _drain_lock:
         n = len(_pending)
-        if not n:
-            return
         batch = _pending[:n]
         del _pending[:n]  # other threads only append: what they add after n stays
-        direct = None
+        made = []  # (span, line or None), in end order
         for item in batch:
             for span in (item[0](*item[1:]) if type(item) is tuple else (item,)):
                 p, level = span.perf, span.level
+                shown = p.logger.isEnabledFor(level) and (_options["warmup"] or span.ctx.get("phase") != "warmup")
+                if not (shown or _collectors):
+                    if _holding:
+                        made.append((span, None))  # its place in the tree, for the lines inside it
+                    continue
                 details = span.details()
                 if _collectors:
                     _deliver(span, details)
-                if p.logger.isEnabledFor(level):
-                    line = _line(span, details)
-                    if p.direct is not None:
-                        direct = p.direct
-                        direct.pending.append(line)
-                    else:  # through logging: its handler first writes what is pending, so the order holds
-                        p.logger.log(level, "%s", line)
-        if direct is not None:
-            direct.write_pending()
+                made.append((span, _line(span, details, _holding) if shown else None))
+        _write(_tree_order(made, final or not _holding) if _holding or _held else made)
         _drained_at[0] = clock()
+    _tls.drain_s = drain_seconds() + (clock() - t0)
+
+
+def drain_seconds() -> float:
+    """Seconds this thread has spent in drains: making records and `[perf]` lines and writing them
+    (a step that ends a batch pays for it; subtract it for the engine's own time)."""
+    return getattr(_tls, "drain_s", 0.0)
+
+
+# Tree order: a thread's ended spans (with their lines, or None) wait here until the top-level span
+# they belong to ends, then are written parent first. Unprinted spans wait too: they place the
+# printed ones inside them (a per-logger filter can print an op and not its layer).
+_held: dict = {}  # thread ident -> [(span, line or None)] in end order
+_holding = False  # tree order and some logger prints: set by _update_holding
+
+
+def _tree_order(made: list, final: bool) -> list:
+    """`made` ((span, line) in end order) rearranged into whole trees, each parent first; what
+    belongs to a top-level span still open is kept in _held (all of it too when `final`)."""
+    out = []
+    for item in made:
+        span = item[0]
+        group = _held.get(span.thread)
+        if span.depth == 0:
+            if group is None:
+                out.append(item)  # a top-level span with nothing inside it
+                continue
+            group.append(item)
+        else:
+            if group is None:
+                group = _held[span.thread] = []
+            group.append(item)
+            if len(group) <= _PENDING_MAX:
+                continue  # memory stays bounded: past this the partial tree goes out
+        out += _preorder(_held.pop(span.thread))
+    if final:
+        for thread in list(_held):
+            out += _preorder(_held.pop(thread))
+    return out
+
+
+def _preorder(group: list) -> list:
+    """A group of (span, line) in end order, each parent before its children; siblings keep their
+    end order (on one thread, their start order). A span whose parent is not in the group (the
+    group's top-level span, or one whose parent raised) starts a tree of its own."""
+    ids = {item[0].id for item in group}
+    kids, roots = {}, []
+    for item in group:
+        parent = item[0].parent
+        if parent in ids:
+            kids.setdefault(parent, []).append(item)
+        else:
+            roots.append(item)
+    out, todo = [], roots[::-1]
+    while todo:
+        item = todo.pop()
+        out.append(item)
+        inside = kids.get(item[0].id)
+        if inside:
+            todo.extend(reversed(inside))
+    return out
+
+
+def _write(items: list):
+    """The lines of (span, line or None) items, in this order, to pyml's handler or through logging."""
+    direct = None
+    for span, line in items:
+        if line is None:
+            continue
+        p = span.perf
+        if p.direct is not None:
+            direct = p.direct
+            direct.pending.append(line)
+        else:  # through logging: its handler first writes what is pending, so the order holds
+            p.logger.log(span.level, "%s", line)
+    if direct is not None:
+        direct.write_pending()
 
 
 def _deliver(span, details):
@@ -360,6 +441,7 @@ class PerfLogger:
         self.debug_on = self.logger.isEnabledFor(logging.DEBUG) or _collect_level <= logging.DEBUG
         self.trace_on = self.logger.isEnabledFor(TRACE) or _collect_level <= TRACE
         self.direct = _direct_handler(self.logger)
+        self.prints = self.logger.isEnabledFor(logging.DEBUG)  # some of its lines (TRACE is lower)
 
     def debug(self, name, fmt="", *args, **attrs):
         if not self.debug_on:
@@ -424,18 +506,21 @@ class _PerfHandler(logging.StreamHandler):
 
 def flush():
     """Write the `[perf]` lines not yet written (before printing to stderr outside logging) and
-    deliver the records of the spans that have ended to the collectors."""
-    _drain()
+    deliver the records of the spans that have ended to the collectors. In tree order the lines
+    of a top-level span still open go out too, as the part of its tree that has ended."""
+    _drain(final=True)
     for h in logging.getLogger("pyml").handlers:
         if isinstance(h, _PerfHandler):
             h.write_pending()
 
 
-def _line(span: Span, details: str) -> str:
+def _line(span: Span, details: str, tree: bool = False) -> str:
     """The whole `[perf]` line of an ended span: format_line's text and the ` | ` tail (module,
-    depth, start; phase and step on top-level spans), in as few f-strings as it takes."""
+    depth, start; phase and step on top-level spans), in as few f-strings as it takes; in `tree`
+    order indented by its depth, two spaces a level, after `[perf] `."""
     elapsed, parts, depth = span.t1 - span.t0, span.parts, span.depth
-    head = f"[perf] {span.name} {details}" if details else f"[perf] {span.name}"
+    name = f"{INDENT * depth}{span.name}" if tree and depth else span.name
+    head = f"[perf] {name} {details}" if details else f"[perf] {name}"
     if parts:
         timed = " ".join([f"{k}={v * 1e3:.3f}ms" for k, v in parts.items()])
         head = f"{head} {timed} total={elapsed * 1e3:.3f}ms | "
@@ -457,6 +542,7 @@ def _line(span: Span, details: str) -> str:
 
 
 _MAIN_THREAD = threading.main_thread().ident
+INDENT = "  "  # a level of depth in tree order
 
 
 def format_line(name: str, details: str, parts: dict, elapsed: float, context: str = "") -> str:
@@ -479,6 +565,7 @@ def get(name: str) -> PerfLogger:
     p = _loggers.get(name)
     if p is None:
         p = _loggers[name] = PerfLogger(name)
+        _update_holding()
     return p
 
 
@@ -486,6 +573,18 @@ def refresh():
     """Recompute every PerfLogger's flags (after changing levels by hand)."""
     for p in _loggers.values():
         p._refresh()
+    _update_holding()
+
+
+def _update_holding():
+    global _holding
+    _holding = _options["tree"] and any(p.prints for p in _loggers.values())
+
+
+# What a LOG spec says besides levels (configure): `warmup` prints the warm-up passes' lines
+# (their records are made either way), `flat` writes lines in end order, children first.
+_options = {"warmup": False, "tree": True}
+_OPTION_WORDS = {"warmup": ("warmup", True), "flat": ("tree", False), "tree": ("tree", True)}
 
 
 class context:
@@ -528,7 +627,8 @@ def parse_level(text: str) -> int:
         return _LEVEL_NAMES[text.strip().lower()]
     except KeyError:
         raise PymlError(f"unknown log level {text!r}: use one of "
-                        + ", ".join(k for k in _LEVEL_NAMES if k != "warn")) from None
+                        + ", ".join(k for k in _LEVEL_NAMES if k != "warn")
+                        + " (and, to say how lines are written, " + ", ".join(_OPTION_WORDS) + ")") from None
 
 
 class _LineFormatter(logging.Formatter):
@@ -540,13 +640,15 @@ class _LineFormatter(logging.Formatter):
 
 
 def configure(spec: str | None = None, stream=None):
-    """Set levels from a spec like `debug`, `trace` or `pyml.nn=trace,pyml=debug`.
+    """Set levels from a spec like `debug`, `trace` or `pyml.nn=trace,pyml=debug`, and how lines
+    are written: `warmup` among the items prints the warm-up passes' lines too, `flat` writes
+    them children first, in end order (`trace,warmup,flat`); by default a tree, no warm-up.
 
     With no spec, the environment is read: PYML_LOG first, then LOG. LOG is a common name that
     other programs set for themselves, so a LOG value that is not a pyml spec is ignored with one
     warning line; a bad --log or PYML_LOG is an error. Lines go to stderr.
     """
-    _drain()  # what ended under the old levels is reported under them
+    _drain(final=True)  # what ended under the old levels is reported under them
     root = logging.getLogger("pyml")
     if not any(getattr(h, "_pyml", False) for h in root.handlers):
         root.addHandler(_PerfHandler(stream or sys.stderr))
@@ -554,27 +656,33 @@ def configure(spec: str | None = None, stream=None):
     root.setLevel(logging.WARNING)
     if spec is None and not os.environ.get("PYML_LOG") and os.environ.get("LOG"):
         try:
-            levels = _parse_spec(os.environ["LOG"])
+            levels, options = _parse_spec(os.environ["LOG"])
         except PymlError as e:
-            levels = {}
+            levels, options = {}, {}
             root.warning("LOG=%s is not a pyml log level, ignored (%s; PYML_LOG takes precedence)",
                          os.environ["LOG"], e)
     else:
-        levels = _parse_spec(spec if spec is not None else os.environ.get("PYML_LOG", ""))
+        levels, options = _parse_spec(spec if spec is not None else os.environ.get("PYML_LOG", ""))
+    _options.update(warmup=False, tree=True)
+    _options.update(options)
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
     refresh()
 
 
-def _parse_spec(spec: str) -> dict:
-    """{logger name: level} of a spec like `pyml.nn=trace,pyml=debug`."""
-    levels = {}
+def _parse_spec(spec: str) -> tuple[dict, dict]:
+    """({logger name: level}, {option: value}) of a spec like `pyml.nn=trace,pyml=debug,warmup`."""
+    levels, options = {}, {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        word = _OPTION_WORDS.get(item.lower())
+        if word is not None:
+            options[word[0]] = word[1]
+            continue
         name, _, level = item.rpartition("=")
         if name and not (name == "pyml" or name.startswith("pyml.")):
             raise PymlError(f"log filter {item!r}: logger names start with 'pyml'")
         levels[name or "pyml"] = parse_level(level)
-    return levels
+    return levels, options
 
 
 atexit.register(flush)

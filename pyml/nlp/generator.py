@@ -26,8 +26,10 @@ class GenerationResult:
     prompt_tokens: list
     tokens: list = field(default_factory=list)     # generated ids
     text: str = ""
-    prefill_s: float = 0.0
-    decode_s: list = field(default_factory=list)    # seconds per decode step
+    prefill_s: float = 0.0                          # the engine's time: perf's drains taken out
+    decode_s: list = field(default_factory=list)    # seconds per decode step, the same
+    prefill_log_s: float = 0.0                      # perf's drains (records, [perf] lines, their write)
+    decode_log_s: float = 0.0                       # in the prefill / the steps and the final flush
     stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted | cancelled
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
     context_shifts: int = 0                         # times the full cache dropped half its history
@@ -44,6 +46,11 @@ class GenerationResult:
     @property
     def decode_ms_per_token(self) -> float:
         return 1e3 * float(np.mean(self.decode_s)) if self.decode_s else 0.0
+
+    @property
+    def log_ms_per_token(self) -> float:
+        """What making and writing the steps' records and `[perf]` lines cost, per decode step."""
+        return 1e3 * self.decode_log_s / len(self.decode_s) if self.decode_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -194,15 +201,19 @@ class Generator:
         history = list(prompt_ids)  # every token so far: what the sampler's penalties see
         start = res.cached_tokens
         cached = list(prompt_ids[:start])  # the tokens whose keys and values the cache holds, in order
+        # A top-level span's end may drain perf's buffer (records and [perf] lines, about once a
+        # second): that time is not the engine's, so it is taken out of the pass and kept apart.
+        drained = perf.drain_seconds
         try:
-            t0 = perf.clock()
+            t0, d0 = perf.clock(), drained()
             with perf.context(phase="prefill", step=0), \
                     _perf.debug("generator::prefill", "tokens={}", len(prompt_ids) - start, op="generator") as span:
                 logits = self.model.forward(prompt_ids[start:], kv, pos=start)
                 cached = list(prompt_ids)
                 with span.part("sample"):
                     token = sampler(logits, history)
-            res.prefill_s = perf.clock() - t0
+            made = drained() - d0
+            res.prefill_s, res.prefill_log_s = perf.clock() - t0 - made, res.prefill_log_s + made
             step = 0
             while True:
                 res.tokens.append(token)
@@ -218,7 +229,7 @@ class Generator:
                     res.stop_reason = "cancelled"
                     break
                 step += 1
-                t0 = perf.clock()
+                t0, d0 = perf.clock(), drained()
                 if len(cached) >= kv.max_len:
                     if n_keep is None or len(cached) - min(n_keep, len(cached)) < 2:
                         res.stop_reason = "context"
@@ -233,7 +244,9 @@ class Generator:
                         cached.append(token)
                     with span.part("sample"):
                         token = sampler(logits, history)
-                res.decode_s.append(perf.clock() - t0)
+                made = drained() - d0
+                res.decode_s.append(perf.clock() - t0 - made)
+                res.decode_log_s += made
         except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
             if was_interrupted(e):
                 raise KeyboardInterrupt from None
@@ -241,8 +254,13 @@ class Generator:
         finally:
             if prompt_cache is not None:
                 prompt_cache.tokens = cached
+            d0 = perf.drain_seconds()
             perf.flush()  # the steps' records and [perf] lines are made after them: all of them now,
             # in order, however the generation ended (its end, an error, Ctrl-C, the iterator closed)
+            if res.decode_s:
+                res.decode_log_s += perf.drain_seconds() - d0
+            else:
+                res.prefill_log_s += perf.drain_seconds() - d0
 
     def _shift_context(self, kv, cached: list, n_keep: int, step: int) -> list:
         """Keep the first n_keep tokens and the newer half of the rest; return the tokens now cached.

@@ -280,8 +280,10 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
     """Raw dicts (post-order, parents linked) from a saved stderr log, and what else it says.
 
     Other lines (warnings, the generated text, the summary) are skipped; the model
-    description and the run summary are kept for the report's header. A log written
-    before the lines carried their context is put back together by report.old_logs.
+    description and the run summary are kept for the report's header. Lines may come in
+    either order pyml writes: a tree (a top-level line, then the lines inside it, parent first,
+    indented by depth) or flat (children first, as spans end). A log written before the lines
+    carried their context is put back together by report.old_logs.
     """
     with open(path, "rb") as f:
         text = f.read().decode("utf-8", errors="replace")
@@ -290,7 +292,8 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
     if ends_cleanly:
         lines.pop()
     info, raws, threads = {}, [], {}
-    pending: dict[int, list] = {}
+    pending: dict[int, list] = {}  # thread -> flat lines waiting for their parent: (depth, rec)
+    trees: dict[int, list] = {}    # thread -> the open path of its tree, top-level first: (depth, rec)
     for n, line in enumerate(lines, 1):
         at = line.find(_PERF)
         if at < 0:
@@ -302,7 +305,8 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
             continue
         if n == len(lines) and not ends_cleanly:
             raise LogFormatError(f"{path}:{n}: truncated: the last [perf] line has no end of line")
-        rec = parse_log_line(line[at + len(_PERF):].rstrip("\r"))
+        body = line[at + len(_PERF):].rstrip("\r")
+        rec = parse_log_line(body.lstrip(" "))
         if rec is None:
             raise LogFormatError(f"{path}:{n}: cannot read this [perf] line: {line[at:at + 100]!r}")
         legacy = "depth" not in rec
@@ -319,10 +323,24 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
             rec["start"] = 0.0
             continue
         depth, start = rec.pop("depth"), rec["start"]
+        if body.startswith(" "):  # tree order: inside the open line one level up
+            info["tree"] = True
+            path_open = trees.setdefault(rec["thread"], [])
+            while path_open and path_open[-1][0] >= depth:
+                path_open.pop()
+            up = path_open[-1][1] if path_open and path_open[-1][0] == depth - 1 else None
+            if up is not None and up["start"] <= start <= up["start"] + up["dur_ms"] / 1e3 + 2e-6:
+                rec["parent"] = up["id"]
+            else:  # its parent's line never came (a span that raised): not the open line's child
+                rec["orphan"] = True
+            path_open.append((depth, rec))
+            continue
         stack = pending.setdefault(rec["thread"], [])
         while stack and stack[-1][0] > depth and stack[-1][1]["start"] >= start:
             stack.pop()[1]["parent"] = rec["id"]
         stack.append((depth, rec))
+        if depth == 0:
+            trees[rec["thread"]] = [(0, rec)]
     for stack in pending.values():  # never adopted although nested: their parent never ended
         for depth, rec in stack:
             if depth > 0:
@@ -332,7 +350,29 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
                              f"(a log needs LOG=trace or --log trace)")
     if info.get("legacy"):
         old_logs.link(raws)
+    if info.get("tree"):
+        raws = _post_order(raws)
     return raws, info
+
+
+def _post_order(raws: list[dict]) -> list[dict]:
+    """Linked raw dicts in the order their spans ended (each child before its parent), as flat
+    lines and records come; top-level trees in the order of their lines."""
+    kids: dict[int, list] = {}
+    roots = []
+    for r in raws:
+        (roots if r["parent"] is None else kids.setdefault(r["parent"], [])).append(r)
+    out = []
+    for root in roots:
+        todo = [(root, False)]
+        while todo:
+            r, done = todo.pop()
+            if done:
+                out.append(r)
+                continue
+            todo.append((r, True))
+            todo.extend((k, False) for k in reversed(kids.get(r["id"], ())))
+    return out
 
 
 # --- a run: its records and what is known about it -------------------------------------------

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,13 +45,68 @@ def test_generates_and_prints_a_summary(tiny):
     assert "prompt 5 tokens, generated 5 tokens" in summary
     for key in ("prefill", "tok/s", "ms/token", "load", "threads 1"):
         assert key in summary
+    assert "logging" not in summary  # nothing logged, no cost of it to state
 
 
 def test_debug_log_on_the_command_line(tiny):
     proc = run_cli("--safetensors", str(tiny), "--prompt", "Hi", "--max-tokens", "2", "--log", "debug")
     assert proc.returncode == 0, proc.stderr
     assert "[perf] generator::prefill tokens=2" in proc.stderr
-    assert "[perf] transformer[1]::forward attn=" in proc.stderr
+    assert "[perf]     transformer[1]::forward attn=" in proc.stderr  # depth 2, in the step's tree
+
+
+def _perf_lines(stderr: str) -> list:
+    """(depth, indentation, name, start, end) of each [perf] line, in order."""
+    out = []
+    for ln in stderr.splitlines():
+        m = re.match(r"^\[perf\] (?P<ind> *)(?P<name>\S+) .*?(?P<ms>\d+\.\d{3})ms \| .*\bdepth=(?P<depth>\d+) "
+                     r"start=(?P<start>\S+)", ln)
+        if m:
+            start = float(m.group("start"))
+            out.append((int(m.group("depth")), len(m.group("ind")), m.group("name"), start,
+                        start + float(m.group("ms")) / 1e3))
+    return out
+
+
+def test_trace_lines_come_as_trees_parent_first_without_the_warmup(tiny):
+    """LOG=trace pyml-infer -n 4: each step's lines start with the step and every line comes after
+    the line of the span it ran in (one level up, its time inside that span's), indented by its
+    depth; no warm-up pass is printed unless the spec asks for it."""
+    env = {**os.environ, "LOG": "trace", "PYTHONPATH": str(ROOT)}
+    env.pop("PYML_LOG", None)
+    args = [sys.executable, str(ROOT / "bin" / "pyml-infer"), "--safetensors", str(tiny), "-p", "Hi", "-n", "4",
+            "-t", "1"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    lines = _perf_lines(proc.stderr)
+    assert len(lines) == sum(ln.startswith("[perf]") for ln in proc.stderr.splitlines()) > 50
+    assert "phase=warmup" not in proc.stderr and "runtime::warmup" not in proc.stderr
+    tops = [name for depth, _, name, *_ in lines if depth == 0]
+    assert tops == ["model::load", "generator::prefill"] + ["generator::decode_step"] * 3
+    open_path = []  # the lines this one may be inside, top-level first
+    for depth, indent, name, start, end in lines:
+        assert indent == 2 * depth, name
+        del open_path[depth:]
+        assert len(open_path) == depth, f"{name} at depth {depth} without its parent's line before it"
+        if depth:
+            up = open_path[-1]
+            assert up[0] - 2e-6 <= start <= up[1] + 2e-6, (name, up)
+        open_path.append((start, end))
+    steps = [i for i, (depth, _, name, *_) in enumerate(lines) if name == "generator::decode_step"]
+    assert [lines[i + 1][2] for i in steps] == ["model::forward"] * 3  # the step first, its pass next
+    # the stats line: the engine's decode figure, and what the lines cost beside it
+    summary = proc.stderr.strip().splitlines()[-1]
+    m = re.search(r"decode (\S+) ms/token \(\S+ tok/s\) \+ logging (\S+) ms/token \|", summary)
+    assert m and float(m.group(2)) > 0, summary
+
+    env["LOG"] = "trace,warmup"
+    proc = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "runtime::warmup" in proc.stderr and "phase=warmup" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["logging"]["predicted_per_token_ms"] > 0 and out["timings"]["predicted_n"] == 3
+    assert out["logging"]["predicted_per_token_ms"] == pytest.approx(out["logging"]["predicted_ms"] / 3)
 
 
 def test_missing_directory():

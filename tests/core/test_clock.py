@@ -78,9 +78,9 @@ def test_event_lines_read_like_python_spans(records, lines_at):
         with perf.get("pyml.test.outer").debug("outer::step"):
             _two_ops(np.ones(64, np.float32), buf.events, True)
             buf.emit(TABLE, pos=3)
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("[perf] fused::square [1, 64] ") and " | m.square depth=2 start=" in lines[0]
-    assert " | m.sum depth=1 start=" in lines[2] and "fused::sum [1, 64] pos=3" in lines[2]
+    lines = stream.getvalue().splitlines()  # the tree: the step, the fused call, its two ops
+    assert lines[1].startswith("[perf]   fused::sum [1, 64] pos=3 ") and " | m.sum depth=1 start=" in lines[1]
+    assert lines[2].startswith("[perf]     fused::square [1, 64] ") and " | m.square depth=2 start=" in lines[2]
 
 
 def test_a_full_buffer_drops_events_and_says_so(records):

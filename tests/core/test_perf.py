@@ -11,9 +11,22 @@ import pyml
 from pyml.core import perf
 from pyml.cli.standins import write_gpt2
 
-# `[perf] name [details] [parts] elapsed | [module] depth=N start=S [phase=P step=K] [thread=T]`
+# `[perf] name [details] [parts] elapsed | [module] depth=N start=S [phase=P step=K] [thread=T]`, the name
+# indented two spaces a level of depth in tree order (the default)
 TAIL = r" \| (\S+ )?depth=\d+ start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?( compiled=1)?$"
-LINE = re.compile(r"^\[perf\] \S+( .*)? (total=)?\d+\.\d{3}ms" + TAIL)
+LINE = re.compile(r"^\[perf\] (?P<indent> *)\S+( .*)? (total=)?\d+\.\d{3}ms \| (\S+ )?depth=(?P<depth>\d+) "
+                  r"start=\d+\.\d{6}( phase=\w+)?( step=\d+)?( thread=\d+)?( compiled=1)?$")
+IND = r"(?:  )*"  # a tree line's indentation, in the patterns below
+
+
+def well_formed(line: str, tree: bool = True) -> bool:
+    """A [perf] line of the documented shape, indented by its depth in tree order (flat: not at all)."""
+    m = LINE.match(line)
+    return bool(m) and len(m.group("indent")) == (2 * int(m.group("depth")) if tree else 0)
+
+
+def name_of(line: str) -> str:
+    return line.split()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +71,12 @@ def test_debug_lines(lm, log_to):
     stream = log_to("debug")
     lm.generate([1, 2, 3, 4, 5], max_tokens=3)
     lines = stream.getvalue().splitlines()
-    assert all(LINE.match(line) for line in lines), lines
+    assert all(well_formed(line) for line in lines), lines
     text = "\n".join(lines)
     assert re.search(r"^\[perf\] generator::prefill tokens=5 .*\d\.\d{3}ms" + TAIL, text, re.M)
-    assert re.search(r"^\[perf\] model::forward tokens=5 pos=0 embedding=\S+ms layers=\S+ms "
+    assert re.search(r"^\[perf\]   model::forward tokens=5 pos=0 embedding=\S+ms layers=\S+ms "
                      r"norm=\S+ms projection=\S+ms total=\S+ms" + TAIL, text, re.M)
-    assert re.search(r"^\[perf\] transformer\[0\]::forward attn=\S+ms ffn=\S+ms total=\S+ms" + TAIL, text, re.M)
+    assert re.search(r"^\[perf\]     transformer\[0\]::forward attn=\S+ms ffn=\S+ms total=\S+ms" + TAIL, text, re.M)
     assert re.search(r"^\[perf\] generator::decode_step token=5 model=\S+ms sample=\S+ms total=\S+ms" + TAIL,
                      text, re.M)
     assert "linear::forward" not in text  # trace-level events stay out at debug
@@ -81,19 +94,19 @@ def test_trace_lines(lm, log_to):
                     r"layer_norm \[1, 64\] \S+ms",
                     r"attention::forward layer=2 global tokens=1 pos=3 \S+ms",
                     r"feed_forward \[1, 64\] mlp \S+ms"]:
-        assert re.search(r"^\[perf\] " + pattern + TAIL, text, re.M), pattern
+        assert re.search(r"^\[perf\] " + IND + pattern + TAIL, text, re.M), pattern
 
 
 def test_line_tail_carries_module_depth_start_and_root_phase(lm, log_to):
     stream = log_to("trace")
     lm.generate([1, 2, 3], max_tokens=2)
     lines = stream.getvalue().splitlines()
-    assert all(LINE.match(line) for line in lines), [x for x in lines if not LINE.match(x)]
+    assert all(well_formed(line) for line in lines), [x for x in lines if not well_formed(x)]
     text = "\n".join(lines)
-    assert re.search(r"^\[perf\] linear::forward .* \| transformer\.h\.0\.attn\.c_attn depth=4 start=\S+$",
+    assert re.search(r"^\[perf\] {9}linear::forward .* \| transformer\.h\.0\.attn\.c_attn depth=4 start=\S+$",
                      text, re.M)
-    assert re.search(r"^\[perf\] linear::forward .* \| lm_head depth=2 start=\S+$", text, re.M)
-    assert re.search(r"^\[perf\] model::forward .* \| model depth=1 start=\S+$", text, re.M)
+    assert re.search(r"^\[perf\] {5}linear::forward .* \| lm_head depth=2 start=\S+$", text, re.M)
+    assert re.search(r"^\[perf\] {3}model::forward .* \| model depth=1 start=\S+$", text, re.M)
     assert re.search(r"^\[perf\] generator::prefill .* \| depth=0 start=\S+ phase=prefill step=0$", text, re.M)
     assert re.search(r"^\[perf\] generator::decode_step .* \| depth=0 start=\S+ phase=decode step=1$",
                      text, re.M)
@@ -185,8 +198,8 @@ def test_collector_sees_attributes(lm, records):
 
 def test_direct_lines_keep_their_order_with_other_records(log_to):
     """[perf] lines skip LogRecord; they are held until a top-level span ends (or 50 ms pass),
-    and a plain log message first writes what is held: the text reads in end order."""
-    stream = log_to("trace")
+    and in flat order a plain log message first writes what is held: the text reads in end order."""
+    stream = log_to("trace,flat")
     outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
     assert outer.direct is not None  # the fast path is the one under test
     with outer.debug("outer::step"):
@@ -196,8 +209,83 @@ def test_direct_lines_keep_their_order_with_other_records(log_to):
         logging.getLogger("pyml.test").debug("a plain message")
         with inner.trace("inner::op", "b"):
             pass
-    names = [ln.split()[1] if ln.startswith("[perf]") else ln for ln in stream.getvalue().splitlines()]
+    names = [name_of(ln) if ln.startswith("[perf]") else ln for ln in stream.getvalue().splitlines()]
     assert names == ["inner::op", "debug: a plain message", "inner::op", "outer::step"]
+
+
+def test_tree_order_writes_a_step_whole_after_it_ends_parent_first(log_to):
+    """In tree order a plain message inside a step comes before the step's lines: they wait for
+    the step to end, then come parent first, each indented by its depth."""
+    stream = log_to("trace")
+    outer, inner = perf.get("pyml.test.outer"), perf.get("pyml.test.inner")
+    with outer.debug("outer::step"):
+        with inner.trace("inner::op", "a"):
+            with inner.trace("inner::leaf"):
+                pass
+        logging.getLogger("pyml.test").debug("a plain message")
+        with inner.trace("inner::op", "b"):
+            pass
+    lines = stream.getvalue().splitlines()
+    assert [ln.split(" | ")[0].rsplit(" ", 1)[0] if ln.startswith("[perf]") else ln for ln in lines] == [
+        "debug: a plain message", "[perf] outer::step", "[perf]   inner::op a", "[perf]     inner::leaf",
+        "[perf]   inner::op b"]
+
+
+def _preorder_of(records):
+    """The records' trees, each parent before its children, siblings by start: the oracle of the
+    tree order, from the parent ids the collector was given."""
+    kids = {}
+    for r in records:
+        kids.setdefault(r["parent"], []).append(r)
+    out = []
+
+    def visit(r):
+        out.append(r)
+        for k in sorted(kids.get(r["id"], []), key=lambda k: k["start"]):
+            visit(k)
+    for r in sorted(kids.get(None, []), key=lambda r: r["start"]):
+        visit(r)
+    return out
+
+
+@pytest.mark.parametrize("spec", ["trace", "debug", "trace,flat"])
+def test_lines_follow_the_records_tree_or_their_end_order(lm, log_to, records, spec):
+    """Every line is a record's (name and start), in the records' tree order, parent first, or in
+    flat order as the records came (end order)."""
+    stream = log_to(spec)
+    lm.generate([1, 2, 3], max_tokens=3)
+    lines = stream.getvalue().splitlines()
+    assert all(well_formed(ln, tree="flat" not in spec) for ln in lines), lines
+    shown = [r for r in records if r["level"] == "trace" and spec.startswith("trace") or r["level"] == "debug"]
+    expected = shown if "flat" in spec else _preorder_of(shown)
+    got = [(name_of(ln), re.search(r" start=(\S+)", ln).group(1)) for ln in lines]
+    assert got == [(r["name"], f"{r['start']:.6f}") for r in expected]
+    assert len(got) > 10
+
+
+def test_warmup_lines_are_shown_only_when_asked(tmp_path, log_to, records):
+    """Warm-up passes make records either way; their lines come with `warmup` in the spec."""
+    d = write_gpt2(tmp_path, "gpt2-tiny", n_layer=2)
+    for spec, shown in (("trace", False), ("trace,warmup", True), ("debug,warmup,flat", True)):
+        stream = log_to(spec)
+        records.clear()
+        pyml.load_model(safetensors=str(d), warmup=True)
+        perf.flush()
+        warm = [r for r in records if r["phase"] == "warmup"]
+        assert any(r["name"] == "runtime::warmup" for r in warm)
+        text = stream.getvalue()
+        assert ("phase=warmup" in text) == shown, spec
+        assert "model::load" in text
+        if shown:  # every warm-up record at the level printed has its line
+            level = "debug" if spec.startswith("debug") else "trace"
+            n = sum(r["level"] == "debug" or level == "trace" for r in warm)
+            assert sum(f" start={r['start']:.6f}" in text for r in warm
+                       if r["level"] == "debug" or level == "trace") == n
+
+
+def test_a_spec_option_that_is_not_one_is_refused(log_to):
+    with pytest.raises(pyml.PymlError, match="unknown log level 'wormup'.*warmup, flat"):
+        log_to("trace,wormup")
 
 
 def test_a_foreign_handler_gets_every_line(log_to):
@@ -270,11 +358,11 @@ def test_records_and_lines_are_made_after_the_steps_and_all_come_when_the_genera
         for _ in it:
             pass
         lines = stream.getvalue().splitlines()
-    assert all(LINE.match(line) for line in lines), lines
+    assert all(well_formed(line) for line in lines), lines
     steps = [ln for ln in lines if ln.startswith("[perf] generator::decode_step")]
     assert len(steps) == 3 and not perf._pending
-    assert sum(ln.startswith("[perf] transformer[") for ln in lines) == 3 * 4  # 3 layers x 4 passes
-    # in end order: a step's blocks (and their ops) come before it, the step before the next block
+    assert sum(name_of(ln).startswith("transformer[") for ln in lines) == 3 * 4  # 3 layers x 4 passes
+    # a step after another: each top-level span's tree, whole, after the one before
     starts = [float(re.search(r"start=(\d+\.\d+)", ln).group(1)) for ln in lines if "depth=0" in ln]
     assert starts == sorted(starts)
 
@@ -288,9 +376,9 @@ def test_an_interrupted_generation_still_writes_every_line_it_made(lm, lines_at)
         next(it)
         it.close()  # as a consumer that stops reading (Ctrl-C reaches the same finally)
         lines = stream.getvalue().splitlines()
-    steps = sum(ln.startswith("[perf] generator::decode_step") for ln in lines)
-    assert steps >= 2 and sum(ln.startswith("[perf] generator::prefill") for ln in lines) == 1
-    assert sum(ln.startswith("[perf] transformer[") for ln in lines) == 3 * (1 + steps)  # every pass's blocks
+    steps = sum(name_of(ln) == "generator::decode_step" for ln in lines)
+    assert steps >= 2 and sum(name_of(ln) == "generator::prefill" for ln in lines) == 1
+    assert sum(name_of(ln).startswith("transformer[") for ln in lines) == 3 * (1 + steps)  # every pass's blocks
 
 
 def test_traced_blocks_outlive_their_event_buffer(lm, records, monkeypatch):
@@ -311,3 +399,35 @@ def test_traced_blocks_outlive_their_event_buffer(lm, records, monkeypatch):
     per_layer = [r for r in records if r["name"] == "linear::forward" and r["module"].startswith(fused.block.name + ".")]
     assert len(per_layer) == 70 * 4  # qkv, o_proj, up, down of every step
     assert all(r["dur_ms"] >= 0 for r in records)
+
+
+def test_the_drains_are_kept_out_of_the_engine_figures_and_counted_apart(lm, records, lines_at, monkeypatch):
+    """A drain that a step's end sets off (made slow here: 0.5 s more each) is not in the step's
+    decode time, which stays near the step's own span (a loaded machine may pause the process in
+    between), and is in the logging cost."""
+    slow, real = 0.5, perf._write
+
+    def write(items):  # the lines' write, inside each drain
+        t0 = perf.clock()
+        while perf.clock() - t0 < slow:  # busy, as making lines is
+            pass
+        real(items)
+    monkeypatch.setattr(perf, "_write", write)
+    monkeypatch.setattr(perf, "LONG_PASS_S", 1e9)  # a slow first prefill (compiling) drains after it, not inside
+    with lines_at("trace"):
+        result = lm.generate([1, 2, 3], max_tokens=4)
+    steps = [r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::decode_step"]
+    prefill = next(r["dur_ms"] / 1e3 for r in records if r["name"] == "generator::prefill")
+    assert len(result.decode_s) == len(steps) == 3
+    for took, span in zip(result.decode_s, steps):
+        assert span <= took + 1e-4 and took < span + slow / 2
+    assert prefill <= result.prefill_s + 1e-4 and result.prefill_s < prefill + slow / 2
+    # each step's end drained (DRAIN_EVERY_S is 0 here) and the prefill's: the last flush found nothing
+    assert result.decode_log_s >= 3 * slow and result.prefill_log_s >= slow
+    assert result.log_ms_per_token == pytest.approx(result.decode_log_s / 3 * 1e3)
+
+
+def test_without_logging_nothing_is_counted_as_its_cost(lm):
+    perf.configure("")
+    result = lm.generate([1, 2, 3], max_tokens=3)
+    assert result.decode_log_s == result.prefill_log_s == 0.0 and len(result.decode_s) == 2

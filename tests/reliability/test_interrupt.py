@@ -70,8 +70,9 @@ def test_ctrl_c_during_decode_prints_the_text_and_summary_so_far(smollm2_gguf):
 def test_ctrl_c_during_prefill_stops_before_the_first_token(smollm2_gguf):
     prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1500 tokens: seconds of prefill
     proc = _start("--gguf", str(smollm2_gguf), "--prompt", prompt, "--max-tokens", "5", "--no-warmup",
-                  "--log", "debug", "--threads", "2")
-    # without warm-up the first layer to finish is the prefill's (its line is printed when it ends)
+                  "--log", "debug,flat", "--threads", "2")
+    # without warm-up the first layer to finish is the prefill's; in flat order its line is printed
+    # from inside the pass, once it has run a second (in tree order, only when the pass ends)
     in_prefill = threading.Event()
     code, out, err = _interrupt_when(proc, None, (in_prefill, b"transformer[0]::forward"))
     summary = err.strip().splitlines()[-1]

@@ -76,7 +76,7 @@ def log_to_stream():
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, checkpoint):
     d = tmp_path_factory.mktemp("prof")
-    text = _profiled(d / "warm", checkpoint, log_spec="trace")
+    text = _profiled(d / "warm", checkpoint, log_spec="trace,warmup")  # the whole run: lines in tree order
     (d / "run.log").write_text("debug: gpt2: layers=3 linears=13 types={'F32': 13} fusions=0\n" + text)
     return d
 
@@ -257,7 +257,9 @@ def test_timing_overhead_measurement_leaves_logging_as_it_was():
 
 def test_an_old_log_of_the_same_run_gives_the_same_step_and_category_tables(profiled, tmp_path):
     old = tmp_path / "old.log"
-    old.write_text("".join(line.split(" | ")[0] + "\n" for line in (profiled / "run.log").read_text().splitlines()))
+    lines = (profiled / "run.log").read_text().splitlines()
+    flat = [lines[r.line - 1].split(" | ")[0] for r in load_run(profiled / "run.log").records]  # in end order
+    old.write_text("".join("[perf] " + line[len("[perf] "):].lstrip() + "\n" for line in flat))
     a, b = load_run(profiled / "warm"), load_run(old)
     assert [(r.name, r.depth, r.phase, r.step) for r in a.records] == [(r.name, r.depth, r.phase, r.step)
                                                                        for r in b.records]

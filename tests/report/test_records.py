@@ -60,6 +60,54 @@ def test_log_and_events_give_identical_records(tmp_path):
     assert [r.key() for r in a.records] == [r.key() for r in b.records]
 
 
+def _as_tree(log_text: str, raws) -> str:
+    """The lines of `to_log` (one per raw, flat: in end order) as pyml writes them in tree order:
+    each top-level span's tree after it ends, parent first, indented two spaces a level."""
+    line_of = dict(zip((r["id"] for r in raws), log_text.splitlines()))
+    kids = {}
+    for r in raws:
+        kids.setdefault(r["parent"], []).append(r)
+    out = []
+
+    def visit(r, depth):
+        out.append("[perf] " + "  " * depth + line_of[r["id"]][len("[perf] "):])
+        for k in kids.get(r["id"], []):
+            visit(k, depth + 1)
+    for r in kids[None]:
+        visit(r, 0)
+    return "\n".join(out) + "\n"
+
+
+def test_a_log_in_tree_order_gives_the_records_of_one_in_end_order(tmp_path):
+    raws = emit(generation(3))
+    for r in raws:
+        if r["name"] == "attention::sdpa":
+            r["compiled"] = True
+    flat = to_log(raws)
+    tree = _as_tree(flat, raws)
+    assert tree != flat and "\n[perf]         linear::forward " in tree  # a projection at depth 4
+    (tmp_path / "flat.log").write_text(flat)
+    (tmp_path / "tree.log").write_text(tree)
+    a, b, c = (load_run(write_events(tmp_path / "events.jsonl", raws)), load_run(tmp_path / "flat.log"),
+               load_run(tmp_path / "tree.log"))
+    assert [r.key() for r in a.records] == [r.key() for r in b.records] == [r.key() for r in c.records]
+    assert [r.depth for r in a.records] == [r.depth for r in c.records]
+    assert not c.notes
+
+
+def test_a_tree_whose_parent_line_never_came_keeps_its_lines_as_orphans(tmp_path):
+    raws = emit(generation(2))
+    step2 = max(r["id"] for r in raws if r["name"] == "generator::decode_step")
+    tree = _as_tree(to_log(raws), raws).splitlines()
+    at = next(i for i, ln in enumerate(tree) if f"step=2" in ln and "depth=0" in ln)
+    del tree[at]  # the step raised: its line never came, the lines inside it did
+    (tmp_path / "run.log").write_text("\n".join(tree) + "\n")
+    run = load_run(tmp_path / "run.log")
+    assert sum(r.orphan for r in run.records) == sum(1 for r in raws if r["parent"] == step2)
+    assert "belong to spans that never ended" in run.notes[0]
+    assert len(run.named("generator::decode_step")) == 1
+
+
 def test_log_and_events_agree_on_spans_timed_in_compiled_code(tmp_path):
     raws = emit(generation(2))
     for r in raws:
