@@ -20,6 +20,10 @@ class UnsupportedError(PymlError):
     """A well-formed input that pyml does not implement (architecture, quant type)."""
 
 
+class TemplateError(PymlError):
+    """A chat template (code from a model file) that fails or exceeds its limits on these messages."""
+
+
 class ResolveError(PymlError):
     """A model name that cannot be found locally or fetched."""
 

@@ -263,9 +263,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list, template: str | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` in this model's chat format (or `template`)."""
+        own = template is None or template == self.chat_template
+        source = ("the given chat template" if not own else f"the chat template of {self.source}"
+                  if self.chat_template else "the built-in ChatML template")
         return apply_chat_template(template or self.chat_template or CHATML_TEMPLATE, messages,
                                    bos_token=self.bos_token, eos_token=self.eos_token,
-                                   add_generation_prompt=add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt, source=source)
 
     # --- properties ---
     @property

@@ -3,13 +3,14 @@ built-in Gemma and ChatML templates against hand-written prompts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from pyml.core.errors import ModelFormatError, PymlError
+from pyml.core.errors import ModelFormatError, PymlError, TemplateError
 from pyml.nlp.chat import (
     CHATML_TEMPLATE,
     GEMMA_TEMPLATE,
-    ChatTemplateError,
     apply_chat_template,
     fallback_chat_template,
 )
@@ -70,7 +71,7 @@ def test_gemma_template_by_hand():
 
 def test_gemma_template_refuses_roles_that_do_not_alternate():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-    with pytest.raises(ChatTemplateError, match="alternate") as raised:
+    with pytest.raises(TemplateError, match="alternate") as raised:
         apply_chat_template(GEMMA_TEMPLATE, messages, bos_token="<bos>")
     assert isinstance(raised.value, PymlError)
 
@@ -104,17 +105,68 @@ def test_template_helpers_match_transformers():
 
 
 def test_sandbox_refuses_escape():
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(TemplateError):
         apply_chat_template("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
                             [{"role": "user", "content": "x"}])
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(TemplateError):
         apply_chat_template("{% set x = messages.append(1) %}", [{"role": "user", "content": "x"}])
 
 
 def test_bad_template_and_bad_messages():
     with pytest.raises(ModelFormatError, match="does not parse"):
         apply_chat_template("{% for m in messages %}", [{"role": "user", "content": "x"}])
-    with pytest.raises(ChatTemplateError, match="role"):
+    with pytest.raises(TemplateError, match="role"):
         apply_chat_template(CHATML_TEMPLATE, [{"content": "no role"}])
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(TemplateError):
         apply_chat_template(CHATML_TEMPLATE, "not a list")
+
+
+USER = [{"role": "user", "content": "x"}]
+
+HOSTILE_TEMPLATES = {
+    "string times a billion": ("{{ 'a' * 1000000000 }}", "repeated string or list would be 1,000,000,000"),
+    "list times a billion": ("{{ ([1] * 1000000000) | length }}", "repeated string or list"),
+    "strftime of a huge format": ("{{ strftime_now('%Y' * 100000000) }}", "repeated string"),
+    "strftime of a long format": ("{{ strftime_now('%Y' * 1000) }}", "strftime_now's format is longer"),
+    "a huge power": ("{{ 10 ** 100000000 }}", "a power of more than"),
+    "doubling by ~": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                      "{% endfor %}{{ ns.s | length }}", "characters made in all"),
+    "doubling by +": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                      "{% endfor %}", "a concatenation would be"),
+    "shared references printed": ("{% set ns = namespace(d=['x']) %}{% for i in range(60) %}"
+                                  "{% set ns.d = [ns.d, ns.d] %}{% endfor %}{{ ns.d }}", "a value printed"),
+    "nested range loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                           "more than 300,000 loop iterations"),
+    "nested loops over a list": ("{% set xs = range(100000) | list %}{% for i in xs %}{% for j in xs %}"
+                                 "{% endfor %}{% endfor %}", "loop iterations"),
+    "recursive macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "nest too deep"),
+    "macro calling itself twice": ("{% macro f(n) %}{% if n < 60 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}"
+                                   "{% endmacro %}{{ f(0) }}", "loop iterations and calls|longer than 5 s"),
+    "percent width": ("{{ '%1000000000d' % 1 }}", "formatted string would be"),
+    "format width": ("{{ '{:>1000000000}'.format('a') }}", "formatted string would be"),
+    "center method": ("{{ 'a'.center(1000000000) }}", "str.center"),
+    "center filter": ("{{ 'a' | center(1000000000) }}", "a centred string"),
+    "indent filter": ("{{ 'a\nb' | indent(1000000000) }}", "an indent"),
+    "replace doubling": ("{{ ('a' * 1000000) | replace('a', 'aaaaaaaaaa') }}", "a replace"),
+    "join of shared strings": ("{{ (['a' * 1000000] * 1000) | join }}", "repeated string or list"),
+    "long rendered text": ("{% for i in range(100000) %}{{ 'a' * 100 }}{% endfor %}", "rendered text is longer"),
+    "a division by zero": ("{{ 1 / 0 }}", "ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
+def test_hostile_template_fails_fast_naming_its_source(name):
+    template, message = HOSTILE_TEMPLATES[name]
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateError, match=message) as raised:
+        apply_chat_template(template, USER, source="the chat template of evil.gguf")
+    assert time.perf_counter() - t0 < 10, name  # the issue's bound; most fail in milliseconds
+    message = str(raised.value)
+    assert message.startswith("the chat template of evil.gguf: ") and "\n" not in message
+
+
+def test_the_limits_leave_an_ordinary_long_conversation_alone(smollm2_template):
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "word " * 200}
+                for i in range(400)]
+    prompt = apply_chat_template(smollm2_template, messages)
+    assert prompt.count("<|im_start|>user") == 200 and "turn 399" in prompt and len(prompt) > 400_000
