@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyml.core import perf
-from pyml.core.errors import PymlError, was_interrupted
+from pyml.core.errors import PymlError, check_text, was_interrupted
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 from pyml.nn import KVCache
@@ -144,6 +144,7 @@ class StopStrings:
     def __init__(self, stops: Iterable[str] = ()):
         stops = [s for s in stops if s]
         for s in stops:
+            check_text(s, "a stop string")
             if len(s) > MAX_STOP_CHARS:
                 raise PymlError(f"a stop string of {len(s):,} characters is longer than the limit of "
                                 f"{MAX_STOP_CHARS:,} ({s[:20]!r}...)")

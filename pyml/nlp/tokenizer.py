@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Regex, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 
-from pyml.core.errors import ModelFormatError, UnsupportedError
+from pyml.core.errors import ModelFormatError, UnsupportedError, check_text
 from pyml.nlp.chat import CHATML_TEMPLATE, apply_chat_template, fallback_chat_template
 from pyml.nlp.sentencepiece_vocab import SPACE, SentencePieceEncoder
 
@@ -212,6 +212,7 @@ class Tokenizer:
         With add_special_tokens, BOS/EOS are added as the model asks (add_bos/add_eos), except
         that a text already starting with BOS (a chat template that writes `<bos>`) keeps one.
         """
+        check_text(text, "the text to tokenize")
         if isinstance(self._backend, SentencePieceEncoder):
             ids = self._backend.encode(text)
         else:

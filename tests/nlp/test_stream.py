@@ -180,3 +180,16 @@ def test_bad_sampling_options_are_refused(bad):
     from pyml.core.errors import PymlError
     with pytest.raises(PymlError):
         SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("bad", ["hi \ud800", "hi \udcff"])
+def test_a_prompt_that_is_not_text_is_refused_by_the_library(lm, bad):
+    with pytest.raises(PymlError, match="the text to tokenize holds"):
+        lm.generate(bad, max_tokens=1)
+    with pytest.raises(PymlError, match="a stop string holds"):
+        lm.generate("hi", max_tokens=1, stop=[bad])
+
+
+def test_a_negative_seed_is_refused_by_the_library(lm):
+    with pytest.raises(PymlError, match="--seed must be an integer >= 0, got -1"):
+        lm.generate("hi", max_tokens=1, temperature=1.0, seed=-1)
