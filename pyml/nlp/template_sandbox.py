@@ -41,6 +41,7 @@ MAX_STRFTIME_FORMAT = 1_000
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 _DIGITS = re.compile(r"\d+")
+_NESTED_FIELD = re.compile(r"\{[^{}]*\{")  # a replacement field inside another's format spec
 
 
 class TemplateLimit(jinja2.TemplateError):
@@ -157,6 +158,7 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         super().__init__(extensions=[jinja2.ext.loopcontrols], **options)
         self.filters.update(filters)
         self.globals.update(globals, strftime_now=strftime_now)
+        del self.globals["lipsum"]  # lipsum(n=10**9): paragraphs on demand, and no template needs it
         for name, check in _FILTER_CHECKS.items():
             self.filters[name] = _checked_filter(self.filters[name], check)
 
@@ -194,6 +196,8 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             seq, n = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
                 _check_size(printed_size(seq) * max(n, 0), "a repeated string or list")
+            elif isinstance(seq, int) and isinstance(n, int) and seq.bit_length() + n.bit_length() > MAX_POWER_BITS:
+                raise TemplateLimit(f"a product of more than {MAX_POWER_BITS:,} bits")  # squaring in a loop
         elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
             _check_size(printed_size(left) + printed_size(right), "a concatenation")
         elif operator == "%" and isinstance(left, str):
@@ -228,6 +232,8 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             _check_brace_format(fmt)
             for arg in (*args, *kwargs.values()):
                 _check_printed(arg, "a format argument")
+                if isinstance(arg, int) and arg > MAX_CHARS and _NESTED_FIELD.search(fmt):  # '{0:{1}}': a width
+                    raise TemplateLimit(f"a format width of more than {MAX_CHARS:,}")
             return wrapper(*args, **kwargs)
         return checked
 

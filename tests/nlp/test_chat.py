@@ -151,6 +151,11 @@ HOSTILE_TEMPLATES = {
     "join of shared strings": ("{{ (['a' * 1000000] * 1000) | join }}", "repeated string or list"),
     "long rendered text": ("{% for i in range(100000) %}{{ 'a' * 100 }}{% endfor %}", "rendered text is longer"),
     "a division by zero": ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    "nested format width": ("{{ '{0:{1}}'.format('a', 1000000000) }}", "a format width"),
+    "squaring in a loop": ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
+                           "{% endfor %}", "a product of more than"),
+    "lipsum": ("{{ lipsum(1000000000) }}", "lipsum"),
+    "map through a filter": ("{{ ['a'] | map('center', 1000000000) | list }}", "a centred string"),
 }
 
 
