@@ -100,10 +100,11 @@ def _check_size(n: int, what: str) -> int:
     return n
 
 
-def printed_size(value, limit: int = MAX_CHARS) -> int:
-    """About how many characters `value` takes as text, stopping once past `limit`: strings by
-    length, containers by their items (each object measured once, so a structure of shared
-    references costs its distinct objects), anything else as one character."""
+def printed_size(value, limit: int | None = None) -> int:
+    """About how many characters `value` takes as text, stopping once past `limit` (MAX_CHARS):
+    strings by length, containers by their items (each object measured once, so a structure of
+    shared references costs its distinct objects), anything else as one character."""
+    limit = MAX_CHARS if limit is None else limit
     sizes: dict = {}
 
     def size(v) -> int:
