@@ -132,3 +132,9 @@ def test_bytes_that_are_not_utf8_on_stdin_are_refused_by_name(tiny, locale):
                           input=b"hi \xff there", capture_output=True, timeout=300, env=env)
     proc.stderr = proc.stderr.decode("utf-8", "backslashreplace")
     one_line_error(proc, "the prompt on stdin")
+
+
+def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tiny, tmp_path):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"hi \xff there")
+    one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", "-f", str(bad)), f"--file {bad}", "utf-8")
