@@ -262,6 +262,31 @@ def test_a_cache_folder_others_could_write_is_not_used(cache, tiny_q4, danger, m
     cache.chmod(0o755)
 
 
+def test_a_cache_file_others_can_write_is_rebuilt_not_read(cache, tiny_q4, caplog):
+    load(tiny_q4)
+    (file,) = cache_files(cache)
+    file.chmod(0o666)
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "writable by others; rebuilding it" in warnings[0], warnings
+    assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
+
+
+def test_a_new_cache_folder_is_private_whatever_the_umask(cache, tiny_q4, caplog):
+    old = os.umask(0o002)  # group-writable by default, as on systems with a group per user
+    try:
+        with caplog.at_level(logging.WARNING):
+            load(tiny_q4)
+            lm = load(tiny_q4)
+    finally:
+        os.umask(old)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert all(_backing_path(g) == str(f) for g in packed_arrays(lm) for f in cache_files(cache))
+
+
 def test_folder_that_cannot_be_written_packs_in_memory_with_one_warning(tmp_path, tiny_q4, monkeypatch, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache folder would be inside a regular file: no folder can be made there

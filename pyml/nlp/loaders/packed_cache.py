@@ -161,7 +161,7 @@ def folder_refused(where: Path) -> str | None:
     if st.st_uid != os.getuid():
         return f"owned by another user (uid {st.st_uid})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o}; chmod go-w makes it usable)"
     return None
 
 
@@ -231,9 +231,10 @@ class Writer:
 
     def __init__(self, path: Path, ident: dict):
         self.path, self.identity, self.arrays = path, ident, {}
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # 0700: a umask of 002 would make it group-writable
         self._tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "w+b")
+        os.fchmod(self._file.fileno(), 0o600)  # not group-writable whatever the umask: loads refuse such files
         self._file.write(b"\0" * HEADER.size)
         self._end = ALIGN
         self._memory = InMemory()
@@ -374,9 +375,8 @@ def entries() -> list[dict]:
                 index, _ = read_index_from(fd)
                 files = [Path(f[0]) for f in index["identity"]["files"]]
                 entry["model"] = str(files[0])
-                if refused or _file_refused(fd):
-                    entry["state"] = f"not used (the folder is {refused})" if refused else \
-                        f"not used ({_file_refused(fd)})"
+                if refused or (refused := _file_refused(fd)):
+                    entry["state"] = f"not used ({refused})"
                 elif not all(f.exists() for f in files):
                     entry["state"] = "model file gone"
                 elif index["identity"] != identity(files):
