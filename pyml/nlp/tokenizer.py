@@ -265,11 +265,16 @@ class Tokenizer:
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` in this model's chat format (or `template`)."""
         own = template is None or template == self.chat_template
-        source = ("the given chat template" if not own else f"the chat template of {self.source}"
+        source = ("the given chat template" if not own else f"the chat template of {self._model_name()}"
                   if self.chat_template else "the built-in ChatML template")
         return apply_chat_template(template or self.chat_template or CHATML_TEMPLATE, messages,
                                    bos_token=self.bos_token, eos_token=self.eos_token,
                                    add_generation_prompt=add_generation_prompt, source=source)
+
+    def _model_name(self) -> str:
+        """The model file's or folder's name (not its path: a server's 400 answer says it too)."""
+        path = Path(self.source)
+        return path.parent.name if path.name == "tokenizer.json" else path.name
 
     # --- properties ---
     @property

@@ -177,3 +177,16 @@ def test_the_limits_leave_an_ordinary_long_conversation_alone(smollm2_template):
                 for i in range(400)]
     prompt = apply_chat_template(smollm2_template, messages)
     assert prompt.count("<|im_start|>user") == 200 and "turn 399" in prompt and len(prompt) > 400_000
+
+
+@pytest.mark.parametrize("source, named", [("/models/secret/dir/model.gguf", "model.gguf"),
+                                           ("/models/secret/gpt2-tiny/tokenizer.json", "gpt2-tiny")])
+def test_a_model_template_error_names_the_model_not_its_path(source, named):
+    from pyml.nlp.tokenizer import Tokenizer
+    from tests.nlp.test_tokenizer import spm_metadata
+    metadata = spm_metadata({"▁": -1}, add_space_prefix=False,
+                            **{"tokenizer.chat_template": "{{ raise_exception('no system messages') }}"})
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=source)
+    with pytest.raises(TemplateError) as raised:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert str(raised.value) == f"the chat template of {named}: no system messages"

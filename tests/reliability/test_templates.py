@@ -51,6 +51,6 @@ def test_a_template_building_a_gigabyte_fails_fast_in_one_line(tmp_path, templat
     evil = gguf_with_template(tmp_path / "evil.gguf", template)
     code, peak_kb, stderr, elapsed = run_infer_measured(evil)
     assert code == 2 and len(stderr.splitlines()) == 1 and "Traceback" not in stderr, stderr
-    assert f"the chat template of {evil}: " in stderr and f"would be {size} long" in stderr, stderr
+    assert f"error: the chat template of {evil.name}: " in stderr and f"would be {size} long" in stderr, stderr
     assert elapsed < 10, elapsed  # the bound, start to exit
     assert (peak_kb - baseline_kb) < 500 * 1024, (peak_kb, baseline_kb)  # the bound; 12.6 GB before
