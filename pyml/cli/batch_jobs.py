@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,35 +141,67 @@ def run_job(lm, job: Job) -> dict:
 
 # --- the output file ----------------------------------------------------------------------------
 
+_RESULT_KEYS, _ERROR_KEYS = {"id", "text", "tokens", "stop_reason", "timings"}, {"id", "line", "error"}
+
+
+def _is_output_line(obj) -> bool:
+    """A line pyml-batch writes: a result or an error line, nothing else."""
+    return isinstance(obj, dict) and (set(obj) == _RESULT_KEYS or set(obj) in (_ERROR_KEYS, _ERROR_KEYS - {"id"}))
+
+
 def resume(path) -> set:
     """The ids an earlier run finished in `path`, keeping only their lines there.
 
     Error lines and a last line cut short (a run that was killed while writing) are dropped, so
-    those jobs run again and no id appears twice in the file.
+    those jobs run again and no id appears twice in the file. A file that holds anything else is
+    not an earlier run's output: it is refused, never rewritten. A symbolic link is followed (its
+    target is rewritten), and the file keeps its permissions.
     """
-    path = Path(path)
-    if not path.exists():
-        return set()
+    path = Path(os.path.realpath(path))  # a symlink's target is what gets rewritten, the link stays
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+        status = path.stat()
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise PymlError(f"--out {path}: {e.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise PymlError(f"--out {path}: not a regular file")
+    try:
+        lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise PymlError(f"--out {path}: {e.strerror}") from None
     kept, done = [], set()
-    for text in lines:
+    for number, raw in enumerate(lines[:-1], 1):  # the last piece has no newline: empty, or cut short
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
+            obj = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = False
+        if obj is None:
             continue
-        if isinstance(obj, dict) and "id" in obj and "error" not in obj and id_key(obj["id"]) not in done:
+        if not _is_output_line(obj):
+            raise PymlError(f"--out {path}: line {number} is not a line pyml-batch writes; not resuming into "
+                            f"(nor overwriting) a file that is not its own output")
+        if "error" not in obj and id_key(obj["id"]) not in done:
             done.add(id_key(obj["id"]))
-            kept.append(text + "\n")
-    tmp = path.with_name(path.name + ".tmp")
+            kept.append(raw + b"\n")
+    if len(kept) < len(lines) - 1 or lines[-1]:
+        _rewrite(path, b"".join(kept), status)
+    return done
+
+
+def _rewrite(path: Path, data: bytes, status: os.stat_result) -> None:
+    """Replace the file's bytes whole (a crash leaves the old or the new file), keeping its mode."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text("".join(kept), encoding="utf-8")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            os.fchmod(f.fileno(), stat.S_IMODE(status.st_mode))  # not the umask's default: 0600 stays 0600
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         raise PymlError(f"--out {path}: cannot rewrite it: {e.strerror}") from None
-    return done
 
 
 class OrderedWriter:

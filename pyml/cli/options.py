@@ -10,7 +10,7 @@ import argparse
 import sys
 from contextlib import nullcontext
 
-from pyml.core.errors import PymlError
+from pyml.core.errors import PymlError, check_text
 from pyml.nlp.api import DEFAULT_MODEL
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
@@ -73,6 +73,12 @@ def sampling_options(args: argparse.Namespace) -> dict:
     """LanguageModel.stream's keyword arguments for the sampling options."""
     if args.max_tokens < 0:
         raise PymlError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.seed is not None and args.seed < 0:
+        raise PymlError(f"--seed must be >= 0, got {args.seed}")
+    for stop in args.stop:
+        check_text(stop, "--stop")
+    if args.system is not None:
+        check_text(args.system, "--system")
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                 ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
@@ -86,12 +92,13 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompt(args: argparse.Namespace, stdin=None) -> str:
-    """The prompt: -p, else -f, else what stdin holds when it is not a terminal, else the default."""
+    """The prompt: -p, else -f, else what stdin holds when it is not a terminal, else the default.
+    Bytes that are not UTF-8, wherever they come from, are refused by name."""
     stdin = stdin if stdin is not None else sys.stdin
     if args.prompt is not None:
-        return args.prompt
+        return check_text(args.prompt, "the prompt (-p)")
     if args.file == "-":
-        return stdin.read()
+        return _read_stdin(stdin)
     if args.file is not None:
         try:
             with open(args.file, encoding="utf-8") as f:
@@ -99,10 +106,17 @@ def read_prompt(args: argparse.Namespace, stdin=None) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise PymlError(f"--file {args.file}: {e.strerror if isinstance(e, OSError) else e}") from None
     if stdin is not None and not stdin.closed and not stdin.isatty():
-        text = stdin.read()
+        text = _read_stdin(stdin)
         if text.strip():
             return text
     return DEFAULT_PROMPT
+
+
+def _read_stdin(stdin) -> str:
+    try:  # strict UTF-8 raises here; under the C locale Python decodes with surrogateescape instead
+        return check_text(stdin.read(), "the prompt on stdin")
+    except UnicodeDecodeError as e:
+        raise PymlError(f"the prompt on stdin is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def profiling(directory: str | None):

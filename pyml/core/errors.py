@@ -20,8 +20,26 @@ class UnsupportedError(PymlError):
     """A well-formed input that pyml does not implement (architecture, quant type)."""
 
 
+class TemplateError(PymlError):
+    """A chat template (code from a model file) that fails or exceeds its limits on these messages."""
+
+
 class ResolveError(PymlError):
     """A model name that cannot be found locally or fetched."""
+
+
+def check_text(text: str, what: str) -> str:
+    """`text`, if it is text: refuses lone surrogates, which is how Python hands over bytes that
+    were not UTF-8 (argv, stdin and file names decode with surrogateescape: 0xff -> U+DCFF) and
+    what JSON's "\\ud800" decodes to. Neither can be tokenized or printed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+               else f"a lone surrogate U+{code:04X}")
+        raise PymlError(f"{what} holds {bad} (at character {e.start})") from None
+    return text
 
 
 def was_interrupted(e: BaseException | None) -> bool:

@@ -7,13 +7,14 @@ starts with them (a conversation's history) prefills only its new tokens.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pyml.core import perf
-from pyml.core.errors import PymlError, was_interrupted
+from pyml.core.errors import PymlError, check_text, was_interrupted
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 from pyml.nn import KVCache
@@ -103,32 +104,85 @@ class PromptCache:
         self.kv.length = 0
 
 
+MAX_STOP_CHARS = 1_000_000  # per stop string: its match table costs ~0.3 s and 4 MB to build
+
+
+class _StopMatcher:
+    """One stop string as a Knuth-Morris-Pratt automaton fed the text a character at a time: its
+    state is the longest prefix of the stop string that the text seen so far ends with. Each
+    character costs amortised O(1), so a stop string of 300,000 characters costs no more per
+    piece than a short one (slicing every prefix on every piece made it quadratic)."""
+
+    def __init__(self, stop: str):
+        self.stop, self.state = stop, 0
+        self.fail = array("i", [0]) * len(stop)  # fail[i]: longest proper border of stop[:i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            c = stop[i]
+            while k and stop[k] != c:
+                k = self.fail[k - 1]
+            if stop[k] == c:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, text: str) -> int:
+        """Where in `text` the first whole match ends (-1 if none); the state follows the text."""
+        stop, fail, k = self.stop, self.fail, self.state
+        for i, c in enumerate(text):
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+                if k == len(stop):
+                    self.state = 0
+                    return i
+        self.state = k
+        return -1
+
+
 class StopStrings:
     """Ends the text at the first stop string. Text that could be the start of one is held back
-    until the next pieces show it is not, so a stop string is never shown, even in part."""
+    until the next pieces show it is not, so a stop string is never shown, even in part.
+
+    Only the held text is kept (at most the longest stop string, less one character), and each
+    character of the text passes each stop string's automaton once: time linear in the text.
+    """
 
     def __init__(self, stops: Iterable[str] = ()):
-        self.stops = [s for s in stops if s]
+        stops = [s for s in stops if s]
+        for s in stops:
+            check_text(s, "a stop string")
+            if len(s) > MAX_STOP_CHARS:
+                raise PymlError(f"a stop string of {len(s):,} characters is longer than the limit of "
+                                f"{MAX_STOP_CHARS:,} ({s[:20]!r}...)")
+        self.matchers = [_StopMatcher(s) for s in stops]
         self.pending, self.hit = "", False
 
     def push(self, text: str) -> str:
         """The part of `text` (after what was held) that can be shown now."""
-        if not self.stops:
+        if not self.matchers:
             return text
+        held_before = len(self.pending)
         self.pending += text
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if found:
-            shown, self.pending, self.hit = self.pending[:min(found)], "", True
+        # a match that ends in `text` starts inside `pending`: what came before it was held
+        starts = [held_before + end - len(m.stop) + 1 for m in self.matchers if (end := m.feed(text)) >= 0]
+        if starts:
+            shown, self.pending, self.hit = self.pending[:min(starts)], "", True
+            self._reset()
             return shown
-        held = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        split = len(self.pending) - held
+        split = len(self.pending) - max(m.state for m in self.matchers)
         shown, self.pending = self.pending[:split], self.pending[split:]
         return shown
 
     def flush(self) -> str:
         """What was held back, once the text has ended without a stop string."""
         shown, self.pending = self.pending, ""
+        self._reset()
         return shown
+
+    def _reset(self) -> None:
+        for m in self.matchers:
+            m.state = 0
 
 
 class Generator:

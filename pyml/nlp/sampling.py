@@ -27,6 +27,8 @@ class SamplingConfig:
     presence_penalty: float = 0.0   # logit -= presence once a token has been seen
 
     def __post_init__(self):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise PymlError(f"--seed must be an integer >= 0, got {self.seed!r}")  # NumPy's generators refuse others
         if not self.temperature >= 0:
             raise PymlError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Regex, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 
-from pyml.core.errors import ModelFormatError, UnsupportedError
+from pyml.core.errors import ModelFormatError, UnsupportedError, check_text
 from pyml.nlp.chat import CHATML_TEMPLATE, apply_chat_template, fallback_chat_template
 from pyml.nlp.sentencepiece_vocab import SPACE, SentencePieceEncoder
 
@@ -212,6 +212,7 @@ class Tokenizer:
         With add_special_tokens, BOS/EOS are added as the model asks (add_bos/add_eos), except
         that a text already starting with BOS (a chat template that writes `<bos>`) keeps one.
         """
+        check_text(text, "the text to tokenize")
         if isinstance(self._backend, SentencePieceEncoder):
             ids = self._backend.encode(text)
         else:
@@ -263,9 +264,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list, template: str | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` in this model's chat format (or `template`)."""
+        own = template is None or template == self.chat_template
+        source = ("the given chat template" if not own else f"the chat template of {self._model_name()}"
+                  if self.chat_template else "the built-in ChatML template")
         return apply_chat_template(template or self.chat_template or CHATML_TEMPLATE, messages,
                                    bos_token=self.bos_token, eos_token=self.eos_token,
-                                   add_generation_prompt=add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt, source=source)
+
+    def _model_name(self) -> str:
+        """The model file's or folder's name (not its path: a server's 400 answer says it too)."""
+        path = Path(self.source)
+        return path.parent.name if path.name == "tokenizer.json" else path.name
 
     # --- properties ---
     @property

@@ -3,13 +3,14 @@ per-line overrides, resuming, --profile, and --ray without Ray installed."""
 
 import json
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
 
 from pyml.cli import pyml_batch
-from pyml.cli.batch_jobs import parse_line, resume
+from pyml.cli.batch_jobs import id_key, parse_line, resume
 from pyml.cli.standins import write_gpt2
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
@@ -107,6 +108,54 @@ def test_resume_skips_the_ids_done_and_reruns_errors(tiny, tmp_path, monkeypatch
 
 def test_resume_of_a_missing_file_is_a_fresh_start(tmp_path):
     assert resume(tmp_path / "none.jsonl") == set()
+
+
+def earlier_run(out):
+    """An earlier run's output: "a" done, "b" failed, "c" cut off while being written."""
+    done = {"id": "a", "text": "earlier", "tokens": [1], "stop_reason": "max_tokens", "timings": {}}
+    out.write_text(json.dumps(done) + "\n" + json.dumps({"id": "b", "line": 2, "error": "boom"}) + '\n{"id": "c", "te')
+    return json.dumps(done) + "\n"
+
+
+def test_resume_keeps_the_files_mode(tmp_path):
+    out = tmp_path / "out.jsonl"
+    kept = earlier_run(out)
+    out.chmod(0o600)
+    assert resume(out) == {id_key("a")}
+    assert out.read_text() == kept and stat.S_IMODE(out.stat().st_mode) == 0o600  # was 0644 (tmp + replace)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary file left
+
+
+def test_resume_writes_through_a_symlink_to_its_target(tmp_path):
+    target = tmp_path / "real" / "out.jsonl"
+    target.parent.mkdir()
+    kept = earlier_run(target)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert resume(link) == {id_key("a")}
+    assert link.is_symlink() and target.read_text() == kept  # the link was replaced by a file before
+
+
+@pytest.mark.parametrize("content", ["my notes\n", '{"id": 1, "prompt": "an input line"}\n', "[1, 2]\n",
+                                     '{"id": "a", "text": "x", "tokens": [], "stop_reason": "eos", "timings": {}}\n'
+                                     "not json\n{}", "\xff\xfe\n"])
+def test_resume_refuses_a_file_that_is_not_its_own_output(tmp_path, content, capsys):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content.encode("latin-1") if content.startswith("\xff") else content.encode())
+    before = out.read_bytes()
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hi"}\n')
+    assert pyml_batch.main([str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a line pyml-batch writes" in err[0], err
+    assert out.read_bytes() == before  # erased before
+
+
+def test_resume_of_a_finished_file_does_not_touch_it(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "text": "x", "tokens": [], "stop_reason": "eos", "timings": {}}\n')
+    inode = out.stat().st_ino
+    assert resume(out) == {id_key("a")} and out.stat().st_ino == inode
 
 
 def test_a_missing_input_file_is_one_line(tmp_path, capsys):

@@ -156,7 +156,8 @@ def test_context_shift_goes_on_past_a_full_cache(tiny):
 @pytest.mark.parametrize("flag,value,needle", [("--max-tokens", "-1", "--max-tokens must be >= 0"),
                                                ("--temperature", "-0.5", "--temperature must be >= 0"),
                                                ("--top-p", "0", "--top-p"),
-                                               ("--threads", "0", "--threads")])
+                                               ("--threads", "0", "--threads"),
+                                               ("--seed", "-1", "--seed must be >= 0, got -1")])
 def test_bad_flag_values(tiny, flag, value, needle):
     one_line_error(run_cli("--safetensors", str(tiny), flag, value), needle)
 
@@ -169,3 +170,28 @@ def test_unknown_flag_and_bad_log_level(tiny):
 def test_debug_flag_shows_the_traceback():
     proc = run_cli("--safetensors", "/nonexistent/model-dir", "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [(["-p", b"hi \xff"], "the prompt (-p) holds the byte 0xff, which is not UTF-8"),
+                                          (["--stop", b"\xfe"], "--stop holds the byte 0xfe"),
+                                          (["--system", b"a\xc3"], "--system holds the byte 0xc3")])
+def test_bytes_that_are_not_utf8_in_argv_are_refused_by_name(tiny, args, needle):
+    # argv reaches Python as surrogateescape text ('hi \udcff'): "internal error: TypeError" before
+    one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", *args), needle)
+
+
+@pytest.mark.parametrize("locale", ["C.UTF-8", "C"])  # strict UTF-8 stdin, and surrogateescape under C
+def test_bytes_that_are_not_utf8_on_stdin_are_refused_by_name(tiny, locale):
+    env = dict(os.environ, LC_ALL=locale, PYTHONUTF8="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
+    env.pop("PYTHONIOENCODING", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-infer"), "--safetensors", str(tiny), "-n", "1"],
+                          input=b"hi \xff there", capture_output=True, timeout=300, env=env)
+    proc.stderr = proc.stderr.decode("utf-8", "backslashreplace")
+    one_line_error(proc, "the prompt on stdin")
+
+
+def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tiny, tmp_path):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"hi \xff there")
+    one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", "-f", str(bad)), f"--file {bad}", "utf-8")

@@ -36,6 +36,19 @@ def test_info_lists_files_and_says_stale_then_clear_frees_them(tmp_path, monkeyp
     assert not list(folder.iterdir())
 
 
+def test_info_checks_every_array_and_says_damaged(tmp_path, monkeypatch, capsys):
+    from tests.nlp.test_packed_cache import _flip_array_byte
+    folder = tmp_path / "packed"
+    monkeypatch.setenv("PYML_PACKED_CACHE", str(folder))
+    model = write_llama_gguf(tmp_path / "a.gguf", "llama-tiny", "q4_0")
+    load_model(gguf=str(model), threads=1, warmup=False)
+    (file,) = folder.iterdir()
+    _flip_array_byte(file)
+    assert pyml_cache.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "damaged (array" in out and "does not match its checksum" in out  # 'current' before
+
+
 def test_a_wrong_action_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         pyml_cache.main(["purge"])

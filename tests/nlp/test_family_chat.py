@@ -14,7 +14,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models as bpe_models
 
-from pyml.nlp.chat import ChatTemplateError, apply_chat_template
+from pyml.core.errors import TemplateError
+from pyml.nlp.chat import apply_chat_template
 
 TEMPLATES = Path(__file__).parent / "templates"
 FAMILIES = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "qwen2.5": (None, "<|im_end|>"),
@@ -65,6 +66,6 @@ def test_qwen3_thinking_switch_and_tools_reach_the_template():
 
 def test_mistral_template_refusal_is_one_line():
     template = (TEMPLATES / "mistral.jinja").read_text(encoding="utf-8")
-    with pytest.raises(ChatTemplateError, match="Conversation roles must alternate") as raised:
+    with pytest.raises(TemplateError, match="Conversation roles must alternate") as raised:
         apply_chat_template(template, [{"role": "assistant", "content": "hi"}])
     assert "\n" not in str(raised.value)

@@ -190,6 +190,103 @@ def test_damaged_cache_file_is_rebuilt_never_read(cache, tiny_q4, damage, said, 
     assert all(_backing_path(g) == str(file) for g in packed_arrays(load(tiny_q4)))
 
 
+def _flip_array_byte(path, which: int = 0):
+    """One byte in the middle of an array changed, the index left as written (a stray write)."""
+    index, _ = packed_cache.read_index(path)
+    at, dtype, shape, _ = [e for e in index["arrays"].values() if np.prod(e[2])][which]
+    middle = at + int(np.prod(shape)) * np.dtype(dtype).itemsize // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_changed_array_byte_is_a_warning_and_a_rebuild_never_other_logits(cache, tiny_q4, which, caplog):
+    load(tiny_q4)
+    (file,) = cache_files(cache)
+    _flip_array_byte(file, which)
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "does not match its checksum" in warnings[0] and str(file) in warnings[0]
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))  # garbage before: silently
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = load(tiny_q4)  # the rebuilt file is whole: mapped, no warning
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert all(_backing_path(g) == str(file) for g in packed_arrays(again))
+
+
+def test_a_file_swapped_after_its_index_was_read_is_never_mapped(cache, tiny_q4, monkeypatch, caplog):
+    """The index and the arrays come through one descriptor: a file renamed over the cache file in
+    between (another process rebuilding it, or anyone) leaves this load reading the file it checked."""
+    load(tiny_q4)
+    (file,) = cache_files(cache)
+    garbage = file.with_name("garbage")
+    garbage.write_bytes(file.read_bytes())
+    _flip_array_byte(garbage, 0)
+    read = packed_cache.read_index_from
+
+    def read_then_swap(fd):
+        found = read(fd)
+        os.replace(garbage, file)
+        return found
+    monkeypatch.setattr(packed_cache, "read_index_from", read_then_swap)
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+    # mapped by its name, the swapped file's changed array would fail its checksum: a warning
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
+
+
+@pytest.mark.parametrize("danger", ["writable by others", "owned by another user"])
+def test_a_cache_folder_others_could_write_is_not_used(cache, tiny_q4, danger, monkeypatch, caplog):
+    load(tiny_q4)
+    files = {f: f.read_bytes() for f in cache_files(cache)}
+    if danger == "writable by others":
+        cache.chmod(0o777)
+    else:
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    monkeypatch.setattr(packed_cache, "_warned", set())
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+        load(tiny_q4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and danger in warnings[0] and "packing in memory" in warnings[0], warnings
+    assert all(_mapping_of(g) is None for g in packed_arrays(lm))
+    assert {f: f.read_bytes() for f in cache_files(cache)} == files  # neither read nor rewritten
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
+    cache.chmod(0o755)
+
+
+def test_a_cache_file_others_can_write_is_rebuilt_not_read(cache, tiny_q4, caplog):
+    load(tiny_q4)
+    (file,) = cache_files(cache)
+    file.chmod(0o666)
+    with caplog.at_level(logging.WARNING):
+        lm = load(tiny_q4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "writable by others; rebuilding it" in warnings[0], warnings
+    assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    np.testing.assert_array_equal(lm.forward(IDS), reference_logits(tiny_q4))
+
+
+def test_a_new_cache_folder_is_private_whatever_the_umask(cache, tiny_q4, caplog):
+    old = os.umask(0o002)  # group-writable by default, as on systems with a group per user
+    try:
+        with caplog.at_level(logging.WARNING):
+            load(tiny_q4)
+            lm = load(tiny_q4)
+    finally:
+        os.umask(old)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert all(_backing_path(g) == str(f) for g in packed_arrays(lm) for f in cache_files(cache))
+
+
 def test_folder_that_cannot_be_written_packs_in_memory_with_one_warning(tmp_path, tiny_q4, monkeypatch, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache folder would be inside a regular file: no folder can be made there

@@ -1,11 +1,16 @@
 """The streaming Python API: lm.stream / generate / chat, stop strings, min-p, the prompt cache."""
 
+import time
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyml.cli.standins import write_gpt2
 from pyml.nlp.api import load_model
-from pyml.nlp.generator import StopStrings
+from pyml.core.errors import PymlError
+from pyml.nlp.generator import MAX_STOP_CHARS, StopStrings
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
 
@@ -35,6 +40,69 @@ def test_a_partial_match_is_held_then_released():
 def test_the_earliest_of_several_stop_strings_wins():
     out, s = shown(["zz", "b"], ["a b zz"])
     assert out == ["a "] and s.hit
+
+
+def test_overlapping_stop_string_is_found_after_a_false_start():
+    # "aaa" ends with "aa", a prefix of "aab": the first "a" is shown, the match starts at the second
+    out, s = shown(["aab"], ["a", "a", "a", "b tail"])
+    assert out == ["", "", "a", ""] and s.hit
+
+
+def test_a_held_prefix_of_one_stop_string_releases_when_another_completes():
+    out, s = shown(["abcd", "bc"], ["ab", "c"])
+    assert out == ["", "a"] and s.hit  # "bc" starts at 1, "abcd" has not completed yet
+    out, s = shown(["abcd", "bc"], ["abcd"])
+    assert out == [""] and s.hit  # one piece: the earliest start wins, "abcd" at 0
+
+
+def test_flush_starts_the_matching_again():
+    s = StopStrings(["END"])
+    assert s.push("x EN") == "x " and s.flush() == "EN"
+    assert s.push("D") == "D" and not s.hit
+
+
+def naive_shown(stops, pieces):
+    """The rule stated plainly: hold the longest tail that begins some stop string; cut at the
+    earliest stop string found in what is held plus the new piece."""
+    pending, out = "", []
+    for piece in pieces:
+        pending += piece
+        found = [i for i in (pending.find(s) for s in stops) if i >= 0]
+        if found:
+            out.append(pending[:min(found)])
+            return out, True
+        held = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
+        out.append(pending[:len(pending) - held])
+        pending = pending[len(pending) - held:]
+    return out, False
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=3),
+       st.lists(st.text("abc", max_size=6), max_size=8))
+def test_stop_strings_match_the_plain_rule(stops, pieces):
+    s = StopStrings(stops)
+    out = []
+    for p in pieces:
+        out.append(s.push(p))
+        if s.hit:
+            break
+    assert (out, s.hit) == naive_shown(stops, pieces)
+
+
+def test_a_300000_character_stop_string_costs_linear_time():
+    stop = "x" * 299_999 + "y"  # every piece is a prefix of it: the worst case for slicing prefixes
+    t0 = time.perf_counter()
+    s = StopStrings([stop])
+    out = [s.push("x" * 1000) for _ in range(8)] + [s.push("z")]
+    elapsed = time.perf_counter() - t0
+    assert out == [""] * 8 + ["x" * 8000 + "z"] and not s.hit
+    assert elapsed < 3.0, elapsed  # the issue's bound; ~0.1 s here, 8.8 s before for 4 tokens
+
+
+def test_a_stop_string_over_the_limit_is_refused_by_its_length():
+    with pytest.raises(PymlError, match="stop string of 1,000,001 characters .* limit of 1,000,000"):
+        StopStrings(["a" * (MAX_STOP_CHARS + 1)])
 
 
 def test_stream_events_make_the_generated_text(lm):
@@ -112,3 +180,16 @@ def test_bad_sampling_options_are_refused(bad):
     from pyml.core.errors import PymlError
     with pytest.raises(PymlError):
         SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("bad", ["hi \ud800", "hi \udcff"])
+def test_a_prompt_that_is_not_text_is_refused_by_the_library(lm, bad):
+    with pytest.raises(PymlError, match="the text to tokenize holds"):
+        lm.generate(bad, max_tokens=1)
+    with pytest.raises(PymlError, match="a stop string holds"):
+        lm.generate("hi", max_tokens=1, stop=[bad])
+
+
+def test_a_negative_seed_is_refused_by_the_library(lm):
+    with pytest.raises(PymlError, match="--seed must be an integer >= 0, got -1"):
+        lm.generate("hi", max_tokens=1, temperature=1.0, seed=-1)

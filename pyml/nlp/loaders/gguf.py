@@ -262,13 +262,14 @@ def _utf8(data, what: str) -> str:
 
 
 def _value(name, field):
+    if field.types[:1] == [GGUFValueType.ARRAY] and field.types[-1] != GGUFValueType.STRING:
+        # the array as _Reader parsed it: a read-only view of the file's bytes. gguf-py's contents()
+        # makes a Python list of it first (~16x its bytes: a 60 MB u8 array took 1.1 GB)
+        return field.parts[field.data[0]]
     try:
-        v = field.contents()
+        return field.contents()
     except UnicodeDecodeError:
         raise _Bad(f"metadata key {name!r}: a string is not valid UTF-8") from None
-    if isinstance(v, list) and v and not isinstance(v[0], (str, list)):
-        return np.asarray(v)
-    return v
 
 
 def check_hyperparameters(f, arch: str):

@@ -13,7 +13,7 @@ the load options that change what is derived, e.g. --lm-head-quant). Layout:
 
     header  magic "PYMLPAK1" (8), index offset (u64), index length (u64), CRC-32 of the index (u32)
     arrays  each at a multiple of the mapping granularity (4096), in the order the build made them
-    index   JSON: {"identity": {...}, "arrays": {key: [offset, dtype, shape]}}
+    index   JSON: {"identity": {...}, "arrays": {key: [offset, dtype, shape, CRC-32 of its bytes]}}
 
 `identity` is what the arrays were derived from: every model file's resolved path, size and
 mtime (nanoseconds), the format and the packer's version (interleaved.LAYOUT_VERSION). A file
@@ -21,6 +21,14 @@ whose identity differs is re-packed; one whose header, index or sizes do not hol
 (truncated, corrupt, an array past the index or of another shape than the model asks for) is
 named in one warning line and rebuilt, never read. The index is checked before any array is
 looked at, and no size in it allocates anything: arrays are views of the mapping.
+
+Nothing is mapped that this cache did not write: each array's CRC-32 is checked when a load first
+asks for it (an array whose bytes changed since - a disk error, a stray write - is named in one
+warning line and the file rebuilt; zlib.crc32 is the fastest checksum the standard library has,
+about 1 GB/s; docs/reliability.md has the load-time cost). The index and the arrays are read
+through one file descriptor, so a file swapped in between is never mapped under another's index.
+A cache folder owned by another user or writable by others is not used at all (one warning line,
+packing in memory): anyone who can write there could hand a load arrays of their choosing.
 
 The first load writes the arrays straight into the new file (each filled through a shared
 mapping of its own range, a slab at a time by the packer), which is renamed into place only once
@@ -34,6 +42,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -50,7 +59,7 @@ _perf = perf.get("pyml.nlp.load")
 MAGIC = b"PYMLPAK1"
 HEADER = struct.Struct("<8sQQI")
 ALIGN = mmap.ALLOCATIONGRANULARITY
-FORMAT = 1
+FORMAT = 2  # 2: a CRC-32 per array
 SUFFIX = ".pyml-packed"
 MAX_INDEX_BYTES = 16 << 20  # a model's index is a few hundred entries: anything near this is corrupt
 DTYPES = {"uint8", "uint16", "float16", "float32"}  # what a derived weight can be
@@ -83,36 +92,47 @@ def identity(model_files: list[Path]) -> dict:
 def cache_path(model_files: list[Path], options: str = "") -> Path:
     """The cache file of a model (its first file names it) loaded with `options`."""
     first = Path(model_files[0]).resolve()
-    digest = hashlib.sha256(f"{first}\0{options}".encode()).hexdigest()[:16]
+    # the format in the name too: pyml versions of two formats sharing a folder keep a file each
+    digest = hashlib.sha256(f"{first}\0{options}\0{FORMAT}".encode()).hexdigest()[:16]
     return folder() / f"{first.name}.{digest}{SUFFIX}"
 
 
 def read_index(path: Path) -> tuple[dict, int]:
     """(index, file size) of a cache file whose header and index hold together; CacheError otherwise."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(HEADER.size)
-            if len(head) < HEADER.size:
-                raise CacheError(f"truncated ({size} bytes, the header alone is {HEADER.size})")
-            magic, offset, length, crc = HEADER.unpack(head)
-            if magic != MAGIC:
-                raise CacheError(f"not a packed-weights cache file (magic {magic!r})")
-            if not (HEADER.size <= offset and length <= MAX_INDEX_BYTES and offset + length == size):
-                raise CacheError(f"truncated or corrupt: the header puts a {length}-byte index at {offset} "
-                                 f"in a {size}-byte file")
-            f.seek(offset)
-            raw = f.read(length)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CacheError(f"unreadable ({e.strerror or e})") from None
+    try:
+        return read_index_from(fd)
+    finally:
+        os.close(fd)
+
+
+def read_index_from(fd: int) -> tuple[dict, int]:
+    """read_index of an open file: the one descriptor its arrays are then mapped from."""
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER.size, 0)
+        if len(head) < HEADER.size:
+            raise CacheError(f"truncated ({size} bytes, the header alone is {HEADER.size})")
+        magic, offset, length, crc = HEADER.unpack(head)
+        if magic != MAGIC:
+            raise CacheError(f"not a packed-weights cache file (magic {magic!r})")
+        if not (HEADER.size <= offset and length <= MAX_INDEX_BYTES and offset + length == size):
+            raise CacheError(f"truncated or corrupt: the header puts a {length}-byte index at {offset} "
+                             f"in a {size}-byte file")
+        raw = os.pread(fd, length, offset)
     except OSError as e:
         raise CacheError(f"unreadable ({e.strerror or e})") from None
     if zlib.crc32(raw) != crc:
         raise CacheError("corrupt: the index does not match its checksum")
     try:
         index = json.loads(raw)
-        arrays = index["arrays"]
-        for key, (at, dtype, shape) in arrays.items():
-            _check_entry(key, at, dtype, shape, offset)
-        index["identity"]  # noqa: B018 - a KeyError here is a corrupt index like the others
+        if index["identity"]["format"] != FORMAT:
+            raise Stale(f"written in cache format {index['identity']['format']}, this pyml writes {FORMAT}")
+        for key, entry in index["arrays"].items():
+            _check_entry(key, *entry, offset)
     except CacheError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -120,23 +140,63 @@ def read_index(path: Path) -> tuple[dict, int]:
     return index, size
 
 
-def _check_entry(key, at, dtype, shape, data_end: int) -> None:
+def _check_entry(key, at, dtype, shape, crc, data_end: int) -> None:
     if not (isinstance(key, str) and isinstance(at, int) and dtype in DTYPES and isinstance(shape, list)
-            and all(isinstance(n, int) and 0 <= n < 1 << 40 for n in shape)):
+            and all(isinstance(n, int) and 0 <= n < 1 << 40 for n in shape) and isinstance(crc, int)):
         raise CacheError(f"corrupt index entry {key!r}")
     nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     if at % ALIGN or at < HEADER.size or at + nbytes > data_end:
         raise CacheError(f"corrupt index: array {key!r} ({nbytes} bytes at {at}) lies outside the data")
 
 
-class Reader:
-    """A valid cache file, mapped read-only: every derived array is a view of it."""
+def folder_refused(where: Path) -> str | None:
+    """Why the cache folder must not be used (None if it may): a folder another user owns, or one
+    others can write to, could hold arrays this user's loads did not write."""
+    try:
+        st = os.stat(where)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+    if st.st_uid != os.getuid():
+        return f"owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o}; chmod go-w makes it usable)"
+    return None
 
-    def __init__(self, path: Path, index: dict):
+
+def _file_refused(fd: int) -> str | None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "owned by another user or writable by others"
+    return None
+
+
+def _damaged(index: dict, fd: int) -> str | None:
+    """The first array whose bytes differ from its checksum (the reason, in words), else None."""
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+        for key, (at, dtype, shape, crc) in index["arrays"].items():
+            if _crc(mapped, at, dtype, shape) != crc:
+                return f"array {key!r} does not match its checksum (changed since it was written)"
+    return None
+
+
+def _crc(mapped, at: int, dtype: str, shape) -> int:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return zlib.crc32(memoryview(mapped)[at:at + nbytes]) if nbytes else 0
+
+
+class Reader:
+    """A valid cache file, mapped read-only: every derived array is a view of it, its checksum
+    checked the first time a load asks for it."""
+
+    def __init__(self, path: Path, index: dict, fd: int):
         self.path, self.arrays = path, index["arrays"]
         self.uncached = set(index.get("uncached") or ())  # names that were not unique: made in memory
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # the descriptor the index was read from
+        self._verified: set = set()
 
     def array(self, key, shape, dtype, fill):
         if not key or key in self.uncached:
@@ -150,6 +210,12 @@ class Reader:
         entry = self.arrays.get(key)
         if entry is None or entry[1] != dtype.name or tuple(entry[2]) != shape:
             return None
+        if key not in self._verified:
+            with _perf.debug("packed_cache::verify", "{} bytes", int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                             op="load"):
+                if _crc(self._map, *entry[:3]) != entry[3]:
+                    raise Stale(f"array {key!r} does not match its checksum (changed since it was written)")
+            self._verified.add(key)
         count = int(np.prod(shape, dtype=np.int64))
         if count == 0:
             view = np.empty(shape, dtype)
@@ -165,9 +231,10 @@ class Writer:
 
     def __init__(self, path: Path, ident: dict):
         self.path, self.identity, self.arrays = path, ident, {}
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # 0700: a umask of 002 would make it group-writable
         self._tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "w+b")
+        os.fchmod(self._file.fileno(), 0o600)  # not group-writable whatever the umask: loads refuse such files
         self._file.write(b"\0" * HEADER.size)
         self._end = ALIGN
         self._memory = InMemory()
@@ -183,7 +250,7 @@ class Writer:
         if not key or self.failed or not nbytes:
             out = self._memory.array(key, shape, dtype, fill)
             if key and not self.failed:
-                self.arrays[key] = [self._end, dtype.name, list(shape)]
+                self.arrays[key] = [self._end, dtype.name, list(shape), 0]
             return out
         at = self._end
         try:  # reserved for real, so a full disk is an OSError here and not a SIGBUS in fill
@@ -195,7 +262,7 @@ class Writer:
         out = np.frombuffer(region, dtype).reshape(shape)
         fill(out)
         out.flags.writeable = False
-        self.arrays[key] = [at, dtype.name, list(shape)]
+        self.arrays[key] = [at, dtype.name, list(shape), zlib.crc32(region)]
         self._end = -(-(at + nbytes) // ALIGN) * ALIGN
         return out
 
@@ -244,44 +311,82 @@ def model_files(source: Path) -> list[Path]:
 
 def open_for(model_files: list[Path], options: str = "", reuse: bool = True):
     """The provider for one load: a Reader of a valid cache file (unless not `reuse`), else a Writer
-    of a new one, else (a folder that cannot be written) process memory, said in one warning line."""
+    of a new one, else (a folder that cannot be written, or must not be used) process memory, said
+    in one warning line."""
     path = cache_path(model_files, options)
+    refused = folder_refused(path.parent)
+    if refused:
+        return _in_memory(path.parent, refused, "not used")
     ident = identity(model_files)
     if reuse and path.exists():
         try:
-            index, _ = read_index(path)
-            if index["identity"] != ident:
-                raise Stale("made from another model file or packer version")
-            return Reader(path, index)
+            return _reader(path, ident)
         except Stale as e:
             _perf.logger.debug("packed-weights cache %s: %s; re-packing", path, e)
         except CacheError as e:
             _perf.logger.warning("packed-weights cache %s: %s; rebuilding it", path, e)
     try:
-        return Writer(path, ident)
+        writer = Writer(path, ident)
     except OSError as e:
-        where = str(path.parent)
-        if where not in _warned:
-            _warned.add(where)
-            _perf.logger.warning("packed-weights cache %s cannot be written (%s): packing in memory",
-                                 where, e.strerror or e)
-        return InMemory()
+        return _in_memory(path.parent, e.strerror or str(e), "cannot be written")
+    refused = folder_refused(path.parent)  # the folder as Writer made it (or found it, just now)
+    if refused:
+        writer.abort()
+        return _in_memory(path.parent, refused, "not used")
+    return writer
+
+
+def _reader(path: Path, ident: dict) -> Reader:
+    """A Reader of the cache file at `path`, its index and arrays read through one descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CacheError(f"unreadable ({e.strerror or e})") from None
+    try:
+        refused = _file_refused(fd)
+        if refused:
+            raise CacheError(refused)
+        index, _ = read_index_from(fd)
+        if index["identity"] != ident:
+            raise Stale("made from another model file or packer version")
+        return Reader(path, index, fd)
+    finally:
+        os.close(fd)  # the mapping holds the file open on its own
+
+
+def _in_memory(where: Path, why: str, what: str) -> InMemory:
+    if str(where) not in _warned:
+        _warned.add(str(where))
+        _perf.logger.warning("packed-weights cache %s %s (%s): packing in memory", where, what, why)
+    return InMemory()
 
 
 def entries() -> list[dict]:
     """Every file in the cache folder: path, bytes, the model it was made from, and whether it is
-    current (its model file unchanged, this packer) or why not."""
+    current (its model file unchanged, this packer, every array as written: each is checksummed,
+    so this reads the whole cache) or why not."""
     out = []
+    refused = folder_refused(folder())
     for path in sorted(folder().glob(f"*{SUFFIX}")) if folder().is_dir() else []:
         entry = {"path": path, "bytes": path.stat().st_size, "model": None, "state": "current"}
         try:
-            index, _ = read_index(path)
-            files = [Path(f[0]) for f in index["identity"]["files"]]
-            entry["model"] = str(files[0])
-            if not all(f.exists() for f in files):
-                entry["state"] = "model file gone"
-            elif index["identity"] != identity(files):
-                entry["state"] = "stale (model file or packer changed)"
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                index, _ = read_index_from(fd)
+                files = [Path(f[0]) for f in index["identity"]["files"]]
+                entry["model"] = str(files[0])
+                if refused or (refused := _file_refused(fd)):
+                    entry["state"] = f"not used ({refused})"
+                elif not all(f.exists() for f in files):
+                    entry["state"] = "model file gone"
+                elif index["identity"] != identity(files):
+                    entry["state"] = "stale (model file or packer changed)"
+                elif damaged := _damaged(index, fd):
+                    entry["state"] = f"damaged ({damaged}): the next load rebuilds it"
+            finally:
+                os.close(fd)
+        except Stale as e:
+            entry["state"] = f"stale ({e})"
         except (CacheError, KeyError, TypeError, IndexError, OSError) as e:
             entry["state"] = f"unusable ({e})"
         out.append(entry)
