@@ -291,7 +291,8 @@ def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path)
         system = {**CHAT, "messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}
         status, err = error_of(served.request("POST", "/v1/chat/completions", system))
         assert status == 400 and err["param"] == "messages"
-        assert err["message"] == f"the chat template of {model.name}: no system messages: this model was not trained with them"
+        assert err["message"] == (f"the chat template of {model.name}: "
+                                  "no system messages: this model was not trained with them")
         assert served.request("POST", "/v1/chat/completions", CHAT)[0] == 200
 
 
