@@ -74,7 +74,8 @@ def start_server(model: Path, *flags: str):
                             env=serve_env(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said = _said(proc)
-    deadline = time.monotonic() + 120
+    # a bound, not a timing: on a cold kernel cache the server compiles its model's kernels first
+    deadline = time.monotonic() + 600
     port = None
     while time.monotonic() < deadline and port is None:
         assert proc.poll() is None, "".join(said) or "pyml-serve exited without a word"
@@ -90,7 +91,7 @@ def start_server(model: Path, *flags: str):
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    pytest.fail(f"pyml-serve did not answer /health within 120 s: {''.join(said)}")
+    pytest.fail(f"pyml-serve did not answer /health within 600 s: {''.join(said)}")
 
 
 def stop_server(served: Served):

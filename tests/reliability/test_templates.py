@@ -4,6 +4,7 @@ are in tests/nlp/test_chat.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,7 +51,37 @@ def test_a_template_building_a_gigabyte_fails_fast_in_one_line(tmp_path, templat
     assert code == 0, stderr
     evil = gguf_with_template(tmp_path / "evil.gguf", template)
     code, peak_kb, stderr, elapsed = run_infer_measured(evil)
+    # a first run's compile lines are progress, not the error (pyml/core/compiles.py)
+    stderr = "\n".join(ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("pyml: compil"))
     assert code == 2 and len(stderr.splitlines()) == 1 and "Traceback" not in stderr, stderr
     assert f"error: the chat template of {evil.name}: " in stderr and f"would be {size} long" in stderr, stderr
     assert elapsed < 10, elapsed  # the issue's bound, start to exit
     assert (peak_kb - baseline_kb) < 500 * 1024, (peak_kb, baseline_kb)  # the issue's bound; 12.6 GB before
+
+
+def _peak_rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_template_building_a_gigabyte_is_a_400_from_pyml_serve(tmp_path):
+    """The same template behind pyml-serve: a 400 naming it within the issue's 10 s, the server's
+    peak memory within 500 MB of what it was, and the server answering the next request."""
+    from tests.cli.test_serve import serving
+    evil = gguf_with_template(tmp_path / "evil.gguf", "{{ 'a' * 1000000000 }}")
+    with serving(evil) as served:
+        before = _peak_rss_kb(served.proc.pid)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        t0 = time.perf_counter()
+        status, body = served.request("POST", "/v1/chat/completions", chat, timeout=60)
+        elapsed = time.perf_counter() - t0
+        assert status == 400, body
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith(f"the chat template of {evil.name}: ") and "1,000,000,000" in message, message
+        assert elapsed < 10, elapsed
+        assert _peak_rss_kb(served.proc.pid) - before < 500 * 1024
+        assert served.request("GET", "/health")[0] == 200
+        plain = {"prompt": "hi", "max_tokens": 1}
+        assert served.request("POST", "/v1/completions", plain)[0] == 200
