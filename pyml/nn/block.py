@@ -22,8 +22,8 @@ class TransformerBlock:
         self.index, self.attn_norm, self.attn, self.ffn_norm, self.ffn = index, attn_norm, attn, ffn_norm, ffn
         self.post_attn_norm, self.post_ffn_norm, self.name = post_attn_norm, post_ffn_norm, name
         self._event = f"transformer[{index}]::forward"
-        # a decode step (T == 1) runs as two fused kernels (nn/fused.py); made on the first one,
-        # after load has packed the weights. False: always the layer-by-layer path (the reference).
+        # a decode step (T == 1) runs through the block's FusedBlock (nn/fused.py), made on the first
+        # one, after load has packed the weights. False: always the layer-by-layer path (the reference).
         self.fused_decode = True
         self._fused = None
 

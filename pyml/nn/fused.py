@@ -5,7 +5,7 @@ At T == 1 every op of a small model is a few µs of arithmetic behind ~5-15 µs 
 block's decode step runs as
 
     pre_attention   norm -> qkv (+ bias) -> (q/k norm) -> RoPE
-    attention       KV write + decode attention (attention_ops.decode_into)
+    attention       KV write + decode attention (attention_kernels.decode_into)
     post_attention  o_proj (+ bias) -> (post norm) -> residual -> norm -> gate/up or up
                     -> activation -> down (+ bias) -> (post norm) -> residual
 
@@ -54,11 +54,12 @@ from pyml.nn.attention import Attention
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
-from pyml.quant import attention_ops, interleaved
+from pyml.nn import attention_kernels
+from pyml.quant import interleaved_gemv
 
 _perf = perf.get("pyml.nn.block")
 _ATTN_PERF = perf.get("pyml.nn.attention")
-_KV_PERF, _SDPA_PERF = perf.get("pyml.nn.kv_cache"), perf.get("pyml.quant.attention_ops")
+_KV_PERF, _SDPA_PERF = perf.get("pyml.nn.kv_cache"), attention_kernels.PERF
 _PAIRS = clock.clock_pairs()
 _NO_EVENTS = np.zeros((1, 4), np.int64)  # a debug step's op events: counted, never stored
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
@@ -245,7 +246,7 @@ def _post_step_overload(shape, ctx, wo, to, bo, x, pan_w, pan_eps, nw, nb, eps, 
 @lru_cache(maxsize=None)
 def decode_layer_kernel(pre_shape: tuple, post_shape: tuple):
     """A whole block's untimed decode step in one compiled call: pre_attention, the KV write and
-    decode attention (attention_ops.decode_into), post_attention. One call where the timed path
+    decode attention (attention_kernels.decode_into), post_attention. One call where the timed path
     makes three and opens the attention's spans in Python between them: measured on SmolLM2
     (see docs/performance.md), the attention's Python span was ~4 us of a ~9 us call per layer."""
     pre_key, post_key = shape_key(pre_shape), shape_key(post_shape)
@@ -257,7 +258,7 @@ def decode_layer_kernel(pre_shape: tuple, post_shape: tuple):
                      pfn_w, pfn_eps, y, h2, gu, a, events, layer):
         _pre_step(pre_key, x, nw, nb, eps, wq, tq, bq, wk, tk, bk, wv, tv, bv, qn, kn, qk_eps, inv_freq, pos,
                   h, qkv, q2, k2, q3, k3, nq, nkv, events, False, layer)
-        attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
+        attention_kernels.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale, splits,
                                       ctx)
         out[:] = x
         _post_step(post_key, ctx.reshape(ctx.size), wo, to, bo, out, pan_w, pan_eps, nw2, nb2, eps2, w1, t1, b1,
@@ -321,14 +322,14 @@ def decode_layers_kernel(pre_shape: tuple, post_shape: tuple):
             keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
             if timed:  # the cache write and the attention timed apart
                 t = clock.start(timed)
-                attention_ops.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
+                attention_kernels.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
                 clock.done(events, timed, C_KV, layer0 + layer, t)
                 t = clock.start(timed)
-                attention_ops.decode_into(q3[0], k3[:0], v3[:0], keys, k_scale, values, v_scale, start, pos + 1, 0,
+                attention_kernels.decode_into(q3[0], k3[:0], v3[:0], keys, k_scale, values, v_scale, start, pos + 1, 0,
                                           scale, splits, ctx)
                 clock.done(events, timed, C_SDPA, layer0 + layer, t)
             else:
-                attention_ops.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale,
+                attention_kernels.decode_into(q3[0], k3, v3, keys, k_scale, values, v_scale, start, pos + 1, 0, scale,
                                           splits, ctx)
             (wo, to, bo, pan_w, pan_eps, fnw, fnb, f_eps, w1, t1, b1, w2, t2, b2, wd, td, bd, pfn_w,
              pfn_eps) = _rebased(post_w, post_at[layer])
@@ -434,15 +435,15 @@ def _event(events, trace, r, op, layer, t0, t1):
 @numba.njit(inline="always")
 def _quantize(kind, x, act):
     xq, xd, xs, xp, xoff, y8 = act
-    interleaved.gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
+    interleaved_gemv.gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
 
 
 @numba.njit(inline="always")
 def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads, timed):
     """Step `ph`: out = W x over the x8 `groups`, in pieces claimed from the counter; x as
-    interleaved.gemv_activation left it in `act`. Returns when every piece is done."""
+    interleaved_gemv.gemv_activation left it in `act`. Returns when every piece is done."""
     xq, xd, xs, xp, xoff, y8 = act
-    y = interleaved.activation_bytes(kind, xq, y8)
+    y = interleaved_gemv.activation_bytes(kind, xq, y8)
     G = groups.shape[0]
     n = min(G, PIECES_PER_THREAD * n_threads)
     while True:
@@ -450,7 +451,7 @@ def _gemv_pieces(counters, ph, kind, groups, act, out, n_threads, timed):
         if c >= n:
             break
         for g in range(c * G // n, (c + 1) * G // n):
-            interleaved.gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
+            interleaved_gemv.gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
         _piece_done(counters, ph, timed)
     _wait(counters, ph, n)
 
@@ -544,10 +545,10 @@ def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post
                     ops.rope_rows(k3, pos, inv_freq, rope == 2)
                     t = _now(trace, counters)
                     _event(events, trace, r + e_rk, A_ROPE_K, li, t_q, t)
-                attention_ops.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
+                attention_kernels.write_kv(k3, v3, pos, keys, k_scale, values, v_scale)
                 t_kv = _now(trace, counters)
                 _event(events, trace, r + e_kv, C_KV, li, t, t_kv)
-                attention_ops.decode_begin(q3[0], scale, end, qs, qpos)
+                attention_kernels.decode_begin(q3[0], scale, end, qs, qpos)
                 if trace:
                     events[r + e_sdpa, 2] = t_kv
                 _finish(counters, ph + 2)
@@ -557,12 +558,12 @@ def _region_layers_overload(pre_key, post_key, pre_w, pre_at, bufs, post_w, post
                 c = atomics.fetch_add(counters, _SLOT * (ph + 3), 1)
                 if c >= items:
                     break
-                attention_ops.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, 0,
+                attention_kernels.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, 0,
                                           m, l, acc, scores)
                 _piece_done(counters, ph + 3, False)
             _wait(counters, ph + 3, items)
             if _first(counters, ph + 4):  # the parts merged; the context quantized for o_proj
-                attention_ops.decode_merge(n_kv, splits, group, m, l, acc, ctx)
+                attention_kernels.decode_merge(n_kv, splits, group, m, l, acc, ctx)
                 t_mm = _now(trace, counters)
                 if trace:
                     _event(events, trace, r + e_sdpa, C_SDPA, li, events[r + e_sdpa, 2], t_mm)
@@ -774,7 +775,7 @@ class FusedBlock:
         i, attn = block.index, block.attn
         cache.claim(i, pos)  # the kernel writes the position's key and value
         start = max(0, pos + 1 - self.window) if self.window else 0
-        splits = attention_ops.decode_plan(self.ctx.size, attn.n_kv_heads, pos + 1 - start)
+        splits = attention_kernels.decode_plan(self.ctx.size, attn.n_kv_heads, pos + 1 - start)
         return self.layer(x, *self.pre_args, pos, *self.pre_bufs, self.v3, *cache.layer(i), start, attn.scale,
                           splits, self.ctx, *self.post_args, self.x, *self.post_args2, events, i)
 
@@ -789,7 +790,7 @@ class FusedBlock:
 
     def _attention_ops(self, kv_type: str) -> list:
         """The Ops of a timed call's cache write and attention (C_KV, C_SDPA), as KVCache.update and
-        attention_ops.attend_decode name them for this cache type."""
+        attention_kernels.attend_decode name them for this cache type."""
         ops_ = self._attn_tables.get(kv_type)
         if ops_ is None:
             a, i = self.block.attn, self.block.index
@@ -923,15 +924,15 @@ class FusedStep:
         attn = first.block.attn
         d, f = first.h.shape[1], first.a.shape[1]
         return [decode_region_kernel(*first.shapes), region_counters(n_layers),
-                interleaved.gemv_buffers(d), interleaved.gemv_buffers(attn.n_heads * attn.head_dim),
-                interleaved.gemv_buffers(f), None]
+                interleaved_gemv.gemv_buffers(d), interleaved_gemv.gemv_buffers(attn.n_heads * attn.head_dim),
+                interleaved_gemv.gemv_buffers(f), None]
 
     def _attention_scratch(self, region, first, cache, layer, items):
         """The region's attention buffers, made (again) when the cache's head_dim or the items grow."""
         attn, hdp = first.block.attn, cache.layer(layer)[2].shape[2]
         s = region[5]
         if s is None or s[0].shape[2] != hdp or s[2].shape[0] < items:
-            region[5] = s = attention_ops.decode_scratch(attn.n_heads, attn.n_kv_heads, hdp, items)
+            region[5] = s = attention_kernels.decode_scratch(attn.n_heads, attn.n_kv_heads, hdp, items)
         return s
 
     def _region_call(self, run, region, x, pos, cache, kv_at, ops_on, timed, ticks, n_threads):
@@ -940,7 +941,7 @@ class FusedStep:
         first, _, layers, pre_at, post_at, _ = run
         start = _claim(first, layers, pos, cache)
         attn = first.block.attn
-        splits = attention_ops.decode_splits(attn.n_kv_heads, pos + 1 - start, n_threads)
+        splits = attention_kernels.decode_splits(attn.n_kv_heads, pos + 1 - start, n_threads)
         scratch = self._attention_scratch(region, first, cache, layers[0], attn.n_kv_heads * splits)
         events, row = _event_rows(first, layers, ops_on)
         out = region[0](x, first.pre_args, pre_at, first.step_bufs, first.post_weights(), post_at,
@@ -1009,7 +1010,7 @@ def _call(run, x, pos, cache, kv_at, ops_on, timed, ticks, n_threads=None):
     first, kernel, layers, pre_at, post_at, fused = run
     start = _claim(first, layers, pos, cache)
     attn = first.block.attn
-    splits = attention_ops.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start, n_threads)
+    splits = attention_kernels.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start, n_threads)
     events, row = _event_rows(first, layers, ops_on)
     if timed and not ops_on:  # debug: the ops' events counted and dropped
         events = _NO_EVENTS

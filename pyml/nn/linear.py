@@ -107,7 +107,7 @@ class Linear:
         """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1,
         Q5_0, Q5_1, Q8_0, Q4_K: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of
         the original back as it copies. Float weights whose `float_compute` (quant.FLOAT_COMPUTE)
-        resolves to bf16 get bf16 blocks for the prefill beside them (quant/bf16.py); a decode step
+        resolves to bf16 get bf16 blocks for the prefill beside them (quant/bf16_gemm.py); a decode step
         (T == 1) keeps streaming the stored weights. Call after fuse. Returns whether it packed."""
         w = self.weight
         if isinstance(w.data, quant.Packed) or self.prefill_weight is not None:

@@ -23,7 +23,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, _vector_load, vector_store
+from pyml.core.simd import Vec, _I16, _I32, _I8, _call, _is_vec, _load, _mask, _splat, _vector_load, vector_store
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
