@@ -246,21 +246,6 @@ PARALLEL_MIN_WORK = 1 << 17
 
 # --- public ops -----------------------------------------------------------------
 
-def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[B, M, K] x [B, K, N] -> [B, M, N]."""
-    with _perf.trace("batched_matmul", "{}x{}", a.shape, b.shape):
-        return np.matmul(a, b)
-
-
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax in place over `axis`; rows of all -inf stay finite-free."""
-    with _perf.trace("softmax", "{}", x.shape):
-        x -= x.max(axis=axis, keepdims=True)
-        np.exp(x, out=x)
-        x /= x.sum(axis=axis, keepdims=True)
-        return x
-
-
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, unit_offset: bool = False,
              out: np.ndarray | None = None) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * (w or 1 + w), over the last axis; x [.., d]."""
