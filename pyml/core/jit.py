@@ -38,7 +38,7 @@ from pyml.core.isa import ISA
 FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: attention and the fused decode step
+_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: attention and the decode recipe
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
 _KERNEL_SOURCES = ("core/atomics.py", "core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py",
                    "core/simd.py", "core/simd512.py", "core/simd_int.py",
@@ -46,7 +46,8 @@ _KERNEL_SOURCES = ("core/atomics.py", "core/clock.py", "core/isa.py", "core/jit.
                    "quant/ggml_types.py", "quant/interleaved_gemm.py", "quant/interleaved_gemv.py",
                    "quant/interleaved_pairs.py", "quant/interleaved_triples.py", "quant/kernel_set.py",
                    "quant/kquants.py", "quant/quantizers.py",
-                   "nn/attention_kernels.py", "nn/attention_prefill.py", "nn/fused.py")
+                   "nn/attention_kernels.py", "nn/attention_prefill.py", "nn/decode_kernels.py",
+                   "nn/decode_recipe.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never
 # loaded for another on the same CPU (PYML_ISA=avx2 beside the default avx512_vnni)
 FINGERPRINT = hashlib.sha1(b"".join((_PACKAGE / name).read_bytes() for name in _KERNEL_SOURCES)

@@ -421,15 +421,21 @@ def lanes_f32(typingctx, v, k):
     return F32x8(v, k), codegen
 
 
-@intrinsic
-def f32x8(typingctx, s):
-    """Broadcast a scalar to 8 float lanes."""
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        vt = F32x8.llvm()
-        one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
-        return builder.shuffle_vector(one, one, _mask([0] * 8))
-    return F32x8(s), codegen
+def broadcast_op(vec: Vec, doc: str):
+    """An intrinsic broadcasting a scalar to every float lane of a `vec` value."""
+    @intrinsic
+    def fn(typingctx, s):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            vt = vec.llvm()
+            one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
+            return builder.shuffle_vector(one, one, _mask([0] * vec.lanes))
+        return vec(s), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+f32x8 = broadcast_op(F32x8, "Broadcast a scalar to 8 float lanes.")
 
 
 @intrinsic

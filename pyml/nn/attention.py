@@ -10,6 +10,7 @@ from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
 
 _perf = perf.get("pyml.nn.attention")
+FORWARD_SPAN = ("attention::forward", "layer={} {} tokens={} pos={}")  # layer, kind, T, pos
 
 
 class Attention:
@@ -62,7 +63,7 @@ class Attention:
 
     def __call__(self, x: np.ndarray, pos: int, cache: KVCache, layer: int) -> np.ndarray:
         T = x.shape[0]
-        with _perf.trace("attention::forward", "layer={} {} tokens={} pos={}", layer, self.kind, T, pos,
+        with _perf.trace(*FORWARD_SPAN, layer, self.kind, T, pos,
                          module=self.name, op="attention", layer=layer, kind=self.kind):
             q, k, v = self._project(x)
             if self.q_norm is not None:

@@ -41,6 +41,7 @@ from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
 from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
 
 PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
+DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
 
 BLOCK = 8       # positions per key tile: one F32x8 of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
@@ -223,6 +224,28 @@ def _scores4x2(q, r0, keys, k_scale, kv, kb, scores, col):
     store_f32x8(scores[r0 + 3], col + BLOCK, t3)
 
 
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def chunk_row_max(scores, r, width, c0, lo, hi, qp, window, masked, m, l, acc, acc_width):
+    """The online softmax's step for row r of a chunk of scores (positions c0 ..): when `masked`,
+    the positions outside lo .. hi-1, after the row's query position qp or beyond its window set to
+    -inf; then the running max m[r] raised to the chunk's, l[r] and acc[r, :acc_width] rescaled to
+    it. Returns the chunk's max: -inf when the row sees nothing in it. Decode, the float32 prefill
+    and the bf16 prefill all take it."""
+    if masked:
+        for j in range(width):
+            p = c0 + j
+            keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
+            scores[r, j] = scores[r, j] if keep else -np.inf
+    best = max32(scores[r], width)
+    if best > m[r]:
+        alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
+        l[r] *= alpha
+        for i in range(acc_width):
+            acc[r, i] *= alpha
+        m[r] = best
+    return best
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores):
     """Fold positions lo .. hi-1 of kv head `kv` into the online softmax of query rows q
@@ -253,22 +276,10 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
             if r >= n_rows:
                 scores[r, :width] = 0.0
                 continue
-            if not unmasked:
-                qp = qpos[r]
-                for j in range(width):
-                    p = c0 + j
-                    keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
-                    scores[r, j] = scores[r, j] if keep else -np.inf
-            best = max32(scores[r], width)
+            best = chunk_row_max(scores, r, width, c0, lo, hi, qpos[r], window, not unmasked, m, l, acc, hd)
             if best == -np.inf:
                 scores[r, :width] = 0.0
                 continue
-            if best > m[r]:
-                alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
-                l[r] *= alpha
-                for i in range(hd):
-                    acc[r, i] *= alpha
-                m[r] = best
             mr = m[r]
             total = np.float32(0.0)
             for j in range(width):
@@ -453,7 +464,7 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: 
     position's key and value, written at end-1 in the same compiled call (KV write + attention in
     one); without them, position end-1 must already be written (write_kv / KVCache.update).
     """
-    with PERF.trace("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}", *q.shape, values.shape[0], end - start,
+    with PERF.trace(*DECODE_SPAN, *q.shape, values.shape[0], end - start,
                      q.shape[1], TYPE_NAMES[values.dtype.type], op="sdpa"):
         span = end - start
         shape = (1, values.shape[0], q.shape[1])

@@ -12,8 +12,8 @@ import numpy as np
 from pyml.core import atomics
 from pyml.core.isa import BF16 as HAVE_BF16
 from pyml.core.jit import FASTMATH
-from pyml.core.ops import exp32, max32
-from pyml.nn.attention_kernels import CHUNK, PERF, ROWS, TYPE_NAMES, attend_rows, read_kv
+from pyml.core.ops import exp32
+from pyml.nn.attention_kernels import CHUNK, PERF, ROWS, TYPE_NAMES, attend_rows, chunk_row_max, read_kv
 from pyml.quant import bf16_gemm
 
 TILE_Q = 8  # queries per work item (x the group's heads = its rows)
@@ -194,22 +194,10 @@ def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
                     if r >= n_rows:
                         pb[r, :] = 0
                         continue
-                    if not unmasked:
-                        qp = qpos[r]
-                        for j in range(CHUNK):
-                            p = c0 + j
-                            keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
-                            scores[r, j] = scores[r, j] if keep else -np.inf
-                    best = max32(scores[r], CHUNK)
+                    best = chunk_row_max(scores, r, CHUNK, c0, lo, hi, qpos[r], window, not unmasked, m, l, acc, hdw)
                     if best == -np.inf:
                         pb[r, :] = 0
                         continue
-                    if best > m[r]:
-                        alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
-                        l[r] *= alpha
-                        for i in range(hdw):
-                            acc[r, i] *= alpha
-                        m[r] = best
                     mr = m[r]
                     total = np.float32(0.0)
                     for j in range(CHUNK):

@@ -21,6 +21,7 @@ from pyml.core.errors import PymlError
 from pyml.nn.attention_kernels import BLOCK, KV_TYPES, QBLOCK, read_kv, write_kv
 
 _perf = perf.get("pyml.nn.kv_cache")
+UPDATE_SPAN = ("kv_cache::update", "layer={} pos={} {}")  # layer, pos, kv type
 
 DEFAULT_KV_TYPE = "f16"
 RING_SLACK = 256  # slots beyond the window a sliding layer's ring keeps (the prefill piece - 1)
@@ -150,7 +151,7 @@ class KVCache:
         stored type (a ring layer keeps the last of them when T exceeds its slots)."""
         T = k.shape[0]
         self.claim(layer, pos, T)
-        with _perf.trace("kv_cache::update", "layer={} pos={} {}", layer, pos, self.kv_type, layer=layer,
+        with _perf.trace(*UPDATE_SPAN, layer, pos, self.kv_type, layer=layer,
                          op="kv_cache"):
             skip = max(0, T - self.slots[layer])
             write_kv(np.ascontiguousarray(k[skip:], np.float32), np.ascontiguousarray(v[skip:], np.float32),
