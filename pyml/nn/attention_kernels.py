@@ -345,7 +345,7 @@ def decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, s
 
 def decode_scratch(n_heads: int, n_kv: int, hd: int, items: int) -> tuple:
     """(qs, qpos, m, l, acc, scores): the buffers of a decode step of up to `items` (kv head, part)
-    items (hd: the cache's, padded to 16), for callers that keep them (nn/fused.py's one-region
+    items (hd: the cache's, padded to 16), for callers that keep them (nn/decode_kernels.py's region
     step); decode_begin, decode_item and decode_merge use them."""
     R = (n_heads // n_kv + ROWS - 1) // ROWS * ROWS
     return (np.zeros((n_kv, R, hd), np.float32), np.zeros(R, np.int64), np.empty((items, R), np.float32),
@@ -430,7 +430,7 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
     """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
-    (nn/fused.py's decode kernels): `splits` from decode_plan, 0 = on the calling thread."""
+    (nn/decode_kernels.py's decode_layers): `splits` from decode_plan, 0 = on the calling thread."""
     if splits:
         return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out)
     return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, 1, out)

@@ -198,8 +198,8 @@ class FusedBlock:
         them: the attention norm (the block's), the projections, q/k norms, RoPE, the cache write,
         the attention and o_proj (the attention span's), the attention span, the feed-forward and
         norms (the block's), the block span with its `attn` / `ffn` parts. `rows`: the layer's
-        event rows (pre_attention's, the cache write's and attention's, post_attention's), empty
-        at debug; t0, t_mid, t_end: its ticks."""
+        event rows (at event_slots' places: up to the attention's, the cache write's and attention's,
+        from o_proj on), empty at debug; t0, t_mid, t_end: its ticks."""
         to_s = _seconds(cal, t0)
         s0, s_mid, s_end = to_s(t0), to_s(t_mid), to_s(t_end)
         block_id = perf.new_id() if _perf.debug_on else None

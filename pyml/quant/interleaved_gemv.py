@@ -245,7 +245,7 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
 
 
 # The GEMV in two steps, so that compiled code which shares out a matrix's groups between threads
-# itself (nn/fused.py's one-region decode step) quantizes the activation once, into buffers it
+# itself (nn/decode_kernels.py's decode_region) quantizes the activation once, into buffers it
 # keeps, and calls the same group kernel the GEMV's prange does.
 
 @numba.njit(cache=True)
