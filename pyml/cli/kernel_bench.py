@@ -9,7 +9,7 @@ that reads its weights once), the core's float32 FMA, int8 dot-product and (on t
 path) bf16 dot-product peaks (independent chains of the instruction, nothing loaded), of which
 each GEMM's rate is given as a share, and NumPy/BLAS float32 GEMM at T == 128. On the avx512_bf16
 path each float type also gets a "bf16" row: its GEMM through --float-compute bf16's blocks
-(quant/bf16.py), a share of the bf16 peak.
+(quant/bf16_gemm.py), a share of the bf16 peak.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pyml.cli.main import Parser, run_command
 from pyml.core.errors import PymlError
 from pyml.quant import FLOAT_TYPES, QuantType
 from pyml.core.isa import BF16, ZMM
-from pyml.quant.bf16 import dpbf16_regs
-from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_u8x32_pair, store_f32x16, to_f32x16,
-                                zeros_f32x16, zeros_i32x16)
-from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, as_i8, dpbusd, fma, hsum, i16_halves, load_f32x8,
-                             load_u8x32, maddubs, sum_pairs, to_f32, zeros_i32x8)
+from pyml.quant.bf16_gemm import dpbf16_regs
+from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_u8x32_pair, store_f32x16, to_f32x16,
+                               zeros_f32x16, zeros_i32x16)
+from pyml.core.simd import HAVE_VNNI, add, fma, hsum, load_f32x8, load_u8x32, to_f32, zeros_i32x8
+from pyml.core.simd_int import add_i16, add_i32, as_i8, dpbusd, i16_halves, maddubs, sum_pairs
 
 INT8_INSTRUCTION = "vpdpbusd" if HAVE_VNNI else "vpmaddubsw"
 

@@ -14,7 +14,7 @@ from pyml.core.errors import PymlError, check_text
 from pyml.nlp.api import DEFAULT_MODEL
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
-from pyml.quant.attention_ops import KV_TYPES
+from pyml.nn.attention_kernels import KV_TYPES
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -32,13 +32,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--kv-type", choices=list(KV_TYPES), default=DEFAULT_KV_TYPE,
                    help=f"how the KV cache is stored (default {DEFAULT_KV_TYPE}, as llama.cpp; f32 is exact, "
-                        f"q8_0 a quarter of f32's bytes: docs/performance.md)")
+                        f"q8_0 a quarter of f32's bytes: docs/performance-journal.md)")
     p.add_argument("--float-compute", choices=list(FLOAT_COMPUTE), default="auto",
                    help="what F16/BF16/F32 weights' prefill GEMMs compute in: bf16 (vdpbf16ps, weights and "
                         "activations rounded to bf16, float32 sums; ~2x f32's speed), f32 (exact up to summation "
                         "order), or auto (default: bf16 for F16/BF16 weights, f32 for F32). bf16 needs AVX-512 "
                         f"BF16 ({'this CPU has it' if BF16_AVAILABLE else 'this CPU lacks it: f32 only'}); "
-                        "decode always streams the stored weights. Accuracy: docs/performance.md")
+                        "decode always streams the stored weights. Accuracy: docs/performance-journal.md")
 
 
 def model_options(args: argparse.Namespace) -> dict:

@@ -174,7 +174,7 @@ def measure(model, shape: Shape, ctx: int, passes: int, plain_passes: int, all_l
     glue = cats.get(aggregate.GLUE, 0.0)
     op_ms = (total - glue) / passes
     matmul = sum(v["ms"] for k, v in labels.items() if k.startswith("matmul"))
-    # Q·Kᵀ, softmax and P·V run fused in one tiled kernel (quant/attention_ops.py): one event
+    # Q·Kᵀ, softmax and P·V run fused in one tiled kernel (nn/attention_prefill.py): one event
     sdpa = sum(r.dur_ms for r in records if r.name == "attention::sdpa")
     mm_flops, sm_flops = shape.attention_flops(ctx)
     top = sorted(labels.items(), key=lambda kv: -kv[1]["ms"])

@@ -1,11 +1,11 @@
 """Atomic counters for compiled code: how the threads of one parallel region share out work and
 meet between its steps without leaving the region.
 
-Why: a Numba `prange` is a parallel launch (~1.5 µs on this machine, 5-15 µs on a loaded one)
-and a join at its end, where the faster thread waits out the slower one's share. A decode step
+Why: a Numba `prange` is a parallel launch (a few µs, more on a loaded machine) and a join at
+its end, where the faster thread waits out the slower one's share. A decode step
 of a small model makes ~5 of them per layer. One region for the whole step, whose threads claim
 pieces of each op from a counter and wait for the op's pieces to be done before the next op,
-replaces them with a few shared-cache-line operations (nn/fused.py, `decode_region_kernel`).
+replaces them with a few shared-cache-line operations (nn/decode_kernels.py, `decode_region`).
 
 The counters are int64 arrays; `fetch_add` is a sequentially consistent `lock xadd`, `load` an
 acquire load: the writes a thread makes before it counts a piece done are seen by a thread that

@@ -2,9 +2,9 @@
 
 Paths, best first (each implies the ones after it):
     avx512_bf16   avx512_vnni + AVX-512 BF16: vdpbf16ps (bf16 pair dot, into f32) for the float weights'
-                  prefill GEMM under --float-compute bf16 (quant/bf16.py); the int8 kernels as avx512_vnni
+                  prefill GEMM under --float-compute bf16 (quant/bf16_gemm.py); the int8 kernels as avx512_vnni
     avx512_vnni   AVX-512 VL/BW + VNNI: vpdpbusd (u8 x i8 dot of 4, into i32) on 256-bit vectors, and
-                  on 512-bit ones in the x8 GEMM (16 rows per instruction: quant/simd512.py)
+                  on 512-bit ones in the x8 GEMM (16 rows per instruction: core/simd512.py)
     avx_vnni      AVX-VNNI: the same vpdpbusd, VEX-encoded (Alder Lake and later)
     avx2          AVX2 + FMA: vpmaddubsw / vpmaddwd, ggml's AVX2 recipe
     portable      plain LLVM vector IR: the same results on any CPU, slower

@@ -4,7 +4,7 @@ FASTMATH is every kernel's flag set: fastmath without nnan/ninf, because attenti
 softmax rely on -inf behaving as -inf.
 
 Numba stamps a cached function with its own source file only. Our kernels inline intrinsics
-and helpers from sibling modules (pyml/quant/simd.py, activation.py, these flags), so after an
+and helpers from sibling modules (pyml/core/simd.py, activation.py, these flags), so after an
 edit there Numba would go on loading old machine code - and in a shared working tree, a
 process started before the edit writes old code back into the cache after any clean-up. So
 the cache entries of pyml/core, pyml/quant and pyml/nn (the fused decode kernels) are stamped
@@ -49,13 +49,16 @@ from pyml.core.isa import ISA
 FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: the fused decode kernels
+_KERNEL_DIRS = (_PACKAGE / "core", _PACKAGE / "quant", _PACKAGE / "nn")  # nn: attention and the decode recipe
 # the modules whose code ends up inside compiled kernels (not the dispatch or the docs)
 _KERNEL_SOURCES = ("core/atomics.py", "core/clock.py", "core/isa.py", "core/jit.py", "core/ops.py",
-                   "quant/activation.py", "quant/attention_ops.py", "quant/bf16.py", "quant/blocks32.py",
-                   "quant/floats.py", "quant/ggml_types.py",
-                   "quant/interleaved.py", "quant/kernel_set.py", "quant/kquants.py", "quant/quantizers.py",
-                   "quant/simd.py", "quant/simd512.py", "nn/fused.py")
+                   "core/simd.py", "core/simd512.py", "core/simd_int.py",
+                   "quant/activation.py", "quant/bf16_gemm.py", "quant/blocks32.py", "quant/floats.py",
+                   "quant/ggml_types.py", "quant/interleaved_gemm.py", "quant/interleaved_gemv.py",
+                   "quant/interleaved_pairs.py", "quant/interleaved_triples.py", "quant/kernel_set.py",
+                   "quant/kquants.py", "quant/quantizers.py",
+                   "nn/attention_kernels.py", "nn/attention_prefill.py", "nn/decode_kernels.py",
+                   "nn/decode_recipe.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never
 # loaded for another on the same CPU (PYML_ISA=avx2 beside the default avx512_vnni)
 FINGERPRINT = hashlib.sha1(b"".join((_PACKAGE / name).read_bytes() for name in _KERNEL_SOURCES)

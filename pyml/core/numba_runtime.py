@@ -4,7 +4,7 @@ Numba's on-disk cache holds our kernels, but not its own runtime module (NRT: th
 counting and allocation helpers every kernel links): every process compiles that on the first
 kernel it loads, and the one compile runs LLVM's optimiser and X86 code generator on it, paging
 in ~21 MiB of libllvmlite's code that a process whose kernels all come from the cache never
-touches otherwise - a third of SmolLM2 Q4_1's memory above llama.cpp's (docs/performance.md,
+touches otherwise - a third of SmolLM2 Q4_1's memory above llama.cpp's (docs/performance-journal.md,
 "Cold start"). `runtime_library` keeps the module's object code beside the kernels, checksummed
 and keyed by the Numba and llvmlite versions and the code generator's target (triple, CPU,
 features), and loads it as Numba loads a cached kernel (`unserialize_library`: object code plus

@@ -2,8 +2,8 @@
 
 Stateless and model-agnostic. Each op has a shape contract in its signature
 comment and a trace-level `[perf]` event. Row-wise ops (norms, activations) are
-small jitted kernels: as 4-5 NumPy calls they cost ~15 µs of dispatch on a
-576-wide row, which on a small model is more than the arithmetic.
+small jitted kernels: as 4-5 NumPy calls their dispatch would cost more than the
+arithmetic of a small model's row.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from pyml.core import perf
 from pyml.core.jit import FASTMATH
 
 _perf = perf.get("pyml.core.ops")
+# (name, details format) of the ops' spans, each of x's shape (gated_act: and the act); the fused
+# decode step names its compiled ops with them
+RMS_NORM_SPAN, LAYER_NORM_SPAN = ("rms_norm", "{}"), ("layer_norm", "{}")
+GELU_TANH_SPAN, GELU_ERF_SPAN, SILU_SPAN = ("gelu", "{} tanh"), ("gelu", "{} erf"), ("silu", "{}")
+GATED_SPAN = ("gated_act", "{} {}")
 
 # Every kernel takes error_model="numpy": with Python's, each float division checks for zero
 # and raises, and that branch keeps LLVM from vectorising the loop (a SiLU row ran 5x slower).
@@ -246,25 +251,10 @@ PARALLEL_MIN_WORK = 1 << 17
 
 # --- public ops -----------------------------------------------------------------
 
-def batched_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[B, M, K] x [B, K, N] -> [B, M, N]."""
-    with _perf.trace("batched_matmul", "{}x{}", a.shape, b.shape):
-        return np.matmul(a, b)
-
-
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax in place over `axis`; rows of all -inf stay finite-free."""
-    with _perf.trace("softmax", "{}", x.shape):
-        x -= x.max(axis=axis, keepdims=True)
-        np.exp(x, out=x)
-        x /= x.sum(axis=axis, keepdims=True)
-        return x
-
-
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, unit_offset: bool = False,
              out: np.ndarray | None = None) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * (w or 1 + w), over the last axis; x [.., d]."""
-    with _perf.trace("rms_norm", "{}", x.shape):
+    with _perf.trace(*RMS_NORM_SPAN, x.shape):
         x2 = x.reshape(-1, x.shape[-1])
         res = np.empty_like(x2) if out is None else out.reshape(x2.shape)
         _rms_norm_rows(x2, weight, eps, unit_offset, res)
@@ -273,25 +263,25 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, unit_offset: bool = 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """(x - mean) / sqrt(var + eps) * w + b over the last axis; x [.., d]."""
-    with _perf.trace("layer_norm", "{}", x.shape):
+    with _perf.trace(*LAYER_NORM_SPAN, x.shape):
         x2 = x.reshape(-1, x.shape[-1])
         return _layer_norm_rows(x2, weight, bias, eps, np.empty_like(x2)).reshape(x.shape)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (GPT-2 `gelu_new`, Gemma `gelu_pytorch_tanh`)."""
-    with _perf.trace("gelu", "{} tanh", x.shape):
+    with _perf.trace(*GELU_TANH_SPAN, x.shape):
         return _activation(x, 1)
 
 
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """GELU, exact erf form."""
-    with _perf.trace("gelu", "{} erf", x.shape):
+    with _perf.trace(*GELU_ERF_SPAN, x.shape):
         return _activation(x, 2)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    with _perf.trace("silu", "{}", x.shape):
+    with _perf.trace(*SILU_SPAN, x.shape):
         return _activation(x, 0)
 
 
@@ -305,7 +295,7 @@ GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 def gated(gate_up: np.ndarray, act: str) -> np.ndarray:
     """act(gate) * up for a fused [T, 2f] gate+up projection -> [T, f] (SwiGLU / GeGLU)."""
-    with _perf.trace("gated_act", "{} {}", gate_up.shape, act):
+    with _perf.trace(*GATED_SPAN, gate_up.shape, act):
         T, f2 = gate_up.shape
         return _act_rows(gate_up, GATED_ACTS[act], True, np.empty((T, f2 // 2), np.float32))
 

@@ -1,1 +1,2 @@
-"""Language models: configs, loaders, tokenizers, architectures, the generator and the CLI."""
+"""Language models: configs, loaders, tokenizers, architectures, the sampler, the generator and
+load_model (api.py), the one place a model is built from a file."""

@@ -343,9 +343,9 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
 
     `source` alone is guessed (`guess_format`). With none, the default model (SmolLM2-135M-Instruct).
     `kv_type`: how the KV caches of its generations are stored, f16 (default, as llama.cpp), f32
-    or q8_0 (docs/performance.md, "Attention and the KV cache"). `float_compute`: what float weights'
+    or q8_0 (docs/performance-journal.md, "Attention and the KV cache"). `float_compute`: what float weights'
     prefill GEMMs compute in, auto (bf16 for F16/BF16 weights where the CPU has AVX-512 BF16, else
-    f32), f32 or bf16 (quant.float_compute; docs/performance.md, "--float-compute bf16").
+    f32), f32 or bf16 (quant.float_compute; docs/performance-journal.md, "--float-compute bf16").
     """
     float_compute = check_float_compute(float_compute)
     if source is not None:

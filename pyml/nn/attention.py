@@ -5,20 +5,21 @@ from __future__ import annotations
 import numpy as np
 
 from pyml.core import perf
+from pyml.nn import attention_kernels, attention_prefill
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
-from pyml.quant import attention_ops
 
 _perf = perf.get("pyml.nn.attention")
+FORWARD_SPAN = ("attention::forward", "layer={} {} tokens={} pos={}")  # layer, kind, T, pos
 
 
 class Attention:
     """Query heads share key/value heads in groups: head h reads kv head h // (n_heads / n_kv_heads).
 
     qkv: one fused Linear producing [q | k | v], or a (q, k, v) tuple of Linears.
-    q_norm / k_norm: per-head norms applied before RoPE (Gemma 3); rope: None for GPT-2.
+    q_norm / k_norm: per-head norms applied before RoPE (Gemma 3, Qwen3); rope: None for GPT-2.
     window: keys at distance >= window from the query are masked (sliding layers).
-    prefill_bf16: a prefill's QK^T and PV on vdpbf16ps (attention_ops.attend_tiled; set by the model's
+    prefill_bf16: a prefill's QK^T and PV on vdpbf16ps (attention_prefill.attend_tiled; set by the model's
     float compute, quant.attention_compute), else float32.
     """
 
@@ -53,15 +54,16 @@ class Attention:
     def decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: int, cache: KVCache, layer: int,
                out: np.ndarray | None = None) -> np.ndarray:
         """KV write + attention of one token: q [H, hd] (contiguous), k, v [1, Hkv, hd] -> [H, hd].
-        The decode step of both paths, layer by layer and fused (nn/fused.py)."""
+        The layer-by-layer path's decode step; the fused step (nn/fused.py) calls the same kernel,
+        attention_kernels.decode_into, from compiled code."""
         cache.update(layer, pos, k, v)
         start = max(0, pos + 1 - self.window) if self.window else 0
         out = out if out is not None else np.empty((self.n_heads, self.head_dim), np.float32)
-        return attention_ops.attend_decode(q, *cache.layer(layer), start, pos + 1, self.scale, out)
+        return attention_kernels.attend_decode(q, *cache.layer(layer), start, pos + 1, self.scale, out)
 
     def __call__(self, x: np.ndarray, pos: int, cache: KVCache, layer: int) -> np.ndarray:
         T = x.shape[0]
-        with _perf.trace("attention::forward", "layer={} {} tokens={} pos={}", layer, self.kind, T, pos,
+        with _perf.trace(*FORWARD_SPAN, layer, self.kind, T, pos,
                          module=self.name, op="attention", layer=layer, kind=self.kind):
             q, k, v = self._project(x)
             if self.q_norm is not None:
@@ -79,6 +81,6 @@ class Attention:
             for t0 in range(0, T, piece):
                 t1 = min(T, t0 + piece)
                 cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
-                ctx[t0:t1] = attention_ops.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
+                ctx[t0:t1] = attention_prefill.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
                                                         self.window or 0, self.prefill_bf16)
             return self.o_proj(ctx.reshape(T, -1))

@@ -21,9 +21,9 @@ class TransformerBlock:
                  post_ffn_norm=None, name: str = ""):
         self.index, self.attn_norm, self.attn, self.ffn_norm, self.ffn = index, attn_norm, attn, ffn_norm, ffn
         self.post_attn_norm, self.post_ffn_norm, self.name = post_attn_norm, post_ffn_norm, name
-        self._event = f"transformer[{index}]::forward"
-        # a decode step (T == 1) runs as two fused kernels (nn/fused.py); made on the first one,
-        # after load has packed the weights. False: always the layer-by-layer path (the reference).
+        self.span_name = f"transformer[{index}]::forward"  # the fused step's block span too
+        # a decode step (T == 1) runs through the block's FusedBlock (nn/fused.py), made on the first
+        # one, after load has packed the weights. False: always the layer-by-layer path (the reference).
         self.fused_decode = True
         self._fused = None
 
@@ -44,7 +44,7 @@ class TransformerBlock:
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         if x.shape[0] == 1 and self.fused_decode and self.fused() is not None:
             return self._fused(x, pos, cache)
-        with _perf.debug(self._event, "", module=self.name, op="block", layer=self.index,
+        with _perf.debug(self.span_name, "", module=self.name, op="block", layer=self.index,
                          kind=self.attn.kind) as span:
             with span.part("attn"):
                 h = self.attn(self.attn_norm(x), pos, cache, self.index)

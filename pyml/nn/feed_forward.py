@@ -8,6 +8,8 @@ from pyml.core import ops, perf
 from pyml.nn.linear import Linear
 
 _perf = perf.get("pyml.nn.feed_forward")
+MLP_SPAN = ("feed_forward", "{} mlp")  # x's shape
+GATED_SPAN = ("feed_forward", "{} {}")  # x's shape, act
 
 
 class MLP:
@@ -21,7 +23,7 @@ class MLP:
         return [self.up, self.down]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        with _perf.trace("feed_forward", "{} mlp", x.shape, module=self.name, op="feed_forward"):
+        with _perf.trace(*MLP_SPAN, x.shape, module=self.name, op="feed_forward"):
             return self.down(self.act(self.up(x)))
 
 
@@ -38,7 +40,7 @@ class GatedMLP:
         return ([self.gate_up] if self.fused else [self.gate, self.up]) + [self.down]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        with _perf.trace("feed_forward", "{} {}", x.shape, self.act, module=self.name, op="feed_forward"):
+        with _perf.trace(*GATED_SPAN, x.shape, self.act, module=self.name, op="feed_forward"):
             if self.gate_up is not None:
                 h = ops.gated(self.gate_up(x), self.act)
             else:

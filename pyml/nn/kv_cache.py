@@ -1,6 +1,6 @@
 """Preallocated key/value cache in a stored type (f32, f16, q8_0), one set of arrays per layer.
 
-The layout is the attention kernels' (quant/attention_ops.py): keys in tiles of 8 positions x
+The layout is the attention kernels' (nn/attention_kernels.py): keys in tiles of 8 positions x
 head_dim with the positions in vector lanes, values [n_kv_heads, slots, head_dim]; q8_0 adds an
 fp16 scale per 32 values. Position p lives in slot p % slots. A full layer has a slot for every
 position; a sliding-window layer keeps a ring (as mlx-lm's RotatingKVCache) of its window plus
@@ -9,7 +9,7 @@ A head_dim that is not a multiple of 16 is stored zero-padded to one. Nothing is
 per token.
 
 f16 is the default, as llama.cpp's: half the bytes of f32 for a decode step to read, with
-errors documented in docs/performance.md ("Attention and the KV cache").
+errors documented in docs/performance-journal.md ("Attention and the KV cache").
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.core.errors import PymlError
-from pyml.quant.attention_ops import BLOCK, KV_TYPES, QBLOCK, read_kv, write_kv
+from pyml.nn.attention_kernels import BLOCK, KV_TYPES, QBLOCK, read_kv, write_kv
 
 _perf = perf.get("pyml.nn.kv_cache")
+UPDATE_SPAN = ("kv_cache::update", "layer={} pos={} {}")  # layer, pos, kv type
 
 DEFAULT_KV_TYPE = "f16"
 RING_SLACK = 256  # slots beyond the window a sliding layer's ring keeps (the prefill piece - 1)
@@ -150,7 +151,7 @@ class KVCache:
         stored type (a ring layer keeps the last of them when T exceeds its slots)."""
         T = k.shape[0]
         self.claim(layer, pos, T)
-        with _perf.trace("kv_cache::update", "layer={} pos={} {}", layer, pos, self.kv_type, layer=layer,
+        with _perf.trace(*UPDATE_SPAN, layer, pos, self.kv_type, layer=layer,
                          op="kv_cache"):
             skip = max(0, T - self.slots[layer])
             write_kv(np.ascontiguousarray(k[skip:], np.float32), np.ascontiguousarray(v[skip:], np.float32),

@@ -18,6 +18,8 @@ from pyml.core.mapping import release_pages
 from pyml.quant import QuantType
 
 _perf = perf.get("pyml.nn.linear")
+FORWARD_SPAN = ("linear::forward", "{}->{} {}")  # (x's shape, (in, out), type); the fused step's too
+MATMUL_FMT = "[{}x{}]x[{}x{}]"  # quant::matmul_f32_<type>: T, in, out, in
 _SLAB_ROWS = 8192  # rows converted at a time by requantize: 8192 x 1152 float32 = 38 MB in flight
 
 
@@ -72,14 +74,14 @@ class Linear:
         self.weight, self.bias, self.name = weight, bias, name
         self.prefill_weight = None  # bf16 blocks of float weights for T > 1 (pack, --float-compute bf16)
         self.out_features, self.in_features = weight.shape
-        self._quant_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"
-        self._dims, self._type_name = (self.in_features, self.out_features), weight.qtype.name  # for the spans
+        self.matmul_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"  # for the spans
+        self.dims, self.type_name = (self.in_features, self.out_features), weight.qtype.name
 
     def __call__(self, x: np.ndarray) -> np.ndarray:  # [T, in] -> [T, out]
         w = self.weight
-        with _perf.trace("linear::forward", "{}->{} {}", x.shape, self._dims, self._type_name,
-                         module=self.name, op="linear", dtype=self._type_name):
-            with _perf.trace(self._quant_event, "[{}x{}]x[{}x{}]", x.shape[0], x.shape[1],
+        with _perf.trace(*FORWARD_SPAN, x.shape, self.dims, self.type_name,
+                         module=self.name, op="linear", dtype=self.type_name):
+            with _perf.trace(self.matmul_event, MATMUL_FMT, x.shape[0], x.shape[1],
                              self.out_features, self.in_features, module=self.name, op="quant_matmul"):
                 data = w.data if self.prefill_weight is None or x.shape[0] == 1 else self.prefill_weight
                 y = quant.matmul(x, data, w.qtype, self.in_features)
@@ -107,7 +109,7 @@ class Linear:
         """Re-lay quantized weights 8 rows at a time where pyml.quant has that layout (Q4_0, Q4_1,
         Q5_0, Q5_1, Q8_0, Q4_K: 1.2-3.8x the matmul speed); quant.pack gives the file's pages of
         the original back as it copies. Float weights whose `float_compute` (quant.FLOAT_COMPUTE)
-        resolves to bf16 get bf16 blocks for the prefill beside them (quant/bf16.py); a decode step
+        resolves to bf16 get bf16 blocks for the prefill beside them (quant/bf16_gemm.py); a decode step
         (T == 1) keeps streaming the stored weights. Call after fuse. Returns whether it packed."""
         w = self.weight
         if isinstance(w.data, quant.Packed) or self.prefill_weight is not None:

@@ -14,6 +14,7 @@ from pyml.core import ops, perf
 from pyml.core.errors import ModelFormatError
 
 _perf = perf.get("pyml.nn.rope")
+SPAN = ("rope", "{} pos={} {}")  # x's shape, pos, style
 
 
 class RoPE:
@@ -48,7 +49,7 @@ class RoPE:
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""
-        with _perf.trace("rope", "{} pos={} {}", x.shape, pos, self.style, op="rope"):
+        with _perf.trace(*SPAN, x.shape, pos, self.style, op="rope"):
             if x.shape[0] == 1:  # a decode step: one position's angles, on the calling thread
                 return ops.rope(x, pos, self.inv_freq, self.style == "interleaved")
             return ops.rope_by_table(x, *self.table(pos, x.shape[0]), self.style == "interleaved")

@@ -20,7 +20,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from pyml.quant.simd import FASTMATH, absmax32, round_store32, round_store32_u8
+from pyml.core.simd import FASTMATH
+from pyml.core.simd_int import absmax32, round_store32, round_store32_u8
 
 
 # fastmath=False said, not left out: a callee without the option inherits its caller's (Numba's

@@ -34,10 +34,10 @@ import numba
 import numpy as np
 
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_SIZE
-from pyml.quant.simd import (abs_u8, add, as_i8, bits_to_u8, dot32_f32, f32x8, fma, hsum, lane, lanes_f32,
-                             load_f32x8, load_fp16, load_fp16x8, load_i8x32, load_i16x16, load_nibbles16, load_u32,
-                             maddubs, minus_i8, mul, or_u8, prefetch, shl_i16, sign_i8, store_f32x8, sub_i16,
-                             sum_pairs, to_f32, zeros_f32x8)
+from pyml.core.simd import (add, dot32_f32, f32x8, fma, hsum, lane, lanes_f32, load_f32x8, load_fp16, load_fp16x8,
+                            load_i16x16, load_i8x32, load_nibbles16, load_u32, mul, prefetch, store_f32x8, to_f32,
+                            zeros_f32x8)
+from pyml.core.simd_int import abs_u8, as_i8, bits_to_u8, maddubs, minus_i8, or_u8, shl_i16, sign_i8, sub_i16, sum_pairs
 
 
 

@@ -21,9 +21,9 @@ from numba import prange
 from pyml.core.isa import REGISTERS, ZMM
 from pyml.quant.ggml_types import F16, F32
 from pyml.quant.kernel_set import KernelSet, chunk_rows, n_chunks
-from pyml.quant.simd import (FASTMATH, add, bf16_to_f32, f32x8, fma, half_to_f32, hsum, load_bf16x8, load_f16x8,
-                             load_f32x8, prefetch, store_f32x8, transpose_u32, zeros_f32x8)
-from pyml.quant.simd512 import f32x16, fma16, load_f32x16, store_f32x16
+from pyml.core.simd import (FASTMATH, add, bf16_to_f32, f32x8, fma, half_to_f32, hsum, load_bf16x8, load_f16x8,
+                            load_f32x8, prefetch, store_f32x8, transpose_u32, zeros_f32x8)
+from pyml.core.simd512 import f32x16, fma16, load_f32x16, store_f32x16
 
 
 

@@ -26,7 +26,7 @@ from pyml.core.isa import ZMM
 from pyml.quant import blocks32, kquants
 from pyml.quant.activation import quantize_q8, quantize_rows_q8, quantize_rows_u8, sums32
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K
-from pyml.quant.simd import FASTMATH, HAVE_AVX2, HAVE_VNNI, hsum
+from pyml.core.simd import FASTMATH, HAVE_AVX2, HAVE_VNNI, hsum
 
 
 class KernelSet(NamedTuple):

@@ -35,15 +35,16 @@ import numba
 import numpy as np
 
 from pyml.quant.ggml_types import Q4_K, Q5_K, Q6_K, TYPE_SIZE
-from pyml.quant.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_f32x16, load_i32x16,
-                                load_u8x4_bcast16, load_u8x64, mul16, store_f32x16, sub_i32x16, to_f32x16,
-                                zeros_f32x16, zeros_i32x16)
-from pyml.quant.simd import (HAVE_VNNI, add, add_i16, add_i32, and_u8, as_i8, bit_to_u8, dot16_f32, dot32_f32, dpbusd, f32x8, fma,
-                             fnma, hsum, i16_halves, kscales, lane, lanes_f32, load_f32x8, load_fp16, load_i8x16_i16,
-                             load_i8x32, load_i16x16, load_i32x8, load_u8x4_bcast, load_u8x32, madd, maddubs,
-                             minus_i8, mul, nibbles_hi, nibbles_lo, or_u8, pair_i16, prefetch, shl_i16, shl_u8,
-                             shr_u8, splat_u8, store_f32x8, store_i8x32, store_i16x16, store_i32x8, sub, sub_i16, sub_lanes_i32,
-                             sum_pairs, to_f32, transpose_u32, zeros_f32x8, zeros_i32x8)
+from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_f32x16, load_i32x16,
+                               load_u8x4_bcast16, load_u8x64, mul16, store_f32x16, sub_i32x16, to_f32x16, zeros_f32x16,
+                               zeros_i32x16)
+from pyml.core.simd import (HAVE_VNNI, add, dot16_f32, dot32_f32, f32x8, fma, fnma, hsum, lane, lanes_f32, load_f32x8,
+                            load_fp16, load_i16x16, load_i32x8, load_i8x16_i16, load_i8x32, load_u8x32,
+                            load_u8x4_bcast, mul, prefetch, splat_u8, store_f32x8, store_i16x16, store_i32x8,
+                            store_i8x32, sub, to_f32, transpose_u32, zeros_f32x8, zeros_i32x8)
+from pyml.core.simd_int import (add_i16, add_i32, and_u8, as_i8, bit_to_u8, dpbusd, i16_halves, kscales, madd, maddubs,
+                                minus_i8, nibbles_hi, nibbles_lo, or_u8, pair_i16, shl_i16, shl_u8, shr_u8, sub_i16,
+                                sub_lanes_i32, sum_pairs)
 
 
 

@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from pyml.quant.simd import f32_to_half
+from pyml.core.simd import f32_to_half
 
 
 @numba.njit

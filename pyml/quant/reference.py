@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyml.quant.formats import row_bytes, traits_of
+from pyml.quant.traits import row_bytes, traits_of
 
 
 def dequantize_reference(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:

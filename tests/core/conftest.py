@@ -4,9 +4,15 @@ import contextlib
 import io
 import logging
 
+import numpy as np
 import pytest
 
 from pyml.core import perf
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
 
 
 @pytest.fixture

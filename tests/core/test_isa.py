@@ -147,7 +147,7 @@ _N = 24
 _ASM_PROBE = textwrap.dedent("""
     import json, re, numba, numpy as np
     from pyml.core import isa
-    from pyml.quant.simd import f32x8, fma, load_f32x8, mul, store_f32x8, zeros_f32x8
+    from pyml.core.simd import f32x8, fma, load_f32x8, mul, store_f32x8, zeros_f32x8
 
     @numba.njit
     def many(x, out):

@@ -7,7 +7,7 @@ top-1 agreement, and the rank transformers gives pyml's top token) and the greed
 `--tokens` tokens (how many leading tokens equal transformers' greedy ones). The KV cache is f32,
 so the float compute is the only difference from the oracle's float32 arithmetic; decode steps
 (T == 1) stream the stored weights in either mode, so a continuation differs only through what the
-prefill left in the cache. Prints one Markdown table (docs/performance.md, "--float-compute bf16").
+prefill left in the cache. Prints one Markdown table (docs/performance-journal.md, "--float-compute bf16").
 """
 
 from __future__ import annotations

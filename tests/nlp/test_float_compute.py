@@ -13,7 +13,7 @@ from tests.nlp.test_llama import PROMPTS, save_hf_llama
 
 IDS = [3, 17, 42, 90, 0, 7, 7, 56, 11, 23, 5, 64, 31, 2, 88, 40, 19]
 needs_bf16 = pytest.mark.skipif(not quant.BF16_AVAILABLE, reason=f"no avx512_bf16 on ISA path {isa.ISA}: "
-                                                                   "tests/quant/test_bf16.py checks the fallback")
+                                                                   "tests/quant/test_bf16_gemm.py checks the fallback")
 
 
 def _range_err(got, ref) -> float:

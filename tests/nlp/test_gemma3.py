@@ -92,7 +92,7 @@ def test_prefill_logits_match(gemma_pair):
 
 
 @pytest.mark.skipif(not quant.BF16_AVAILABLE, reason="no avx512_bf16 on this ISA path: the bf16 prefill attention "
-                    "cannot run (quant.attention_compute answers f32; tests/quant/test_attention_ops.py)")
+                    "cannot run (quant.attention_compute answers f32; tests/nn/test_attention_kernels.py)")
 def test_bf16_prefill_attention_matches_transformers(gemma_pair):
     """The prefill's QK^T and PV on vdpbf16ps (what auto and bf16 pick on this CPU), the weights float32:
     q, k, v and the probabilities rounded to bf16 move the logits within bf16's bound."""

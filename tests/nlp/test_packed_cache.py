@@ -1,6 +1,6 @@
 """The packed-weights cache: later loads map what the first one packed (the same bytes), and a
 changed model file, a new packer, a truncated or corrupt cache file or a folder that cannot be
-written are each handled as docs/performance.md ("Cold start") says."""
+written are each handled as docs/performance-journal.md ("Cold start") says."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from pyml.cli.standins import write_llama_gguf
 PROBE = r"""
 import json, sys
 from pyml import load_model
-from pyml.quant import attention_ops
+from pyml.nn import attention_prefill
 lm = load_model(gguf=sys.argv[1], threads=1, warmup=sys.argv[2] == "warm")
-tiled = lambda: len(attention_ops._tiled.signatures) + len(attention_ops._tiled_bf16.signatures)  # f32 or bf16
+tiled = lambda: len(attention_prefill._tiled.signatures) + len(attention_prefill._tiled_bf16.signatures)  # f32 or bf16
 seen = {"load": [tiled(), lm.warmup_s]}
 lm.generate([5], max_tokens=3)
 seen["one-token prompt"] = [tiled(), lm.warmup_s]

@@ -1,6 +1,6 @@
 """The attention layer over its KV cache: a sliding-window layer's ring against transformers (prompts
 longer than the ring, decode far past the window), the cache's types and their errors on the real
-models (docs/performance.md, "Attention and the KV cache"), and what a cache costs in memory."""
+models (docs/performance-journal.md, "Attention and the KV cache"), and what a cache costs in memory."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,6 @@
-"""The fused decode step (nn/fused.py) against the layer-by-layer path it replaces, on every weight
-type and block shape: the same kernels in the same order, so float32-close (in fact equal).
+"""The fused decode step (nn/decode_recipe.py, run by nn/fused.py) against its oracle, the
+layer-by-layer path, on every weight type and block shape: the same kernels in the same order, so
+float32-close (in fact equal).
 The whole models are held to transformers by tests/nlp (their decode steps run fused)."""
 
 import logging

@@ -7,8 +7,9 @@ import pytest
 
 from pyml import quant
 from pyml.quant import QuantType
-from pyml.quant import interleaved
-from pyml.quant.interleaved import SIGNED_KINDS, interleaved_kernels
+from pyml.quant import interleaved_triples
+from pyml.quant.interleaved_gemm import interleaved_kernels
+from pyml.quant.interleaved_triples import SIGNED_KINDS
 from tests.quant.helpers import make_weights, odd_cols, q8_activation
 from tests.quant.test_matmul import RTOL, _q8_error_bound, _ref
 
@@ -134,11 +135,11 @@ def test_largest_codes_and_activations_do_not_overflow(qtype, fill):
 @pytest.mark.parametrize("qtype", TRIPLES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [8, 16, 24, 57])  # units of 1, 2 and 3 groups; 57: three units and a tail row
 def test_the_avx2_triples_give_the_same_bits_as_every_path(rng, qtype, rows):
-    """interleaved.py's GEMM without VNNI (three groups per activation quad, codes recentred as the
+    """interleaved_triples.py's GEMM without VNNI (three groups per activation quad, codes recentred as the
     signed operand) against the one this CPU dispatches to: the same integers and float ops, so the
     same floats, bit for bit (tests/core/test_isa.py checks the paths it runs the same way)."""
     n_cols = 768 if qtype == QuantType.Q4_K else 608  # 24 and 19 blocks: more than one CHUNK of them
-    assert n_cols // 32 > interleaved.CHUNK
+    assert n_cols // 32 > interleaved_triples.CHUNK
     packed = quant.pack(make_weights(rng, qtype, rows, n_cols), qtype, n_cols)
     for T in (1, 4, 19):
         x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)

@@ -19,7 +19,7 @@ import pyml
 from pyml.core import perf
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.generator import Generator
-from pyml.quant import attention_ops
+from pyml.nn import attention_kernels
 
 STEPS = 2000
 EARLY, LATE = (100, 200), (STEPS - 100, STEPS)
@@ -39,7 +39,7 @@ def attention_cost(model, cache, context: int, repeats: int = 21) -> float:
     for _ in range(repeats):
         t0 = time.thread_time()
         for layer in range(len(model.blocks)):
-            attention_ops.attend_decode(q, *cache.layer(layer), 0, context, 0.125, out)
+            attention_kernels.attend_decode(q, *cache.layer(layer), 0, context, 0.125, out)
         times.append(time.thread_time() - t0)
     return statistics.median(times)
 

@@ -1,7 +1,8 @@
-"""Attention kernels over the KV cache in its stored type (f32, f16, q8_0): decode and tiled prefill.
+"""Attention kernels over the KV cache in its stored type (f32, f16, q8_0): the cache's layout, its
+write and read, the rows-against-a-span core, and decode (the prefill's tiles: attention_prefill.py).
 
-Why here and not in core: the kernels are written in the SIMD vocabulary (simd.py: F32x8 values,
-vcvtph2ps loads) and read the q8_0 block format, both of this room.
+They live beside the KV cache whose layout they define (nn/kv_cache.py), written in the SIMD
+vocabulary of core/simd.py (F32x8 values, vcvtph2ps loads).
 
 Cache layout (one layer; Hkv kv heads, `cap` slots, head_dim hd; see nn/kv_cache.py):
 
@@ -34,23 +35,21 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-from pyml.core import atomics, perf
-from pyml.core.isa import BF16 as HAVE_BF16
+from pyml.core import perf, simd
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
-from pyml.quant import bf16, simd
-from pyml.quant.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
+from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
 
-_perf = perf.get("pyml.quant.attention_ops")
+PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
+DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
 
 BLOCK = 8       # positions per key tile: one F32x8 of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
 ROWS = 4        # query rows computed against one load of a key tile
 QBLOCK = 32     # q8_0: values per scale, along head_dim
-TILE_Q = 8      # prefill: queries per work item (x the group's heads = its rows)
 
 KV_TYPES = {"f32": np.float32, "f16": np.uint16, "q8_0": np.int8}  # name -> stored code dtype
-_TYPE_NAMES = {code: name for name, code in KV_TYPES.items()}
+TYPE_NAMES = {code: name for name, code in KV_TYPES.items()}
 _NOTHING = np.zeros((0, 1, 1), np.float32)  # attend_decode without a key and value to write
 
 
@@ -225,8 +224,30 @@ def _scores4x2(q, r0, keys, k_scale, kv, kb, scores, col):
     store_f32x8(scores[r0 + 3], col + BLOCK, t3)
 
 
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def chunk_row_max(scores, r, width, c0, lo, hi, qp, window, masked, m, l, acc, acc_width):
+    """The online softmax's step for row r of a chunk of scores (positions c0 ..): when `masked`,
+    the positions outside lo .. hi-1, after the row's query position qp or beyond its window set to
+    -inf; then the running max m[r] raised to the chunk's, l[r] and acc[r, :acc_width] rescaled to
+    it. Returns the chunk's max: -inf when the row sees nothing in it. Decode, the float32 prefill
+    and the bf16 prefill all take it."""
+    if masked:
+        for j in range(width):
+            p = c0 + j
+            keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
+            scores[r, j] = scores[r, j] if keep else -np.inf
+    best = max32(scores[r], width)
+    if best > m[r]:
+        alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
+        l[r] *= alpha
+        for i in range(acc_width):
+            acc[r, i] *= alpha
+        m[r] = best
+    return best
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores):
+def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores):
     """Fold positions lo .. hi-1 of kv head `kv` into the online softmax of query rows q
     [R, hd] (R a multiple of ROWS, already scaled; rows >= n_rows are padding). Row r sees
     position p when p <= qpos[r] and (window == 0 or qpos[r] - p < window).
@@ -255,22 +276,10 @@ def _attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, wi
             if r >= n_rows:
                 scores[r, :width] = 0.0
                 continue
-            if not unmasked:
-                qp = qpos[r]
-                for j in range(width):
-                    p = c0 + j
-                    keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
-                    scores[r, j] = scores[r, j] if keep else -np.inf
-            best = max32(scores[r], width)
+            best = chunk_row_max(scores, r, width, c0, lo, hi, qpos[r], window, not unmasked, m, l, acc, hd)
             if best == -np.inf:
                 scores[r, :width] = 0.0
                 continue
-            if best > m[r]:
-                alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
-                l[r] *= alpha
-                for i in range(hd):
-                    acc[r, i] *= alpha
-                m[r] = best
             mr = m[r]
             total = np.float32(0.0)
             for j in range(width):
@@ -330,13 +339,13 @@ def decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, s
     l[item, :] = 0.0
     acc[item, :, :] = 0.0
     if lo < hi:
-        _attend_rows(qs[kv], qpos, group, keys, k_scale, values, v_scale, kv, lo, hi, window,
+        attend_rows(qs[kv], qpos, group, keys, k_scale, values, v_scale, kv, lo, hi, window,
                      m[item], l[item], acc[item], scores[item])
 
 
 def decode_scratch(n_heads: int, n_kv: int, hd: int, items: int) -> tuple:
     """(qs, qpos, m, l, acc, scores): the buffers of a decode step of up to `items` (kv head, part)
-    items (hd: the cache's, padded to 16), for callers that keep them (nn/fused.py's one-region
+    items (hd: the cache's, padded to 16), for callers that keep them (nn/decode_kernels.py's region
     step); decode_begin, decode_item and decode_merge use them."""
     R = (n_heads // n_kv + ROWS - 1) // ROWS * ROWS
     return (np.zeros((n_kv, R, hd), np.float32), np.zeros(R, np.int64), np.empty((items, R), np.float32),
@@ -421,239 +430,10 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
     """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
-    (nn/fused.py's decode kernels): `splits` from decode_plan, 0 = on the calling thread."""
+    (nn/decode_kernels.py's decode_layers): `splits` from decode_plan, 0 = on the calling thread."""
     if splits:
         return _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out)
     return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, 1, out)
-
-
-# --- prefill: tiles of queries x the key tiles they see ---------------------------------
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos):
-    """A prefill item's query rows: item -> (kv head, tile's first query t0, its queries nt), the
-    latest tiles first; qs [R, hdp] <- its queries' heads of that group (scaled, zero padding rows),
-    qpos their positions (padding rows: the tile's last)."""
-    T, H, hd = q.shape
-    group = H // n_kv
-    kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
-    t0 = tile * TILE_Q
-    nt = min(TILE_Q, T - t0)
-    qs[:, :] = 0.0
-    qpos[:] = pos + t0 + nt - 1
-    for t in range(nt):
-        for g in range(group):
-            qpos[t * group + g] = pos + t0 + t
-            for i in range(hd):
-                qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
-    return kv, t0, nt
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _item_out(acc, l, kv, t0, nt, group, out):
-    """out[t0 .. t0+nt, kv head kv's group of heads] = acc / l of the item's rows."""
-    for t in range(nt):
-        for g in range(group):
-            r = t * group + g
-            for i in range(out.shape[2]):
-                out[t0 + t, kv * group + g, i] = acc[r, i] / l[r]
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads):
-    """q [T, H, hd] at positions pos .. pos+T-1 -> out [T, H, hd]; items (kv head, TILE_Q queries).
-
-    Causal items are unequal (the last tile of a 512-token prompt sees 64x the keys of the
-    first), so a static split of the items by count left one thread with ~3/4 of the work. Each
-    thread instead claims the next item from a shared counter, the heaviest (latest) tiles first:
-    the threads end within about one light item of each other, and a thread the OS descheduled
-    leaves its share to the other rather than holding it."""
-    T, H, hd = q.shape
-    n_kv, hdp = values.shape[0], values.shape[2]  # the cache's head_dim, padded to 16 with zeros
-    group = H // n_kv
-    n_tiles = (T + TILE_Q - 1) // TILE_Q
-    n_items = n_kv * n_tiles
-    R = (TILE_Q * group + ROWS - 1) // ROWS * ROWS
-    claimed = np.zeros(1, np.int64)
-    for _worker in numba.prange(min(n_threads, n_items)):
-        qs = np.zeros((R, hdp), np.float32)
-        qpos = np.empty(R, np.int64)
-        m = np.empty(R, np.float32)
-        l = np.empty(R, np.float32)
-        acc = np.empty((R, hdp), np.float32)
-        scores = np.empty((R, CHUNK), np.float32)
-        while True:
-            item = atomics.fetch_add(claimed, 0, 1)
-            if item >= n_items:
-                break
-            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:, :] = 0.0
-            lo = max(0, pos + t0 - window + 1) if window > 0 else 0
-            _attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
-                         m, l, acc, scores)
-            _item_out(acc, l, kv, t0, nt, group, out)
-    return out
-
-
-# --- prefill on vdpbf16ps (the avx512_bf16 path) --------------------------------------------
-#
-# The prefill's QK^T and PV are GEMMs: q rows [R, hd] x a chunk's keys, probabilities [R, 64] x its
-# values. On a CPU with AVX-512 BF16 both run through bf16.py's register tile (32 lanes x 8 rows,
-# 16 vdpbf16ps accumulators: twice the float32 FMA's products per instruction), on the span's keys
-# and values rounded to bf16 once per call in the tile's layout:
-#
-#   kb  uint16 [Hkv, n32, hdp/2 * 64]      32 positions per block, pairs of dims (bf16.py's rows =
-#                                           positions, columns = dims): one block x a query row's
-#                                           dim pairs -> 32 scores
-#   vb  uint16 [Hkv, hdw/32, n32*16 * 64]  32 dims per block, pairs of positions (rows = dims,
-#                                           columns = positions): a chunk's 32 pairs x a row's
-#                                           probability pairs -> 32 dims of its P.V
-#
-# positions base + i, base = the span's first position rounded down to a chunk, zeros past its end.
-# q (scaled) and the probabilities are rounded to bf16 (RNE) too; scores, the softmax and the
-# accumulators stay float32, and each row's sum l adds the rounded probabilities it multiplied.
-
-PAIR_BF16 = 2 * bf16.ROWS  # values per pair of a 32-lane bf16 block
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _span_to_bf16(keys, k_scale, values, v_scale, lo, hi, base, kf, vf, kb, vb):
-    """Positions lo .. hi-1 of the cache -> kb, vb (layouts above; kf, vf float32 [Hkv, n32 * 32, hdp]
-    scratch): read_kv's reading of each stored type, then bf16 RNE; zeros outside lo .. hi-1."""
-    n_kv, n32, hdp = kb.shape[0], kb.shape[1], kf.shape[2]
-    n_vblocks = vb.shape[1]
-    for item in numba.prange(n_kv * n32):
-        kv, b = item // n32, item % n32
-        p0 = base + b * bf16.ROWS
-        r0, r1 = min(max(p0, lo), hi), min(max(p0 + bf16.ROWS, lo), hi)  # the block's positions in the span
-        kf[kv, p0 - base:p0 - base + bf16.ROWS, :] = 0.0
-        vf[kv, p0 - base:p0 - base + bf16.ROWS, :] = 0.0
-        if r0 < r1:
-            read_kv(keys[kv:kv + 1], k_scale[kv:kv + 1], values[kv:kv + 1], v_scale[kv:kv + 1], r0, r1,
-                    kf[kv:kv + 1, r0 - base:r1 - base], vf[kv:kv + 1, r0 - base:r1 - base])
-        for j in range(bf16.ROWS):
-            ku = kf[kv, p0 - base + j].view(np.uint32)
-            vu = vf[kv, p0 - base + j].view(np.uint32)
-            lane = 32 * (j // 16) + 2 * (j % 16)  # keys: position j of the block is a row
-            for pr in range(hdp // 2):
-                kb[kv, b, PAIR_BF16 * pr + lane] = bf16._round_bits(ku[2 * pr])
-                kb[kv, b, PAIR_BF16 * pr + lane + 1] = bf16._round_bits(ku[2 * pr + 1])
-            pair, odd = (b * bf16.ROWS + j) // 2, (b * bf16.ROWS + j) % 2  # values: position j is a column
-            for g in range(n_vblocks):
-                for dd in range(bf16.ROWS):
-                    d = g * bf16.ROWS + dd
-                    bits = bf16._round_bits(vu[d]) if d < hdp else np.uint16(0)
-                    vb[kv, g, PAIR_BF16 * pair + 32 * (dd // 16) + 2 * (dd % 16) + odd] = bits
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _rows8(r0):
-    return (r0, r0 + 1, r0 + 2, r0 + 3, r0 + 4, r0 + 5, r0 + 6, r0 + 7)
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
-    """_tiled's items and online softmax over kb, vb (the span in bf16, from base): out [T, H, hd]."""
-    T, H, hd = q.shape
-    n_kv, hdp, n_vblocks = kb.shape[0], kb.shape[2] // bf16.ROWS, vb.shape[1]
-    hdw = n_vblocks * bf16.ROWS
-    group = H // n_kv
-    n_tiles = (T + TILE_Q - 1) // TILE_Q
-    n_items = n_kv * n_tiles
-    R = (TILE_Q * group + 7) // 8 * 8  # bf16._tile computes 8 rows at a time
-    claimed = np.zeros(1, np.int64)
-    for _worker in numba.prange(min(n_threads, n_items)):
-        qs = np.zeros((R, hdp), np.float32)
-        qb = np.zeros((R, hdp), np.uint16)
-        qpos = np.empty(R, np.int64)
-        m = np.empty(R, np.float32)
-        l = np.empty(R, np.float32)
-        acc = np.empty((R, hdw), np.float32)
-        pv = np.empty((R, hdw), np.float32)
-        scores = np.empty((R, CHUNK), np.float32)
-        pb = np.zeros((R, CHUNK), np.uint16)
-        while True:
-            item = atomics.fetch_add(claimed, 0, 1)
-            if item >= n_items:
-                break
-            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
-            n_rows = nt * q.shape[1] // n_kv
-            for r in range(R):
-                u = qs[r].view(np.uint32)
-                for i in range(hdp):
-                    qb[r, i] = bf16._round_bits(u[i])
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:, :] = 0.0
-            lo = max(0, pos + t0 - window + 1) if window > 0 else 0
-            hi = pos + t0 + nt
-            q_first, q_last = pos + t0, pos + t0 + nt - 1
-            c0 = lo - (lo - base) % CHUNK
-            while c0 < hi:
-                blk = (c0 - base) // bf16.ROWS
-                for half in range(CHUNK // bf16.ROWS):
-                    for r0 in range(0, R, 8):
-                        bf16._tile(kb[kv, blk + half], qb, _rows8(r0), hdp // 2, scores, half * bf16.ROWS)
-                unmasked = c0 >= lo and c0 + CHUNK <= hi and c0 + CHUNK - 1 <= q_first and \
-                    (window == 0 or q_last - c0 < window)
-                for r in range(R):
-                    if r >= n_rows:
-                        pb[r, :] = 0
-                        continue
-                    if not unmasked:
-                        qp = qpos[r]
-                        for j in range(CHUNK):
-                            p = c0 + j
-                            keep = (p >= lo) & (p < hi) & (p <= qp) & ((window == 0) | (qp - p < window))
-                            scores[r, j] = scores[r, j] if keep else -np.inf
-                    best = max32(scores[r], CHUNK)
-                    if best == -np.inf:
-                        pb[r, :] = 0
-                        continue
-                    if best > m[r]:
-                        alpha = exp32(m[r] - best) if m[r] > -np.inf else np.float32(0.0)
-                        l[r] *= alpha
-                        for i in range(hdw):
-                            acc[r, i] *= alpha
-                        m[r] = best
-                    mr = m[r]
-                    total = np.float32(0.0)
-                    for j in range(CHUNK):
-                        s = scores[r, j]
-                        e = bf16.round_f32(exp32(s - mr))  # the probability PV multiplies, as float32
-                        e = e if s > -np.inf else np.float32(0.0)
-                        pb[r, j] = bf16.high_bits(e)
-                        total += e
-                    l[r] += total
-                off = PAIR_BF16 * ((c0 - base) // 2)
-                for g in range(n_vblocks):
-                    for r0 in range(0, R, 8):
-                        bf16._tile(vb[kv, g, off:], pb, _rows8(r0), CHUNK // 2, pv, g * bf16.ROWS)
-                for r in range(n_rows):
-                    for i in range(hdw):
-                        acc[r, i] += pv[r, i]
-                c0 += CHUNK
-            _item_out(acc, l, kv, t0, nt, group, out)
-    return out
-
-
-def _attend_tiled_bf16(q, pos, keys, k_scale, values, v_scale, scale, window, out):
-    T = q.shape[0]
-    n_kv, hdp = values.shape[0], values.shape[2]
-    lo = max(0, pos - window + 1) if window > 0 else 0
-    hi = pos + T
-    base = lo - lo % CHUNK
-    n32 = -(-(hi - base) // CHUNK) * (CHUNK // bf16.ROWS)
-    hdw = -(-hdp // bf16.ROWS) * bf16.ROWS
-    kf = np.empty((n_kv, n32 * bf16.ROWS, hdp), np.float32)
-    vf = np.empty((n_kv, n32 * bf16.ROWS, hdp), np.float32)
-    kb = np.empty((n_kv, n32, hdp // 2 * PAIR_BF16), np.uint16)
-    vb = np.empty((n_kv, hdw // bf16.ROWS, n32 * bf16.ROWS // 2 * PAIR_BF16), np.uint16)
-    _span_to_bf16(keys, k_scale, values, v_scale, lo, hi, base, kf, vf, kb, vb)
-    return _tiled_bf16(q, pos, kb, vb, base, window, scale, out, numba.get_num_threads())
-
 
 # --- public entry points -----------------------------------------------------------------
 
@@ -684,8 +464,8 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: 
     position's key and value, written at end-1 in the same compiled call (KV write + attention in
     one); without them, position end-1 must already be written (write_kv / KVCache.update).
     """
-    with _perf.trace("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}", *q.shape, values.shape[0], end - start,
-                     q.shape[1], _TYPE_NAMES[values.dtype.type], op="sdpa"):
+    with PERF.trace(*DECODE_SPAN, *q.shape, values.shape[0], end - start,
+                     q.shape[1], TYPE_NAMES[values.dtype.type], op="sdpa"):
         span = end - start
         shape = (1, values.shape[0], q.shape[1])
         k = _NOTHING if k is None else np.ascontiguousarray(k, np.float32).reshape(shape)
@@ -696,21 +476,3 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: 
                                     splits, out)
         return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale), 1,
                               out)
-
-
-def attend_tiled(q: np.ndarray, pos: int, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
-                 v_scale: np.ndarray, scale: float, window: int = 0, use_bf16: bool = False) -> np.ndarray:
-    """Causal attention for T queries at positions pos .. pos+T-1 over the cache (their own keys
-    and values already written): q [T, H, hd] float32 -> [T, H, hd]. Blocks of TILE_Q queries x
-    8-position key tiles with an online softmax; no [T, S] score matrix is ever formed.
-    use_bf16: QK^T and PV on vdpbf16ps (the avx512_bf16 path only), else float32."""
-    with _perf.trace("attention::sdpa", "q=[{}, {}, {}] kv=[{}, {}, {}] {} tiled{}", *q.shape, values.shape[0],
-                     pos + q.shape[0], q.shape[2], _TYPE_NAMES[values.dtype.type], " bf16" if use_bf16 else "",
-                     op="sdpa"):
-        if use_bf16:
-            if not HAVE_BF16:
-                raise RuntimeError("bf16 attention needs AVX-512 BF16 (ISA path avx512_bf16)")
-            return _attend_tiled_bf16(np.ascontiguousarray(q), pos, keys, k_scale, values, v_scale,
-                                      np.float32(scale), window, np.empty(q.shape, np.float32))
-        return _tiled(np.ascontiguousarray(q), pos, keys, k_scale, values, v_scale, window, np.float32(scale),
-                      np.empty(q.shape, np.float32), numba.get_num_threads())

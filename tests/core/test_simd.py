@@ -3,21 +3,22 @@
 import numba
 import numpy as np
 
-from pyml.quant import simd, simd512
-from pyml.quant.simd import (abs_u8, bits_to_u8, hsum, kscales, lane, load_fp16, load_i8x32, load_i16x16,
-                             load_nibbles16, load_u8x32, sign_i8, store_f32x8, sum_pairs, to_f32)
+from pyml.core import simd, simd512, simd_int
+from pyml.core.simd import (hsum, lane, load_fp16, load_i16x16, load_i8x32, load_nibbles16, load_u8x32, store_f32x8,
+                            to_f32)
+from pyml.core.simd_int import abs_u8, bits_to_u8, kscales, sign_i8, sum_pairs
 
 
 @numba.njit(cache=True)
 def _dots(a, b, c, out):  # out [6, 8]: every integer dot form: a (u8), b (i8) 32 lanes, c (i16) 16 lanes
     ua, sa, sb = load_u8x32(a, 0), load_i8x32(a, 0), load_i8x32(b, 0)
-    store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(ua, sb))))
-    store_f32x8(out[1], 0, to_f32(simd.sum_pairs_generic(simd.maddubs_generic(ua, sb))))
-    store_f32x8(out[2], 0, to_f32(sum_pairs(simd.dot_i8(sa, sb))))
-    store_f32x8(out[3], 0, to_f32(simd.sum_pairs_generic(simd.dot_i8_generic(sa, sb))))
+    store_f32x8(out[0], 0, to_f32(sum_pairs(simd_int.maddubs(ua, sb))))
+    store_f32x8(out[1], 0, to_f32(simd_int.sum_pairs_generic(simd_int.maddubs_generic(ua, sb))))
+    store_f32x8(out[2], 0, to_f32(sum_pairs(simd_int.dot_i8(sa, sb))))
+    store_f32x8(out[3], 0, to_f32(simd_int.sum_pairs_generic(simd_int.dot_i8_generic(sa, sb))))
     i16 = load_i16x16(c, 0)
-    store_f32x8(out[4], 0, to_f32(simd.madd(i16, i16)))
-    store_f32x8(out[5], 0, to_f32(simd.madd_generic(i16, i16)))
+    store_f32x8(out[4], 0, to_f32(simd_int.madd(i16, i16)))
+    store_f32x8(out[5], 0, to_f32(simd_int.madd_generic(i16, i16)))
     return out
 
 
@@ -43,10 +44,10 @@ def test_integer_dots_match_numpy_and_generic_forms(rng):
 @numba.njit(cache=True)
 def _bytes(a, bits, out):  # decoded byte vectors, each summed in lane pairs of 4 bytes
     ones = load_i8x32(np.ones(32, np.int8), 0)
-    store_f32x8(out[0], 0, to_f32(sum_pairs(simd.maddubs(load_nibbles16(a, 0), ones))))
-    store_f32x8(out[1], 0, to_f32(sum_pairs(simd.maddubs(bits_to_u8(bits, 16), ones))))
-    store_f32x8(out[2], 0, to_f32(sum_pairs(simd.maddubs(abs_u8(load_i8x32(a, 0)), ones))))
-    store_f32x8(out[3], 0, to_f32(sum_pairs(simd.dot_i8(sign_i8(load_i8x32(a, 0), load_i8x32(a, 32)), ones))))
+    store_f32x8(out[0], 0, to_f32(sum_pairs(simd_int.maddubs(load_nibbles16(a, 0), ones))))
+    store_f32x8(out[1], 0, to_f32(sum_pairs(simd_int.maddubs(bits_to_u8(bits, 16), ones))))
+    store_f32x8(out[2], 0, to_f32(sum_pairs(simd_int.maddubs(abs_u8(load_i8x32(a, 0)), ones))))
+    store_f32x8(out[3], 0, to_f32(sum_pairs(simd_int.dot_i8(sign_i8(load_i8x32(a, 0), load_i8x32(a, 32)), ones))))
     return out
 
 
@@ -91,8 +92,8 @@ def test_kscales_unpack_like_gguf(rng):
 def _dpbusd(a, b, out):  # out [2, 8]: vpdpbusd (where the ISA path has VNNI) and its portable IR
     ua, sb = load_u8x32(a, 0), load_i8x32(b, 0)
     base = simd.zeros_i32x8()
-    store_f32x8(out[0], 0, to_f32(simd.dpbusd(simd.dpbusd(base, ua, sb), ua, sb)))
-    store_f32x8(out[1], 0, to_f32(simd.dpbusd_generic(simd.dpbusd_generic(base, ua, sb), ua, sb)))
+    store_f32x8(out[0], 0, to_f32(simd_int.dpbusd(simd_int.dpbusd(base, ua, sb), ua, sb)))
+    store_f32x8(out[1], 0, to_f32(simd_int.dpbusd_generic(simd_int.dpbusd_generic(base, ua, sb), ua, sb)))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Attention over the KV cache (quant/attention_ops.py) against float64 NumPy attention written out
+"""Attention over the KV cache (quant/attention_kernels.py) against float64 NumPy attention written out
 here: the stored codes against the gguf package's Q8_0 quantizer and NumPy's float16; decode and
 tiled prefill against softmax(q K^T s + mask) V on the same stored keys (float32 tolerance), and
 against the float32 keys within each type's documented bound; the prefill's bf16 path (vdpbf16ps,
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, quants
 
 from pyml.core import isa
 from pyml.nn.kv_cache import KVCache
-from pyml.quant import attention_ops
+from pyml.nn import attention_kernels, attention_prefill
 
 TYPES = ["f32", "f16", "q8_0"]
 # max |error| of a context vector (unit-normal keys, values and queries, scale 1/8) against float32
@@ -20,7 +20,7 @@ BOUND_VS_F32 = {"f32": 2e-5, "f16": 3e-3, "q8_0": 6e-2}
 # relative error <= 2^-9 each); scores, softmax and sums stay float32. max |error| of a context
 # vector against float64 on the stored keys, the same unit-normal inputs (measured: <= 2.2e-2, T = 1..512)
 BOUND_BF16 = 3e-2
-needs_bf16 = pytest.mark.skipif(not attention_ops.HAVE_BF16, reason=f"no avx512_bf16 on ISA path {isa.ISA}: "
+needs_bf16 = pytest.mark.skipif(not attention_prefill.HAVE_BF16, reason=f"no avx512_bf16 on ISA path {isa.ISA}: "
                                 "the bf16 prefill attention cannot run (the float32 path is tested)")
 
 
@@ -76,7 +76,7 @@ def test_decode_matches_float64(kv_type, heads, kv_heads, hd, start, end):
     cache, k, v = filled(kv_type, kv_heads, hd, end, rng, max_len=end + 40)
     q = rng.standard_normal((heads, hd), np.float32)
     qpos = np.array([end - 1])
-    got = attention_ops.attend_decode(q, *cache.layer(0), start, end, 0.125, np.empty_like(q))
+    got = attention_kernels.attend_decode(q, *cache.layer(0), start, end, 0.125, np.empty_like(q))
     window = end - start
     stored_k, stored_v = cache.view(0, end)
     expect = reference(q[None], stored_k, stored_v, qpos, 0.125, window)[0]
@@ -92,7 +92,7 @@ def test_decode_never_reads_past_the_end():
     nan = np.full((27, 1, 64), np.nan, np.float32)
     cache.update(0, 13, nan, nan)
     q = rng.standard_normal((2, 64), np.float32)
-    got = attention_ops.attend_decode(q, *cache.layer(0), 0, 13, 0.125, np.empty_like(q))
+    got = attention_kernels.attend_decode(q, *cache.layer(0), 0, 13, 0.125, np.empty_like(q))
     np.testing.assert_allclose(got, reference(q[None], k, v, np.array([12]), 0.125)[0], rtol=2e-5, atol=2e-6)
 
 
@@ -104,7 +104,7 @@ def test_large_scores_stay_finite():
     cache = KVCache(1, 1, 32, 300, "f32")
     cache.update(0, 0, k, v)
     q = 20 * rng.standard_normal((2, 32), np.float32)
-    got = attention_ops.attend_decode(q, *cache.layer(0), 0, 300, 1.0, np.empty_like(q))
+    got = attention_kernels.attend_decode(q, *cache.layer(0), 0, 300, 1.0, np.empty_like(q))
     assert np.isfinite(got).all()
     expect = reference(q[None], k.transpose(1, 0, 2), v.transpose(1, 0, 2), np.array([299]), 1.0)[0]
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
@@ -117,7 +117,7 @@ def test_tiled_matches_the_reference(kv_type, T, heads, kv_heads, hd, window):
     rng = np.random.default_rng(T * 7 + heads)
     cache, k, v = filled(kv_type, kv_heads, hd, T, rng)
     q = rng.standard_normal((T, heads, hd), np.float32)
-    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=False)
+    got = attention_prefill.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=False)
     stored_k, stored_v = cache.view(0, T)
     qpos = np.arange(T)
     np.testing.assert_allclose(got, reference(q, stored_k, stored_v, qpos, 0.125, window), rtol=2e-5, atol=2e-6)
@@ -130,7 +130,7 @@ def test_tiled_on_top_of_a_cached_context(pos, T, window):
     rng = np.random.default_rng(pos + T)
     cache, k, v = filled("f32", 2, 64, pos + T, rng)
     q = rng.standard_normal((T, 6, 64), np.float32)
-    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=False)
+    got = attention_prefill.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=False)
     expect = reference(q, k, v, np.arange(pos, pos + T), 0.125, window)
     np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
 
@@ -153,13 +153,13 @@ def test_a_ring_that_wraps_inside_a_chunk(kv_type, use_bf16):
     kt, vt = np.zeros((2, n, 64), np.float32), np.zeros((2, n, 64), np.float32)
     kt[:, n - 280:], vt[:, n - 280:] = stored_k, stored_v
     q = rng.standard_normal((n - pos, 6, 64), np.float32)
-    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=use_bf16)
+    got = attention_prefill.attend_tiled(q, pos, *cache.layer(0), 0.125, window, use_bf16=use_bf16)
     expect = reference(q, kt, vt, np.arange(pos, n), 0.125, window)
     if use_bf16:
         assert np.abs(got - expect).max() < BOUND_BF16
     else:
         np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)
-    got = attention_ops.attend_decode(q[-1], *cache.layer(0), n - window, n, 0.125, np.empty_like(q[-1]), window)
+    got = attention_kernels.attend_decode(q[-1], *cache.layer(0), n - window, n, 0.125, np.empty_like(q[-1]), window)
     np.testing.assert_allclose(got, expect[-1], rtol=2e-5, atol=2e-6)
 
 
@@ -173,7 +173,7 @@ def test_tiled_bf16_matches_the_reference(kv_type, T, heads, kv_heads, hd, windo
     rng = np.random.default_rng(T * 7 + heads)
     cache, k, v = filled(kv_type, kv_heads, hd, T, rng)
     q = rng.standard_normal((T, heads, hd), np.float32)
-    got = attention_ops.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=True)
+    got = attention_prefill.attend_tiled(q, 0, *cache.layer(0), 0.125, window, use_bf16=True)
     stored_k, stored_v = cache.view(0, T)
     assert np.abs(got - reference(q, stored_k, stored_v, np.arange(T), 0.125, window)).max() < BOUND_BF16
 
@@ -185,7 +185,7 @@ def test_tiled_bf16_on_top_of_a_cached_context(pos, T, window):
     rng = np.random.default_rng(pos + T)
     cache, k, v = filled("f16", 1, 256, pos + T, rng, window=window or None)
     q = rng.standard_normal((T, 4, 256), np.float32)
-    got = attention_ops.attend_tiled(q, pos, *cache.layer(0), 1 / 16, window, use_bf16=True)
+    got = attention_prefill.attend_tiled(q, pos, *cache.layer(0), 1 / 16, window, use_bf16=True)
     stored_k = k.astype(np.float16).astype(np.float32)  # as the f16 cache holds them
     stored_v = v.astype(np.float16).astype(np.float32)
     expect = reference(q, stored_k, stored_v, np.arange(pos, pos + T), 1 / 16, window)
@@ -201,8 +201,8 @@ def test_decode_writes_the_new_position_in_the_same_call(kv_type):
     keys, values = whole.view(0, 150)
     part.update(0, 0, keys[:, :149].transpose(1, 0, 2), values[:, :149].transpose(1, 0, 2))
     q = rng.standard_normal((6, 64), np.float32)
-    got = attention_ops.attend_decode(q, *part.layer(0), 0, 150, 0.125, np.empty_like(q),
+    got = attention_kernels.attend_decode(q, *part.layer(0), 0, 150, 0.125, np.empty_like(q),
                                       k=keys[:, 149], v=values[:, 149])
     for a, b in zip(part.layer(0), whole.layer(0)):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(got, attention_ops.attend_decode(q, *whole.layer(0), 0, 150, 0.125, np.empty_like(q)))
+    np.testing.assert_array_equal(got, attention_kernels.attend_decode(q, *whole.layer(0), 0, 150, 0.125, np.empty_like(q)))

@@ -19,11 +19,11 @@ avx512_vnni path and the same sums in plain IR elsewhere (tests compare the two)
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.quant.simd import _I8, _I16, _I32, Vec, _call, _is_vec, _load, _mask, _splat, _vector_load, vector_store
+from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _is_vec, _load, _mask, _splat, _vector_load, broadcast_op,
+                            vector_store)
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
@@ -40,14 +40,19 @@ def _pair(builder, lo, hi):
     return builder.shuffle_vector(lo, hi, _mask(range(2 * lo.type.count)))
 
 
+def _load_pair(context, builder, sig, args, vt, align=1):
+    """A vector `vt` at idx of a (the low lanes) and one at idx of b (the high), as one vector: an
+    intrinsic's (a, b, idx)."""
+    lo = _load(context, builder, sig.args[0], args[0], args[2], vt, align=align)
+    hi = _load(context, builder, sig.args[1], args[1], args[2], vt, align=align)
+    return _pair(builder, lo, hi)
+
+
 @intrinsic
 def load_u8x32_pair(typingctx, a, b, idx):
     """32 bytes at idx of a (lanes 0-31) and 32 bytes at idx of b (lanes 32-63), as U8x64."""
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I8, 32)
-        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
-        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
-        return _pair(builder, lo, hi)
+        return _load_pair(context, builder, sig, args, ir.VectorType(_I8, 32))
     return U8x64(a, b, idx), codegen
 
 
@@ -55,10 +60,8 @@ def load_u8x32_pair(typingctx, a, b, idx):
 def load_fp16x8c_pair(typingctx, a, b, idx):
     """8 fp16 at byte idx of a, then 8 at byte idx of b, as F32x16 (the 16 rows' block scales)."""
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I16, 8)
-        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
-        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
-        return builder.fpext(builder.bitcast(_pair(builder, lo, hi), ir.VectorType(ir.HalfType(), 16)), F32x16.llvm())
+        pair = _load_pair(context, builder, sig, args, ir.VectorType(_I16, 8))
+        return builder.fpext(builder.bitcast(pair, ir.VectorType(ir.HalfType(), 16)), F32x16.llvm())
     return F32x16(a, b, idx), codegen
 
 
@@ -66,10 +69,7 @@ def load_fp16x8c_pair(typingctx, a, b, idx):
 def load_i32x8_pair(typingctx, a, b, idx):
     """8 int32 at idx of a, then 8 at idx of b, as I32x16."""
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I32, 8)
-        lo = _load(context, builder, sig.args[0], args[0], args[2], vt, align=4)
-        hi = _load(context, builder, sig.args[1], args[1], args[2], vt, align=4)
-        return _pair(builder, lo, hi)
+        return _load_pair(context, builder, sig, args, ir.VectorType(_I32, 8), align=4)
     return I32x16(a, b, idx), codegen
 
 
@@ -77,10 +77,8 @@ def load_i32x8_pair(typingctx, a, b, idx):
 def load_u8x8_f32_pair(typingctx, a, b, idx):
     """8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales of a group)."""
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I8, 8)
-        lo = _load(context, builder, sig.args[0], args[0], args[2], vt)
-        hi = _load(context, builder, sig.args[1], args[1], args[2], vt)
-        return builder.uitofp(builder.zext(_pair(builder, lo, hi), ir.VectorType(_I32, 16)), F32x16.llvm())
+        pair = _load_pair(context, builder, sig, args, ir.VectorType(_I8, 8))
+        return builder.uitofp(builder.zext(pair, ir.VectorType(_I32, 16)), F32x16.llvm())
     return F32x16(a, b, idx), codegen
 
 
@@ -108,15 +106,7 @@ def load_i32_bcast16(typingctx, ary, idx):
     return I32x16(ary, idx), codegen
 
 
-@intrinsic
-def f32x16(typingctx, s):
-    """Broadcast a scalar to 16 float lanes."""
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        vt = F32x16.llvm()
-        one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
-        return builder.shuffle_vector(one, one, _mask([0] * 16))
-    return F32x16(s), codegen
+f32x16 = broadcast_op(F32x16, "Broadcast a scalar to 16 float lanes.")
 
 
 store_f32x16 = vector_store(F32x16, 4, "Store 16 float lanes into a float32 array at idx.")

@@ -2,10 +2,9 @@
 
 Why this exists: Numba's auto-vectoriser only handles the simplest loop shapes (a store into
 an array while loading from another, or a 16-lane inner loop, stays scalar: LLVM cannot prove
-they do not alias, or unrolls first). On this machine a Q4_0 GEMV written as plain loops ran
-at 1-4 GB/s per thread; the same arithmetic written with these vector values runs at ~10 GB/s
-per thread, each 32-weight block becoming ~12 instructions (`vpmaddubsw`, `vpmaddwd`,
-`vcvtdq2ps`, `vfmadd`...) as in ggml's AVX2 kernels.
+they do not alias, or unrolls first). Written with these vector values, a kernel's 32-weight
+block becomes ~12 instructions (`vpmaddubsw`, `vpmaddwd`, `vcvtdq2ps`, `vfmadd`...) as in
+ggml's AVX2 kernels (docs/performance-journal.md, "What moved the numbers", has what that bought).
 
 Each op is a Numba `@intrinsic` that emits a few LLVM IR instructions; kernels stay plain
 `@numba.njit` functions that call them like scalar functions, and LLVM keeps the vector
@@ -17,18 +16,18 @@ values in registers. Types (LLVM vectors):
     U8x32   <32 x i8>       unsigned bytes: 4/5/6-bit weight codes
     I8x32   <32 x i8>       signed bytes: Q8 weights and quantized activations
 
+This module holds the types, loads and stores, scalar conversions and float lanes; simd_int.py
+the integer lanes (code unpacking, the integer dots, the activation's rounding); simd512.py the
+512-bit values of the x8 GEMM. The quant kernels and the attention kernels (nn/) share them.
+
 Loads take an array and an index counted in the array's elements (bytes for uint8
 arrays); arrays must be contiguous from that index on (a row of a C-contiguous matrix).
 Loads are unaligned, read-only, and work on read-only (memory-mapped) arrays.
 
-Integer dot ops never saturate for the value ranges the kernels feed them (documented at
-each op); with AVX2 they lower to the x86 instructions, otherwise to plain LLVM vector IR
-with the same results (slower, but portable; `tests/quant/test_simd.py` checks both).
-
 Pitfall seen while writing the kernels: a block's fp16 scale compiles to `vpinsrw` into an
 existing xmm register; when LLVM picks a loop-carried register, every block waits for the
-previous one (a Q4_0 GEMV ran 40% slower that way). With the current `load_fp16` it picks a
-loop-invariant one; after changing a kernel, check its `inspect_asm` for that pattern.
+previous one. With the current `load_fp16` it picks a loop-invariant one; after changing a
+kernel, check its `inspect_asm` for that pattern.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from pyml.core.isa import AVX2 as HAVE_AVX2  # the path chosen at run time (core/isa.py)
-from pyml.core.isa import VNNI as HAVE_VNNI
+from pyml.core.isa import AVX2 as HAVE_AVX2  # noqa: F401 - the path chosen at run time (core/isa.py),
+from pyml.core.isa import VNNI as HAVE_VNNI  # noqa: F401 - imported from here by the kernels with the ops
 from pyml.core.jit import FASTMATH  # noqa: F401 - the kernels import it from here with the ops
 
 
@@ -365,7 +364,7 @@ def f32_to_half(typingctx, v):
     return types.uint16(v), codegen
 
 
-# --- byte lanes -----------------------------------------------------------------------
+# --- lane-wise op makers (the float and the integer lanes use them) ----------------
 
 def _const_op(op: str, vec: Vec, doc: str):
     """An intrinsic applying builder.<op> to each lane of a `vec` value and an integer literal."""
@@ -396,314 +395,6 @@ def _lanewise(op: str, vec: Vec, doc: str):
     return fn
 
 
-and_u8 = _const_op("and_", U8x32, "lanes & c (c an integer literal)")
-shr_u8 = _const_op("lshr", U8x32, "lanes >> n, logical (n an integer literal)")
-shl_u8 = _const_op("shl", U8x32, "lanes << n (n an integer literal)")
-sar_i8 = _const_op("ashr", I8x32, "lanes >> n, arithmetic (n an integer literal)")
-or_u8 = _lanewise("or_", U8x32, "a | b, lane-wise")
-
-
-@intrinsic
-def nibbles_lo(typingctx, v):
-    """Low nibble of each byte."""
-    def codegen(context, builder, sig, args):
-        return builder.and_(args[0], _splat(15, U8x32.llvm()))
-    return U8x32(v), codegen
-
-
-@intrinsic
-def nibbles_hi(typingctx, v):
-    """High nibble of each byte."""
-    def codegen(context, builder, sig, args):
-        return builder.lshr(args[0], _splat(4, U8x32.llvm()))
-    return U8x32(v), codegen
-
-
-@intrinsic
-def bits_to_u8(typingctx, bits, value):
-    """32 lanes from a uint32: lane j = `value` if bit j is set, else 0 (value an integer literal).
-
-    ggml's bytes_from_bits_32: broadcast byte j//8 to lane j, set every bit but j%8, compare.
-    """
-    if _literal_int(value) is None:
-        return None
-    val = _literal_int(value)
-
-    def codegen(context, builder, sig, args):
-        b32 = context.cast(builder, args[0], sig.args[0], types.uint32)
-        bytes4 = builder.bitcast(b32, ir.VectorType(_I8, 4))
-        spread = builder.shuffle_vector(bytes4, bytes4, _mask([j // 8 for j in range(32)]))
-        vt = U8x32.llvm()
-        others = ir.Constant(vt, [0xFF ^ (1 << (j % 8)) for j in range(32)])
-        isset = builder.icmp_unsigned("==", builder.or_(spread, others), _splat(0xFF, vt))
-        return builder.select(isset, _splat(val, vt), _splat(0, vt))
-    return U8x32(bits, value), codegen
-
-
-@intrinsic
-def bit_to_u8(typingctx, v, bit, value):
-    """Lane-wise: `value` if bit number `bit` (0-7) of the byte is set, else 0 (value a literal).
-    Any unsigned byte vector (U8x32, or simd512's U8x64), returned as the same type."""
-    if _literal_int(value) is None or not isinstance(bit, types.Integer):
-        return None
-    if not (isinstance(v, Vec) and v.kind == "u" and v.bits == 8):
-        return None
-    val = _literal_int(value)
-
-    def codegen(context, builder, sig, args):
-        vt = sig.args[0].llvm()
-        b8 = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I8)
-        mask = builder.shl(ir.Constant(_I8, 1), b8)
-        maskv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), mask, _I32(0)),
-                                       ir.Constant(vt, None), _mask([0] * vt.count))
-        isset = builder.icmp_unsigned("!=", builder.and_(args[0], maskv), _splat(0, vt))
-        return builder.select(isset, _splat(val, vt), _splat(0, vt))
-    return v(v, bit, value), codegen
-
-
-@intrinsic
-def minus_i8(typingctx, v, c):
-    """U8x32 lanes - c as signed I8x32 (c an integer literal): recentre unsigned codes, e.g. q - 8."""
-    if _literal_int(c) is None or not _is_vec(v, U8x32):
-        return None
-    value = _literal_int(c)
-
-    def codegen(context, builder, sig, args):
-        return builder.sub(args[0], _splat(value, U8x32.llvm()))
-    return I8x32(v, c), codegen
-
-
-@intrinsic
-def as_i8(typingctx, v):
-    """Reinterpret U8x32 as I8x32 (codes < 128, or bytes that hold signed codes)."""
-    if not _is_vec(v, U8x32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return args[0]
-    return I8x32(v), codegen
-
-
-@intrinsic
-def abs_u8(typingctx, v):
-    """|lanes| of an I8x32 as U8x32 (vpabsb)."""
-    if not _is_vec(v, I8x32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        negative = builder.icmp_signed("<", args[0], _splat(0, I8x32.llvm()))
-        return builder.select(negative, builder.neg(args[0]), args[0])
-    return U8x32(v), codegen
-
-
-@intrinsic
-def sign_i8(typingctx, v, s):
-    """v with the sign of s applied lane-wise, 0 where s == 0 (vpsignb): with abs_u8 this turns a
-    signed x signed byte dot into maddubs(abs_u8(s), sign_i8(v, s))."""
-    if not (_is_vec(v, I8x32) and _is_vec(s, I8x32)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        if HAVE_AVX2:
-            return _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm(), [args[0], args[1]])
-        zero = _splat(0, I8x32.llvm())
-        neg = builder.select(builder.icmp_signed("<", args[1], zero), builder.neg(args[0]), args[0])
-        return builder.select(builder.icmp_signed("==", args[1], zero), zero, neg)
-    return I8x32(v, s), codegen
-
-
-@intrinsic
-def kscales(typingctx, ary, idx):
-    """The 8 six-bit scales and 8 mins of a Q4_K/Q5_K superblock (12 bytes at idx) as two F32x8.
-
-    sc[j] = b[j] & 63, mn[j] = b[j+4] & 63                               (j < 4)
-    sc[j] = (b[j+4] & 15) | (b[j-4] >> 6) << 4, mn[j] = (b[j+4] >> 4) | (b[j] >> 6) << 4   (j >= 4)
-    """
-    ret = types.UniTuple(F32x8, 2)
-
-    def codegen(context, builder, sig, args):
-        v8 = ir.VectorType(_I8, 8)
-        b = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 12))
-        lo = builder.shuffle_vector(b, b, _mask([0, 1, 2, 3, 0, 1, 2, 3]))     # b[j], b[j-4]
-        mid = builder.shuffle_vector(b, b, _mask([4, 5, 6, 7, 4, 5, 6, 7]))    # b[j+4], b[j]
-        hi = builder.shuffle_vector(b, b, _mask([8, 9, 10, 11, 8, 9, 10, 11]))  # b[j+4] for j >= 4
-        first = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
-        c63, c15, c4, c6 = (_splat(k, v8) for k in (63, 15, 4, 6))
-        sc = builder.select(first, builder.and_(lo, c63),
-                            builder.or_(builder.and_(hi, c15), builder.shl(builder.lshr(lo, c6), c4)))
-        mn = builder.select(first, builder.and_(mid, c63),
-                            builder.or_(builder.lshr(hi, c4), builder.shl(builder.lshr(mid, c6), c4)))
-        vt32 = ir.VectorType(_I32, 8)
-        scf = builder.uitofp(builder.zext(sc, vt32), F32x8.llvm())
-        mnf = builder.uitofp(builder.zext(mn, vt32), F32x8.llvm())
-        return context.make_tuple(builder, ret, [scf, mnf])
-    return ret(ary, idx), codegen
-
-
-# --- integer dot products -------------------------------------------------------------
-
-def _pairs(builder, v, n):
-    even = builder.shuffle_vector(v, v, _mask(range(0, n, 2)))
-    odd = builder.shuffle_vector(v, v, _mask(range(1, n, 2)))
-    return even, odd
-
-
-def maddubs_ir(builder, a, b, generic: bool):
-    """u8 x i8 pair sums -> i16 (vpmaddubsw); exact while |pair sum| < 2^15."""
-    if HAVE_AVX2 and not generic:
-        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm(), [a, b])
-    vt = ir.VectorType(_I16, 32)
-    p = builder.mul(builder.zext(a, vt), builder.sext(b, vt))
-    even, odd = _pairs(builder, p, 32)
-    return builder.add(even, odd)
-
-
-def madd_ir(builder, a, b, generic: bool):
-    """i16 x i16 pair sums -> i32 (vpmaddwd); exact except -32768*-32768*2."""
-    if HAVE_AVX2 and not generic:
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm(), [a, b])
-    vt = ir.VectorType(_I32, 16)
-    p = builder.mul(builder.sext(a, vt), builder.sext(b, vt))
-    even, odd = _pairs(builder, p, 16)
-    return builder.add(even, odd)
-
-
-def _dot_op(a_vec: Vec, b_vec: Vec | None, out_vec: Vec, build, doc: str, generic: bool):
-    """An intrinsic over one or two vectors whose IR `build(builder, args, generic)` makes; generic
-    forces the portable IR (tests compare it with the x86 instructions)."""
-    if b_vec is None:
-        @intrinsic
-        def fn(typingctx, a):
-            if not _is_vec(a, a_vec):
-                return None
-
-            def codegen(context, builder, sig, args):
-                return build(builder, args, generic)
-            return out_vec(a), codegen
-    else:
-        @intrinsic
-        def fn(typingctx, a, b):
-            if not (_is_vec(a, a_vec) and _is_vec(b, b_vec)):
-                return None
-
-            def codegen(context, builder, sig, args):
-                return build(builder, args, generic)
-            return out_vec(a, b), codegen
-    fn.__doc__ = doc
-    return fn
-
-
-def _dot_i8_ir(builder, args, generic):
-    if HAVE_AVX2 and not generic:
-        negative = builder.icmp_signed("<", args[0], _splat(0, I8x32.llvm()))
-        absa = builder.select(negative, builder.neg(args[0]), args[0])  # vpabsb
-        signed_b = _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm(), [args[1], args[0]])
-        return maddubs_ir(builder, absa, signed_b, generic)
-    vt = ir.VectorType(_I16, 32)
-    p = builder.mul(builder.sext(args[0], vt), builder.sext(args[1], vt))
-    even, odd = _pairs(builder, p, 32)
-    return builder.add(even, odd)
-
-
-def _dot_ops(generic: bool):
-    """(maddubs, dot_i8, madd, sum_pairs): the x86 instructions, or with generic their portable IR."""
-    return (
-        _dot_op(U8x32, I8x32, I16x16, lambda b, args, g: maddubs_ir(b, args[0], args[1], g),
-                """U8x32 * I8x32 -> I16x16: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1].
-
-        Exact for the kernels' inputs: weights <= 63 and |activation| <= 127 give |sum| <= 16002.""",
-                generic),
-        _dot_op(I8x32, I8x32, I16x16, _dot_i8_ir,
-                """I8x32 * I8x32 -> I16x16 pair sums of signed bytes (ggml's abs/sign trick on AVX2).
-
-        Exact when a lanes are > -128 (Q8_0 weights are in [-127, 127]) and |b| <= 127.""", generic),
-        _dot_op(I16x16, I16x16, I32x8, lambda b, args, g: madd_ir(b, args[0], args[1], g),
-                "I16x16 * I16x16 -> I32x8: lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1].", generic),
-        _dot_op(I16x16, None, I32x8, lambda b, args, g: madd_ir(b, args[0], _splat(1, I16x16.llvm()), g),
-                "I16x16 -> I32x8: lane i = a[2i] + a[2i+1] (vpmaddwd with ones).", generic),
-    )
-
-
-def dpbusd_ir(builder, acc, a, b, generic: bool):
-    """acc + u8 x i8 sums of 4 adjacent products -> i32 (vpdpbusd, AVX-512 VNNI / AVX-VNNI)."""
-    if HAVE_VNNI and not generic:
-        vt = I32x8.llvm()
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", vt,
-                     [acc, builder.bitcast(a, vt), builder.bitcast(b, vt)])
-    vt = ir.VectorType(_I32, 32)
-    p = builder.mul(builder.zext(a, vt), builder.sext(b, vt))
-    quads = [builder.shuffle_vector(p, p, _mask(range(k, 32, 4))) for k in range(4)]
-    return builder.add(acc, builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3])))
-
-
-def _make_dpbusd(generic: bool):
-    @intrinsic
-    def dpbusd(typingctx, acc, a, b):
-        """I32x8 acc + (U8x32 a * I8x32 b): lane i += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3], exact in
-        32 bits (no saturation). One instruction on VNNI CPUs; elsewhere the same sums in plain IR."""
-        if not (_is_vec(acc, I32x8) and _is_vec(a, U8x32) and _is_vec(b, I8x32)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return dpbusd_ir(builder, args[0], args[1], args[2], generic)
-        return I32x8(acc, a, b), codegen
-    return dpbusd
-
-
-maddubs, dot_i8, madd, sum_pairs = _dot_ops(generic=False)
-# the portable forms, for tests on x86 machines
-maddubs_generic, dot_i8_generic, madd_generic, sum_pairs_generic = _dot_ops(generic=True)
-dpbusd, dpbusd_generic = _make_dpbusd(False), _make_dpbusd(True)
-
-
-@intrinsic
-def i16_halves(typingctx, a, b):
-    """I16x16 with lanes 0-7 = a and lanes 8-15 = b (two 16-element sub-block scales)."""
-    def codegen(context, builder, sig, args):
-        a16 = context.cast(builder, args[0], sig.args[0], types.int16)
-        b16 = context.cast(builder, args[1], sig.args[1], types.int16)
-        vt2 = ir.VectorType(_I16, 2)
-        pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a16, _I32(0)), b16, _I32(1))
-        return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
-    return I16x16(a, b), codegen
-
-
-@intrinsic
-def pair_i16(typingctx, v, m):
-    """I16x16 with lanes 0-7 = v[m] and lanes 8-15 = v[m+1] (Q6_K: the two scales of a group)."""
-    if not (_is_vec(v, I16x16) and isinstance(m, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i = context.cast(builder, args[1], sig.args[1], types.int32)
-        a = builder.extract_element(args[0], i)
-        b = builder.extract_element(args[0], builder.add(i, _I32(1)))
-        vt2 = ir.VectorType(_I16, 2)
-        pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a, _I32(0)), b, _I32(1))
-        return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
-    return I16x16(v, m), codegen
-
-
-add_i16 = _lanewise("add", I16x16, "a + b, lane-wise (wraps: callers keep the sums in range)")
-add_i32 = _lanewise("add", I32x8, "a + b, lane-wise")
-sub_lanes_i32 = _lanewise("sub", I32x8, "a - b, lane-wise")
-sub_i16 = _lanewise("sub", I16x16, "a - b, lane-wise")
-shl_i16 = _const_op("shl", I16x16, "lanes << n (n an integer literal)")
-
-
-@intrinsic
-def sub_i32(typingctx, v, s):
-    """I32x8 lanes minus the integer s in every lane."""
-    if not (_is_vec(v, I32x8) and isinstance(s, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = I32x8.llvm()
-        x = context.cast(builder, args[1], sig.args[1], types.int32)
-        one = builder.insert_element(ir.Constant(vt, None), x, _I32(0))
-        return builder.sub(args[0], builder.shuffle_vector(one, one, _mask([0] * 8)))
-    return I32x8(v, s), codegen
-
 
 # --- float lanes ----------------------------------------------------------------------
 
@@ -730,15 +421,21 @@ def lanes_f32(typingctx, v, k):
     return F32x8(v, k), codegen
 
 
-@intrinsic
-def f32x8(typingctx, s):
-    """Broadcast a scalar to 8 float lanes."""
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        vt = F32x8.llvm()
-        one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
-        return builder.shuffle_vector(one, one, _mask([0] * 8))
-    return F32x8(s), codegen
+def broadcast_op(vec: Vec, doc: str):
+    """An intrinsic broadcasting a scalar to every float lane of a `vec` value."""
+    @intrinsic
+    def fn(typingctx, s):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            vt = vec.llvm()
+            one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
+            return builder.shuffle_vector(one, one, _mask([0] * vec.lanes))
+        return vec(s), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+f32x8 = broadcast_op(F32x8, "Broadcast a scalar to 8 float lanes.")
 
 
 @intrinsic
@@ -801,70 +498,6 @@ def hsum(typingctx, v):
                           builder.shuffle_vector(v4, v4, _mask(range(2, 4))))
         return builder.fadd(builder.extract_element(v2, _I32(0)), builder.extract_element(v2, _I32(1)))
     return types.float32(v), codegen
-
-
-# --- activation quantization ----------------------------------------------------------
-
-@intrinsic
-def absmax32(typingctx, ary, idx):
-    """max |x[idx : idx+32]| of a float32 array; NaN if any value is NaN (so a NaN in the activation
-    turns the block's scale, and every output it touches, into NaN rather than vanishing).
-
-    On the bits: with the sign cleared, a float's magnitude order is its bits' unsigned integer order,
-    and every NaN lies above +inf, so one integer max finds the largest magnitude or a NaN. The float
-    max reduction (llvm.vector.reduce.fmaximum, NaN-propagating) lowers to compare-and-blend chains:
-    a [512, 2048] activation's quantization (quantize_rows_q8, 1 thread) took 0.42 ms with it, 0.27 with this."""
-    def codegen(context, builder, sig, args):
-        it = ir.VectorType(_I32, 32)
-        x = builder.bitcast(_load(context, builder, sig.args[0], args[0], args[1],
-                                  ir.VectorType(ir.FloatType(), 32), 4), it)
-        magnitude = builder.and_(x, _splat(0x7FFFFFFF, it))
-        return builder.bitcast(_call(builder, "llvm.vector.reduce.umax.v32i32", _I32, [magnitude]), ir.FloatType())
-    return types.float32(ary, idx), codegen
-
-
-def _rounded32(context, builder, sig, args):
-    """<32 x i32> rint(x[idx : idx+32] * inv_scale) of an intrinsic's (ary, idx, inv_scale, ...)."""
-    vt = ir.VectorType(ir.FloatType(), 32)
-    x = _load(context, builder, sig.args[0], args[0], args[1], vt, 4)
-    s = context.cast(builder, args[2], sig.args[2], types.float32)
-    sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), s, _I32(0)),
-                                ir.Constant(vt, None), _mask([0] * 32))
-    r = _call(builder, "llvm.rint.v32f32", vt, [builder.fmul(x, sv)])
-    return builder.fptosi(r, ir.VectorType(_I32, 32))
-
-
-@intrinsic
-def round_store32(typingctx, ary, idx, inv_scale, out, oidx, pairs):
-    """out[oidx : oidx+32] = int8(rint(x[idx : idx+32] * inv_scale)) and
-    pairs[oidx/2 : oidx/2+16] = int16 sums of adjacent codes; returns the sum of the codes."""
-
-    def codegen(context, builder, sig, args):
-        q32 = _rounded32(context, builder, sig, args)
-        q8 = builder.trunc(q32, ir.VectorType(ir.IntType(8), 32))
-        builder.store(q8, _vec_ptr(context, builder, sig.args[3], args[3], args[4], q8.type), align=1)
-        p32 = builder.add(builder.shuffle_vector(q32, q32, _mask(range(0, 32, 2))),
-                          builder.shuffle_vector(q32, q32, _mask(range(1, 32, 2))))
-        p16 = builder.trunc(p32, ir.VectorType(ir.IntType(16), 16))
-        pidx = builder.ashr(args[4], ir.Constant(args[4].type, 1))
-        builder.store(p16, _vec_ptr(context, builder, sig.args[5], args[5], pidx, p16.type), align=2)
-        return _call(builder, "llvm.vector.reduce.add.v32i32", _I32, [q32])
-    return types.int32(ary, idx, inv_scale, out, oidx, pairs), codegen
-
-
-@intrinsic
-def round_store32_u8(typingctx, ary, idx, inv_scale, out, oidx):
-    """out[oidx : oidx+32] = uint8(rint(x[idx : idx+32] * inv_scale) + 128): round_store32's codes,
-    offset to unsigned bytes for the unsigned operand of vpdpbusd / vpmaddubsw, with no pair sums;
-    returns the sum of the codes (unused, LLVM drops it)."""
-
-    def codegen(context, builder, sig, args):
-        q32 = _rounded32(context, builder, sig, args)
-        q8 = builder.trunc(q32, ir.VectorType(_I8, 32))
-        u8 = builder.xor(q8, _splat(-128, q8.type))  # + 128 on a byte is a flip of its top bit
-        builder.store(u8, _vec_ptr(context, builder, sig.args[3], args[3], args[4], u8.type), align=1)
-        return _call(builder, "llvm.vector.reduce.add.v32i32", _I32, [q32])
-    return types.int32(ary, idx, inv_scale, out, oidx), codegen
 
 
 # --- composite ops (plain njit helpers; LLVM inlines them) ---------------------------

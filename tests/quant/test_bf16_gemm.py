@@ -1,4 +1,4 @@
-"""--float-compute bf16: the vdpbf16ps GEMM (quant/bf16.py) against NumPy on inputs rounded to bf16 by
+"""--float-compute bf16: the vdpbf16ps GEMM (quant/bf16_gemm.py) against NumPy on inputs rounded to bf16 by
 torch (an independent rounding), and the mode's fallback on a CPU without AVX-512 BF16.
 
 Bound, per output element y[t, r]: the products of two bf16 values are exact in float32, so the
@@ -18,7 +18,7 @@ import pytest
 
 from pyml import quant
 from pyml.core import isa
-from pyml.quant import QuantType, bf16
+from pyml.quant import QuantType, bf16_gemm
 
 FLOATS = (QuantType.F32, QuantType.F16, QuantType.BF16)
 
@@ -53,7 +53,7 @@ def test_activation_rounding_is_round_to_nearest_even(torch):
     bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7FFFFF, 0x00000001, 0x80000000,
                      0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0x477FF000], np.uint32)
     x = bits.view(np.float32).reshape(1, -1)
-    got = bf16.round_rows(x, np.empty((1, x.shape[1] + 1), np.uint16))
+    got = bf16_gemm.round_rows(x, np.empty((1, x.shape[1] + 1), np.uint16))
     want = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     nan = np.isnan(x)
     assert np.array_equal(got[:, :-1][~nan], want[~nan])
@@ -64,8 +64,8 @@ def test_activation_rounding_is_round_to_nearest_even(torch):
 @numba.njit  # not cached: its cache would be stamped with this file only
 def _round_each(x, values, bits):
     for i in range(x.size):
-        values[i] = bf16.round_f32(x[i])
-        bits[i] = bf16.high_bits(values[i])
+        values[i] = bf16_gemm.round_f32(x[i])
+        bits[i] = bf16_gemm.high_bits(values[i])
 
 
 def test_probability_rounding_is_round_to_nearest_even(torch, rng):

@@ -4,7 +4,7 @@ Why: the float32 GEMM (floats.py) is bound by the FMA peak, 16 multiply-adds per
 `vdpbf16ps` does 32 bf16 products per zmm instruction into 16 float32 sums, twice the float32
 rate on the same pipes (OpenVINO's CPU plugin computes F16/F32 models in bf16 for this).
 The cost is precision: weights and activations lose their mantissa bits past the 8th (round to
-nearest even), the sums stay float32 (docs/performance.md, "--float-compute bf16": accuracy
+nearest even), the sums stay float32 (docs/performance-journal.md, "--float-compute bf16": accuracy
 against transformers on the real models).
 
 Layout of a matrix of R rows and K columns, K2 = ceil(K / 2) column pairs (made once at load,
@@ -36,8 +36,8 @@ from numba.extending import intrinsic
 from pyml.core import derived
 from pyml.core.isa import BF16 as HAVE_BF16
 from pyml.quant.quantizers import to_bf16_bits
-from pyml.quant.simd import FASTMATH, _I32, _call, _load, _mask
-from pyml.quant.simd512 import F32x16, store_f32x16, zeros_f32x16
+from pyml.core.simd import FASTMATH, _I32, _call, _load, _mask
+from pyml.core.simd512 import F32x16, store_f32x16, zeros_f32x16
 
 # The layout's version, part of the blocks' name in the packed-weights cache (`<linear>.bf16.v1`: a
 # file made under another version holds no such array and is re-packed): bump it with any change to

@@ -30,7 +30,7 @@ import numpy as np
 from pyml.quant import quantizers
 from pyml.quant.floats import float_kernels
 from pyml.quant.ggml_types import BLOCK_SIZE, TYPE_SIZE, QuantType
-from pyml.quant.interleaved import InterleavedKernels, interleaved_kernels
+from pyml.quant.interleaved_gemm import InterleavedKernels, interleaved_kernels
 from pyml.quant.kernel_set import KernelSet, block_kernels
 
 

@@ -1,0 +1,349 @@
+"""The two compiled drivers of a run of like blocks' decode step, both running decode_recipe.py's steps:
+
+- decode_layers: the layers one after the other on the calling thread, every matrix product and
+  the attention a whole call of its kernel (each parallel inside): any weight type and layout;
+- decode_region: one parallel region over the run, whose threads claim each product's pieces
+  (8-row groups of an x8 matrix) and the attention's (kv head, part) items from atomic counters
+  (core/atomics.py) and wait at its end until they are all done; the recipe's one-thread steps
+  between them go to whichever thread asks first, so a late or missing thread never holds the
+  others (the region is also right on one thread). decode_layers makes ~5 parallel launches a
+  layer, each with its join; the region makes one a run. It takes blocks whose every matrix is
+  x8 with no tail rows and whose projections are fused (region_shape_ok).
+
+Each layer's weights and cache arrays are the first layer's, rebased to its own addresses
+(_rebased: the caller checks that the layers' arrays agree in all but address, FusedStep).
+`timed`: each layer's start, middle and end ticks go to `ticks` [layers, 3]; `trace`: every op's
+event too, into `events` from `row` on (event_slots' rows a layer; layer = layer0 + the run's
+index, the model's layer), and events[0, 0] counts the rows written.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic, overload
+
+from pyml.core import atomics, clock
+from pyml.core.jit import FASTMATH
+from pyml.nn import attention_kernels
+from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, add_bias,
+                                   after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots, linear,
+                                   now)
+from pyml.quant import interleaved_gemv
+
+_PHASES = 11  # counters per layer in a region: see _region_layers
+_LAST = 1  # a step's slot (timed): the latest tick a thread finished one of its pieces at
+PIECES_PER_THREAD = 4  # a matrix's groups are claimed in about this many pieces per thread
+
+
+@intrinsic
+def _rebased(typingctx, arrays, addresses):
+    """The tuple `arrays` with its arrays' data pointers replaced, in order, by `addresses` (int64
+    [n arrays]): the same types, shapes and strides over another layer's memory. What lets one
+    compiled call walk many layers without Numba unboxing every layer's ~40 arrays (~60 ns
+    each): the caller checks that those layers' arrays agree in all but address (FusedStep)."""
+    if not isinstance(arrays, types.BaseTuple) or not isinstance(addresses, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tup, table = args[0], context.make_array(sig.args[1])(context, builder, args[1])
+        k = 0
+        for i, ty in enumerate(sig.args[0]):
+            if isinstance(ty, types.Array):
+                arr = context.make_array(ty)(context, builder, builder.extract_value(tup, i))
+                at = builder.load(builder.gep(table.data, [context.get_constant(types.intp, k)]))
+                arr.data = builder.inttoptr(at, arr.data.type)
+                tup = builder.insert_value(tup, arr._getvalue(), i)
+                k += 1
+        context.nrt.incref(builder, sig.args[0], tup)  # a new reference: the template's owners
+        return tup
+
+    return arrays(arrays, addresses), codegen
+
+
+def addresses(values) -> list:
+    """The data addresses of the arrays among `values`, in order (what _rebased reads)."""
+    return [v.ctypes.data for v in values if isinstance(v, np.ndarray)]
+
+
+def clock_slot() -> np.ndarray:
+    """decode_layers' `counters`: only the latest-tick slot that decode_recipe.now keeps."""
+    return np.zeros(SLOT, np.int64)
+
+
+# --- decode_layers ------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def decode_layers_kernel(shape: BlockShape):
+    """decode_layers for blocks of `shape` (see the module doc)."""
+    key, e, s = shape.key(), event_slots(shape), shape  # the closure holds the key and ints only
+    n_ev, sep_qkv, sep_up, e_sdpa = e.n, s.n_proj == 3, s.mlp == 2, e.sdpa
+    (pq, lq), (pk, lk), (pv, lv) = e.proj if sep_qkv else e.proj * 3
+    (po, lo), (pu, lu), (pu2, lu2), (pd, ld) = e.o, e.up[0], e.up[-1], e.down
+    kind_q, lay_q, kind_k, lay_k, kind_v, lay_v = s.q_kind, s.q_layout, s.k_kind, s.k_layout, s.v_kind, s.v_layout
+    kind_o, lay_o, kind_1, lay_1 = s.o_kind, s.o_layout, s.up_kind, s.up_layout
+    kind_2, lay_2, kind_d, lay_d = s.up2_kind, s.up2_layout, s.down_kind, s.down_layout
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_layers(x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, start, pos, scale, splits, ctx, out,
+                      counters, events, row, trace, timed, ticks, layer0):
+        h, qkv, q3, k3, v3, y, gu, a = buf.h, buf.qkv, buf.q3, buf.k3, buf.v3, buf.y, buf.gu, buf.a
+        nq, nkv = buf.nq, buf.nkv
+        flat_ctx = ctx.reshape(ctx.size)
+        f = a.shape[1]
+        out[:] = x
+        for layer in range(pre_at.shape[0]):
+            pw, qw = _rebased(pre_w, pre_at[layer]), _rebased(post_w, post_at[layer])
+            cache = _rebased(kv, kv_at[layer])
+            keys, k_scale, values, v_scale = cache
+            li, r = layer0 + layer, row + layer * n_ev  # the model's layer; its first event row
+            t = attn_norm(key, pw, buf, out, events, trace, timed, counters, ticks, layer, li, r)
+            if sep_qkv:
+                t = linear(events, trace, counters, r + pq, r + lq, A_MM, li, t, kind_q, lay_q, pw.wq, pw.tq, pw.bq,
+                           h[0], qkv[:nq])
+                t = linear(events, trace, counters, r + pk, r + lk, A_MM + 2, li, t, kind_k, lay_k, pw.wk, pw.tk,
+                           pw.bk, h[0], qkv[nq:nq + nkv])
+                t = linear(events, trace, counters, r + pv, r + lv, A_MM + 4, li, t, kind_v, lay_v, pw.wv, pw.tv,
+                           pw.bv, h[0], qkv[nq + nkv:])
+            else:
+                t = linear(events, trace, counters, r + pq, r + lq, A_MM, li, t, kind_q, lay_q, pw.wq, pw.tq, pw.bq,
+                           h[0], qkv)
+            t = after_qkv(key, pw, buf, cache, pos, t, events, trace, counters, li, r)
+            attention_kernels.decode_into(q3[0], k3[:0], v3[:0], keys, k_scale, values, v_scale, start, pos + 1, 0,
+                                          scale, splits, ctx)
+            t_at = now(trace, counters)
+            event(events, trace, r + e_sdpa, C_SDPA, li, t, t_at)
+            t = linear(events, trace, counters, r + po, r + lo, B_MM_O, li, t_at, kind_o, lay_o, qw.wo, qw.to, qw.bo,
+                       flat_ctx, y[0])
+            t = after_o(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
+            if sep_up:
+                t = linear(events, trace, counters, r + pu, r + lu, B_MM_1, li, t, kind_1, lay_1, qw.w1, qw.t1,
+                           qw.b1, h[0], gu[0, :f])
+                t = linear(events, trace, counters, r + pu2, r + lu2, B_MM_1 + 2, li, t, kind_2, lay_2, qw.w2,
+                           qw.t2, qw.b2, h[0], gu[0, f:])
+            else:
+                t = linear(events, trace, counters, r + pu, r + lu, B_MM_1, li, t, kind_1, lay_1, qw.w1, qw.t1,
+                           qw.b1, h[0], gu[0])
+            t = after_up(key, buf, t, events, trace, counters, li, r)
+            t = linear(events, trace, counters, r + pd, r + ld, B_MM_DOWN, li, t, kind_d, lay_d, qw.wd, qw.td,
+                       qw.bd, a[0], y[0])
+            after_down(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
+        if trace:  # the rows written
+            events[0, 0] = row - 1 + pre_at.shape[0] * n_ev
+        return out
+
+    return decode_layers
+
+
+# --- decode_region: its counters ---------------------------------------------------------------------
+
+def region_counters(n_layers: int) -> np.ndarray:
+    """decode_region's counters for a run of n_layers: _PHASES steps a layer, and one slot more
+    (timed: the latest tick recorded, decode_recipe.now)."""
+    return np.zeros((n_layers * _PHASES + 1) * SLOT, np.int64)
+
+
+@numba.njit(inline="always")
+def _first(counters, ph):
+    """Whether this thread takes one-thread step `ph` (the first to ask does)."""
+    return atomics.fetch_add(counters, SLOT * ph, 1) == 0
+
+
+@numba.njit(inline="always")
+def _finish(counters, ph):
+    atomics.fetch_add(counters, SLOT * ph + SLOT // 2, 1)
+
+
+@numba.njit(inline="always")
+def _wait(counters, ph, n):
+    """Until n pieces of step `ph` are done (by any thread)."""
+    while atomics.load(counters, SLOT * ph + SLOT // 2) < n:
+        atomics.pause()
+
+
+# Only the thread that takes a one-thread step records (the steps are ordered by the counters: what
+# one wrote before its _finish the next one reads after its _wait), so the layer's ticks and its
+# ops' events are written by one thread at a time. A product's pieces run on every thread: each,
+# timed, puts its end into the step's _LAST slot (an atomic max) before counting itself done, and
+# the next one-thread step reads the latest: the product ran from its activation's quantization to
+# its last piece done, as decode_layers times it.
+
+@numba.njit(inline="always")
+def _pieces_done(counters, ph):
+    """The tick step ph's last piece was done at (timed), taken as the latest tick recorded."""
+    at = counters.size - SLOT
+    t = max(atomics.load(counters, SLOT * ph + _LAST), counters[at])
+    counters[at] = t
+    return t
+
+
+@numba.njit(inline="always")
+def _piece_done(counters, ph, timed):
+    if timed:
+        atomics.fetch_max(counters, SLOT * ph + _LAST, clock.ticks())
+    _finish(counters, ph)
+
+
+@numba.njit(inline="always")
+def _product_start(events, trace, r_mm, t, kind, x, act):
+    """A product's one-thread start: x quantized into `act` for the pieces; its event starts at t."""
+    xq, xd, xs, xp, xoff, y8 = act
+    interleaved_gemv.gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
+    if trace:
+        events[r_mm, 2] = t
+
+
+@numba.njit(inline="always")
+def _product_pieces(counters, ph, kind, groups, act, out, n_threads, timed):
+    """Step `ph`: out = W x over the x8 `groups`, in pieces claimed from the counter; x as
+    _product_start left it in `act`. Returns when every piece is done."""
+    xq, xd, xs, xp, xoff, y8 = act
+    y = interleaved_gemv.activation_bytes(kind, xq, y8)
+    G = groups.shape[0]
+    n = min(G, PIECES_PER_THREAD * n_threads)
+    while True:
+        c = atomics.fetch_add(counters, SLOT * ph, 1)
+        if c >= n:
+            break
+        for g in range(c * G // n, (c + 1) * G // n):
+            interleaved_gemv.gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
+        _piece_done(counters, ph, timed)
+    _wait(counters, ph, n)
+
+
+@numba.njit(inline="always")
+def _product_end(events, trace, counters, ph, r_mm, r_lin, op, li, out, bias):
+    """A product's one-thread end (the step after its pieces): its events and the bias, as
+    decode_recipe.linear makes them. Returns the end tick."""
+    t0 = 0
+    if trace:
+        t0 = events[r_mm, 2]
+        event(events, trace, r_mm, op, li, t0, _pieces_done(counters, ph))
+    add_bias(out, bias)
+    t = now(trace, counters)
+    event(events, trace, r_lin, op + 1, li, t0, t)
+    return t
+
+
+# --- decode_region ------------------------------------------------------------------------------
+
+def region_shape_ok(shape: BlockShape) -> bool:
+    """Whether decode_region implements blocks of this shape: fused projections, every matrix in
+    the x8 layout (the tails are checked by the caller: FusedBlock.region_ok)."""
+    return (shape.n_proj == 1 and shape.q_layout == 1 and shape.o_layout == 1 and shape.mlp in (0, 1)
+            and shape.up_layout == 1 and shape.down_layout == 1)
+
+
+def _region_layers(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s, start,
+                   pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks, layer0):
+    """One thread's walk through decode_region's layers: the recipe's one-thread steps taken by the
+    first thread to ask, the products' and the attention's pieces by every thread."""
+
+
+@overload(_region_layers, prefer_literal=True, jit_options={"fastmath": FASTMATH, "error_model": "numpy"})
+def _region_layers_overload(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s,
+                            start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed,
+                            ticks, layer0):
+    if not isinstance(key, types.StringLiteral):
+        return None
+    shape = BlockShape.of(key)
+    e = event_slots(shape)  # plain ints below: constants in the code
+    n_ev, e_sdpa = e.n, e.sdpa
+    (pq, lq), (po, lo), (pu, lu), (pd, ld) = e.proj[0], e.o, e.up[0], e.down
+    kq, ko, k1, kd = shape.q_kind, shape.o_kind, shape.up_kind, shape.down_kind
+
+    def region_layers(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s, start,
+                      pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks, layer0):
+        h, qkv, q3, y, gu, a = buf.h, buf.qkv, buf.q3, buf.y, buf.gu, buf.a
+        qs, qpos, m, l, acc, scores = attn_s
+        n_kv = kv[2].shape[0]
+        items = n_kv * splits
+        end = pos + 1
+        flat_ctx = ctx.reshape(ctx.size)
+        for layer in range(pre_at.shape[0]):
+            pw, qw = _rebased(pre_w, pre_at[layer]), _rebased(post_w, post_at[layer])
+            cache = _rebased(kv, kv_at[layer])
+            keys, k_scale, values, v_scale = cache
+            ph = _PHASES * layer
+            li, r = layer0 + layer, row + layer * n_ev  # the model's layer; its first event row
+            if _first(counters, ph):
+                t = attn_norm(key, pw, buf, out, events, trace, timed, counters, ticks, layer, li, r)
+                _product_start(events, trace, r + pq, t, kq, h[0], act_d)
+                _finish(counters, ph)
+            _wait(counters, ph, 1)
+            _product_pieces(counters, ph + 1, kq, pw.wq, act_d, qkv, n_threads, trace)
+            if _first(counters, ph + 2):
+                t = _product_end(events, trace, counters, ph + 1, r + pq, r + lq, A_MM, li, qkv, pw.bq)
+                t = after_qkv(key, pw, buf, cache, pos, t, events, trace, counters, li, r)
+                attention_kernels.decode_begin(q3[0], scale, end, qs, qpos)
+                if trace:
+                    events[r + e_sdpa, 2] = t
+                _finish(counters, ph + 2)
+            _wait(counters, ph + 2, 1)
+            group = q3.shape[1] // n_kv
+            while True:  # the attention's (kv head, part) items
+                c = atomics.fetch_add(counters, SLOT * (ph + 3), 1)
+                if c >= items:
+                    break
+                attention_kernels.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start,
+                                              end, 0, m, l, acc, scores)
+                _piece_done(counters, ph + 3, False)
+            _wait(counters, ph + 3, items)
+            if _first(counters, ph + 4):  # the parts merged
+                attention_kernels.decode_merge(n_kv, splits, group, m, l, acc, ctx)
+                t = now(trace, counters)
+                if trace:
+                    event(events, trace, r + e_sdpa, C_SDPA, li, events[r + e_sdpa, 2], t)
+                _product_start(events, trace, r + po, t, ko, flat_ctx, act_q)
+                _finish(counters, ph + 4)
+            _wait(counters, ph + 4, 1)
+            _product_pieces(counters, ph + 5, ko, qw.wo, act_q, y[0], n_threads, trace)
+            if _first(counters, ph + 6):
+                t = _product_end(events, trace, counters, ph + 5, r + po, r + lo, B_MM_O, li, y[0], qw.bo)
+                t = after_o(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
+                _product_start(events, trace, r + pu, t, k1, h[0], act_d)
+                _finish(counters, ph + 6)
+            _wait(counters, ph + 6, 1)
+            _product_pieces(counters, ph + 7, k1, qw.w1, act_d, gu[0], n_threads, trace)
+            if _first(counters, ph + 8):
+                t = _product_end(events, trace, counters, ph + 7, r + pu, r + lu, B_MM_1, li, gu[0], qw.b1)
+                t = after_up(key, buf, t, events, trace, counters, li, r)
+                _product_start(events, trace, r + pd, t, kd, a[0], act_f)
+                _finish(counters, ph + 8)
+            _wait(counters, ph + 8, 1)
+            _product_pieces(counters, ph + 9, kd, qw.wd, act_f, y[0], n_threads, trace)
+            if _first(counters, ph + 10):
+                t = _product_end(events, trace, counters, ph + 9, r + pd, r + ld, B_MM_DOWN, li, y[0], qw.bd)
+                after_down(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
+                _finish(counters, ph + 10)
+            _wait(counters, ph + 10, 1)
+
+    return region_layers
+
+
+@lru_cache(maxsize=None)
+def decode_region_kernel(shape: BlockShape):
+    """decode_region for blocks of `shape` (see the module doc); region_shape_ok(shape)."""
+    key, n_ev = shape.key(), event_slots(shape).n  # the closure holds the key and an int only
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_region(x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s, start, pos,
+                      scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks, layer0):
+        # n_threads: numba.get_num_threads() from Python (called in here it is a ctypes pointer,
+        # which keeps the kernel out of the disk cache)
+        for i in range(counters.size):
+            counters[i] = 0
+        for i in range(x.shape[1]):
+            out[0, i] = x[0, i]
+        for _ in numba.prange(n_threads):
+            _region_layers(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s,
+                           start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed, ticks,
+                           layer0)
+        if trace:  # the rows written
+            events[0, 0] = row - 1 + pre_at.shape[0] * n_ev
+        return out
+
+    return decode_region
