@@ -3,6 +3,8 @@ the model's pages (the packed-weights cache and the GGUF are file mappings, not 
 
 from __future__ import annotations
 
+import pytest
+
 from pyml.cli import bench_cold
 from pyml.cli.standins import write_llama_gguf
 
