@@ -176,7 +176,8 @@ def test_the_api_key_guards_everything_but_health(tiny):
         # the client's key is accepted: a reply (sampled at the API's default temperature of 1, so the
         # random model may end it with its end token before the second)
         reply = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-        assert reply.usage.prompt_tokens == 2 and 1 <= reply.usage.completion_tokens <= 2
+        assert reply.usage.prompt_tokens == 2 and reply.usage.completion_tokens <= 2
+        assert reply.choices[0].finish_reason in ("length", "stop")
 
 
 def test_a_loopback_server_answers_only_loopback_host_names(server):
