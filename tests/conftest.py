@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -72,6 +73,9 @@ def pytest_terminal_summary(terminalreporter):
     if _COMPILED:
         kernels, secs = (sum(v[i] for v in _COMPILED.values()) for i in (0, 1))
         distinct = len({c for v in _COMPILED.values() for c in v[2]})
+        if os.environ.get("PYML_COMPILED_LIST"):  # every compile, to see which kernels specialise most
+            Path(os.environ["PYML_COMPILED_LIST"]).write_text(json.dumps(
+                {k: [list(c) for c in v[2]] for k, v in _COMPILED.items()}, indent=0))
         terminalreporter.write_line(
             f"kernels compiled in the test processes: {kernels} in {secs:.0f} s, {distinct} distinct ("
             + ", ".join(f"{k} {v[0]} in {v[1]:.0f} s" for k, v in sorted(_COMPILED.items())) + ")")
