@@ -15,7 +15,8 @@ pages     - report.md, modules.md, jitter.md as documents; doc renders them to m
 chrome    - trace.json for Perfetto; plots - PNGs; compare - two runs side by side
 writer    - write_reports: all of the above for one run
 
-The package imports only pyml.core, and reaches a model only through its public API.
+The package reaches a model only through its public API; advice.py alone asks pyml.nlp and
+pyml.quant what the CLI would accept, so that a suggested flag is one that runs.
 """
 
 from pyml.report.capture import Profile, profile
