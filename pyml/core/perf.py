@@ -245,6 +245,19 @@ def _on_grid(t: float, up: bool = False) -> float:
     return (math.ceil(t * 1e6) if up else round(t * 1e6)) / 1e6
 
 
+def within_ended(spans: list, parent) -> list:
+    """Deferred spans (made when the buffer drains) kept inside their Python parent's end when it
+    has ended: their times come from the counter through a calibration good to a µs or two, and
+    an op that ends as the parent closes could otherwise land just past it."""
+    t_end = getattr(parent, "t1", None)
+    if t_end is None:
+        return spans
+    ceiling = max(math.floor(t_end * 1e6) / 1e6, _on_grid(parent.t0, up=True))
+    for s in spans:
+        s.t0, s.t1 = min(s.t0, ceiling), min(s.t1, ceiling)
+    return spans
+
+
 class CompiledSpan(Span):
     """A span timed inside compiled code (span_at, nest: nn/fused.py's decode step), by two reads of
     the time-stamp counter. Its record says so (`compiled`) and its line ends ` compiled=1`, so that

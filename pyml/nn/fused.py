@@ -443,7 +443,7 @@ def _run_spans(fused, events, row, ticks, parent, depth, ctx, thread, pos, kv_ty
     for k, f in enumerate(fused):
         out += f._layer_spans(rows[k * n:(k + 1) * n], parent, depth, ctx, thread, pos, kv_type, *layer_ticks[k],
                               cal)
-    return out
+    return perf.within_ended(out, parent)
 
 
 def _norm_kind(norm) -> int:

@@ -1,5 +1,6 @@
 """The clock compiled code reads, and the events it writes turned into ordinary spans."""
 
+import math
 import time
 
 import numba
@@ -89,3 +90,28 @@ def test_a_full_buffer_drops_events_and_says_so(records):
     assert buf.events[0, 0] == 3
     buf.emit(TABLE)
     assert [r["name"] for r in records] == ["fused::square", "fused::scale"]
+
+
+def test_a_deferred_span_past_its_ended_parent_is_kept_inside_it(records):
+    """The counter's conversion is good to a µs or two: an op that ends as its Python parent
+    closes can convert to just past the parent's end (CI saw 2 µs). Made after the parent ended
+    (perf.defer), it is held to the parent's end on the µs grid."""
+    holder = []
+    with perf.get("pyml.test.outer").debug("outer::step") as step:
+        holder.append(step)
+        time.sleep(0.002)
+    parent = holder[0]
+    late = perf.span_at(perf.get("pyml.test.fused"), perf.TRACE, "fused::late", "", (), {},
+                        parent.t1 - 5e-6, parent.t1 + 3e-6, parent.id, 1, {}, 0)
+    inside = perf.span_at(perf.get("pyml.test.fused"), perf.TRACE, "fused::early", "", (), {},
+                          parent.t0 + 1e-6, parent.t0 + 2e-6, parent.id, 1, {}, 0)
+    early = (inside.t0, inside.t1)
+    perf.within_ended([late, inside], parent)
+    assert parent.t0 <= late.t0 <= late.t1 <= parent.t1 and late.t1 == math.floor(parent.t1 * 1e6) / 1e6
+    assert (inside.t0, inside.t1) == early  # a span already inside is left as it was
+    open_parent = perf.get("pyml.test.outer").debug("outer::open")
+    with open_parent:
+        unchanged = perf.span_at(perf.get("pyml.test.fused"), perf.TRACE, "fused::x", "", (), {},
+                                 1.0, 2.0, None, 1, {}, 0)
+        perf.within_ended([unchanged], open_parent)  # still open: no end to hold to
+        assert (unchanged.t0, unchanged.t1) == (1.0, 2.0)
