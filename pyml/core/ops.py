@@ -219,10 +219,10 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _rope_table(pos, inv_freq, cos, sin):  # cos, sin [T, half] for positions pos .. pos+T-1
+def _rope_table(positions, inv_freq, cos, sin):  # cos, sin [T, half] for positions [T] (int64)
     for t in numba.prange(cos.shape[0]):
         for i in range(inv_freq.shape[0]):
-            angle = (pos + t) * inv_freq[i]  # float64, as _rope_rows
+            angle = positions[t] * inv_freq[i]  # float64, as _rope_rows
             cos[t, i], sin[t, i] = np.float32(math.cos(angle)), np.float32(math.sin(angle))
     return cos, sin
 
@@ -308,11 +308,13 @@ def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleaved: bool) -> np
     return _rope_rows(x, pos, inv_freq, interleaved)
 
 
-def rope_table(pos: int, T: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 [T, len(inv_freq)] of positions pos .. pos+T-1 (the angles as `rope`'s)."""
+def rope_table(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [T, len(inv_freq)] of the T positions (int64: a prefill's pos .. pos+T-1, or
+    a batched step's rows, each at its sequence's position; the angles as `rope`'s)."""
+    T = positions.shape[0]
     with _perf.trace("rope_table", "T={} pairs={}", T, inv_freq.shape[0]):
         half = inv_freq.shape[0]
-        return _rope_table(pos, inv_freq, np.empty((T, half), np.float32), np.empty((T, half), np.float32))
+        return _rope_table(positions, inv_freq, np.empty((T, half), np.float32), np.empty((T, half), np.float32))
 
 
 def rope_by_table(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -336,6 +338,6 @@ def warmup():
     inv = np.ones(4, np.float64)
     _rope_rows(q, 0, inv, True)
     _rope_rows(q, 0, inv, False)
-    cos, sin = _rope_table(0, inv, np.empty((2, 4), np.float32), np.empty((2, 4), np.float32))
+    cos, sin = _rope_table(np.arange(2), inv, np.empty((2, 4), np.float32), np.empty((2, 4), np.float32))
     _rope_apply(q, cos, sin, True)
     _rope_apply(q, cos, sin, False)

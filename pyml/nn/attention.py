@@ -6,6 +6,7 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.nn import attention_kernels, attention_prefill
+from pyml.nn.batch import Batch
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
 
@@ -61,26 +62,57 @@ class Attention:
         out = out if out is not None else np.empty((self.n_heads, self.head_dim), np.float32)
         return attention_kernels.attend_decode(q, *cache.layer(layer), start, pos + 1, self.scale, out)
 
-    def __call__(self, x: np.ndarray, pos: int, cache: KVCache, layer: int) -> np.ndarray:
+    def _rotate(self, q, k, pos):
+        """q/k norms and RoPE: `pos` a sequence's first position, or a batched pass's row positions."""
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if self.rope is not None:
+            rotate = self.rope.rotate_rows if isinstance(pos, np.ndarray) else self.rope
+            q = rotate(np.ascontiguousarray(q), pos)
+            k = rotate(np.ascontiguousarray(k), pos)
+        return np.ascontiguousarray(q), k
+
+    def _prefill(self, q, k, v, pos: int, cache: KVCache, layer: int, out: np.ndarray) -> np.ndarray:
+        """KV write + causal attention of T > 1 positions pos .. of one sequence, into out [T, H, hd]."""
+        T = q.shape[0]
+        # a ring keeps window + slack positions: write and attend in pieces that fit beside the window
+        piece = cache.slots[layer] - self.window + 1 if cache.is_ring(layer) else T
+        for t0 in range(0, T, piece):
+            t1 = min(T, t0 + piece)
+            cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
+            out[t0:t1] = attention_prefill.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
+                                                        self.window or 0, self.prefill_bf16)
+        return out
+
+    def __call__(self, x: np.ndarray, pos: int, cache: KVCache | Batch, layer: int) -> np.ndarray:
+        if isinstance(cache, Batch):
+            return self._batched(x, cache, layer)
         T = x.shape[0]
         with _perf.trace(*FORWARD_SPAN, layer, self.kind, T, pos,
                          module=self.name, op="attention", layer=layer, kind=self.kind):
             q, k, v = self._project(x)
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
-            if self.rope is not None:
-                q = self.rope(np.ascontiguousarray(q), pos)
-                k = self.rope(np.ascontiguousarray(k), pos)
-            q = np.ascontiguousarray(q)
+            q, k = self._rotate(q, k, pos)
             if T == 1:  # decode: one fused kernel over all heads
                 return self.o_proj(self.decode(q[0], k, v, pos, cache, layer).reshape(1, -1))
-            # a ring keeps window + slack positions: write and attend in pieces that fit beside the window
-            piece = cache.slots[layer] - self.window + 1 if cache.is_ring(layer) else T
-            ctx = np.empty((T, self.n_heads, self.head_dim), np.float32)
-            for t0 in range(0, T, piece):
-                t1 = min(T, t0 + piece)
-                cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
-                ctx[t0:t1] = attention_prefill.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
-                                                        self.window or 0, self.prefill_bf16)
+            ctx = self._prefill(q, k, v, pos, cache, layer, np.empty((T, self.n_heads, self.head_dim), np.float32))
             return self.o_proj(ctx.reshape(T, -1))
+
+    def _batched(self, x: np.ndarray, batch: Batch, layer: int) -> np.ndarray:
+        """A batched pass (nn/batch.py): the projections over every row at once, the attention per
+        sequence - the one-token rows in one call (attend_decode_batch), the longer ones as prefills."""
+        R = x.shape[0]
+        with _perf.trace(*FORWARD_SPAN, layer, self.kind, R, "rows", module=self.name, op="attention",
+                         layer=layer, kind=self.kind, batch=len(batch.segments)):
+            q, k, v = self._project(x)
+            q, k = self._rotate(q, k, batch.positions)
+            ctx = np.empty((R, self.n_heads, self.head_dim), np.float32)
+            d = batch.n_decode
+            if d:
+                attention_kernels.attend_decode_batch(q[:d], np.ascontiguousarray(k[:d]), np.ascontiguousarray(v[:d]),
+                                                      batch.pool.layer(layer), batch.decode_seqs, batch.decode_ends,
+                                                      self.window or 0, self.scale, ctx[:d])
+            for row, seq, pos, n in batch.prefill:
+                self._prefill(q[row:row + n], k[row:row + n], v[row:row + n], pos, batch.cache(seq), layer,
+                              ctx[row:row + n])
+            return self.o_proj(ctx.reshape(R, -1))

@@ -42,6 +42,8 @@ from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32
 
 PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
+# a batched step's: sequences, H, hd, Hkv, positions attended over all of them, hd, kv type
+BATCH_SPAN = ("attention::sdpa", "batch={} q=[{}, {}] kv=[{}, {}, {}] {}")
 
 BLOCK = 8       # positions per key tile: one F32x8 of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
@@ -427,6 +429,23 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
     return decode_merge(n_kv, 1, group, m, l, acc, out)
 
 
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, window, scale, out):
+    # row b: sequence seqs[b] of a pool's layer arrays ([n_seqs, ...]) at position ends[b]-1; its
+    # k, v written there and its heads attended on one thread (the rows are the parallel work)
+    for b in numba.prange(q.shape[0]):
+        s, end = seqs[b], ends[b]
+        ks, kss, vs, vss = keys[s], k_scale[s], values[s], v_scale[s]
+        write_kv(k[b:b + 1], v[b:b + 1], end - 1, ks, kss, vs, vss)
+        start = max(0, end - window) if window else 0
+        n_kv = vs.shape[0]
+        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, 1, scale, end)
+        for item in range(n_kv):
+            decode_item(item, 1, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
+        decode_merge(n_kv, 1, group, m, l, acc, out[b])
+    return out
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
     """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
@@ -476,3 +495,15 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: 
                                     splits, out)
         return _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, np.float32(scale), 1,
                               out)
+
+
+def attend_decode_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer_arrays: tuple, seqs: np.ndarray,
+                        ends: np.ndarray, window: int, scale: float, out: np.ndarray) -> np.ndarray:
+    """A batched decode step's KV write and attention, one row per sequence, in one call: row b's
+    k, v [B, Hkv, hd] written at position ends[b]-1 of pool sequence seqs[b], then out[b] [H, hd] =
+    softmax(q[b] K^T * scale) V over that sequence's positions (the last `window` with a window).
+    layer_arrays: a KVPool's layer(i) ([n_seqs, ...] arrays); q, k, v, out float32, contiguous."""
+    with PERF.trace(*BATCH_SPAN, q.shape[0], q.shape[1], q.shape[2], k.shape[1],
+                    int(np.minimum(ends, window).sum() if window else ends.sum()), q.shape[2],
+                    TYPE_NAMES[layer_arrays[2].dtype.type], op="sdpa"):
+        return _decode_batch(q, k, v, *layer_arrays, seqs, ends, window, np.float32(scale), out)

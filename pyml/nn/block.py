@@ -6,6 +6,7 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.nn.fused import FusedBlock, can_fuse
+from pyml.nn.kv_cache import KVCache
 
 _perf = perf.get("pyml.nn.block")
 
@@ -42,7 +43,7 @@ class TransformerBlock:
         return self.attn.linears() + self.ffn.linears()
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
-        if x.shape[0] == 1 and self.fused_decode and self.fused() is not None:
+        if x.shape[0] == 1 and self.fused_decode and isinstance(cache, KVCache) and self.fused() is not None:
             return self._fused(x, pos, cache)
         with _perf.debug(self.span_name, "", module=self.name, op="block", layer=self.index,
                          kind=self.attn.kind) as span:

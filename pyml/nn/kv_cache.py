@@ -37,6 +37,29 @@ def check_kv_type(kv_type: str, head_dim: int) -> str:
     return kv_type
 
 
+def layer_slots(max_len: int, windows: list) -> list:
+    """Slots per layer: every position, or a sliding window's ring of window + RING_SLACK."""
+    full = -(-max_len // BLOCK) * BLOCK
+    return [min(full, -(-(w + RING_SLACK) // BLOCK) * BLOCK) if w else full for w in windows]
+
+
+def allocate(c, lead: tuple) -> tuple:
+    """(k, v, k_scale, v_scale): a list per layer of zeroed arrays in the attention kernels' layout
+    for the sizes of `c` (a KVCache or KVPool), with `lead` axes in front (a pool's sequences).
+    np.zeros takes its pages from the system untouched: memory is committed as positions fill."""
+    code = KV_TYPES[c.kv_type]
+    dim = -(-c.head_dim // (2 * BLOCK)) * 2 * BLOCK  # the kernels step through hd 16 at a time: zero padding
+    nkv = c.n_kv_heads
+    k = [np.zeros(lead + (nkv, n // BLOCK, dim, BLOCK), code) for n in c.slots]
+    v = [np.zeros(lead + (nkv, n, dim), code) for n in c.slots]
+    if c.kv_type == "q8_0":
+        k_scale = [np.zeros(lead + (nkv, n // BLOCK, c.head_dim // QBLOCK, BLOCK), np.uint16) for n in c.slots]
+        v_scale = [np.zeros(lead + (nkv, n, c.head_dim // QBLOCK), np.uint16) for n in c.slots]
+    else:  # never read: one of the right rank per sequence
+        k_scale = v_scale = [np.ones(lead + _NO_SCALES.shape, np.float32) if lead else _NO_SCALES] * c.n_layers
+    return k, v, k_scale, v_scale
+
+
 class KVCache:
     """Keys and values of `n_layers` layers for positions 0 .. max_len-1.
 
@@ -44,24 +67,17 @@ class KVCache:
     window + RING_SLACK slots, when that is less than max_len).
     """
 
+    pool, seq = None, 0  # the KVPool and sequence this cache's arrays belong to (KVPool.sequence)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, kv_type: str = DEFAULT_KV_TYPE,
-                 windows=None):
+                 windows=None, arrays=None):
         self.kv_type = check_kv_type(kv_type, head_dim)
         self.n_layers, self.n_kv_heads, self.head_dim, self.max_len = n_layers, n_kv_heads, head_dim, max_len
         windows = list(windows) if windows is not None else [None] * n_layers
         self.windows = windows
-        full = -(-max_len // BLOCK) * BLOCK
-        self.slots = [min(full, -(-(w + RING_SLACK) // BLOCK) * BLOCK) if w else full for w in windows]
-        code = KV_TYPES[kv_type]
-        dim = -(-head_dim // (2 * BLOCK)) * 2 * BLOCK  # the kernels step through hd 16 at a time: zero padding
-        self.k = [np.zeros((n_kv_heads, n // BLOCK, dim, BLOCK), code) for n in self.slots]
-        self.v = [np.zeros((n_kv_heads, n, dim), code) for n in self.slots]
-        if kv_type == "q8_0":
-            self.k_scale = [np.zeros((n_kv_heads, n // BLOCK, head_dim // QBLOCK, BLOCK), np.uint16)
-                            for n in self.slots]
-            self.v_scale = [np.zeros((n_kv_heads, n, head_dim // QBLOCK), np.uint16) for n in self.slots]
-        else:
-            self.k_scale = self.v_scale = [_NO_SCALES] * n_layers
+        self.slots = layer_slots(max_len, windows)
+        # arrays: (k, v, k_scale, v_scale) lists of views a KVPool gives one of its sequences
+        self.k, self.v, self.k_scale, self.v_scale = arrays or allocate(self, ())
         self._addresses = None
         self.length = 0  # positions filled (advanced by the model after a forward pass)
         self.written = [0] * n_layers  # per layer, the end of the positions last written
@@ -166,3 +182,55 @@ class KVCache:
         keys, values = np.empty(shape, np.float32), np.empty(shape, np.float32)
         read_kv(*self.layer(layer), start, end, keys, values)
         return keys, values
+
+
+class KVPool:
+    """The caches of up to `n_seqs` sequences in one allocation per layer ([n_seqs, ...] arrays, as
+    llama.cpp's unified KV cache): sequence s is a KVCache over the views [s] (`sequence(s)`), with
+    its own length and rings, and a batched step's attention reaches every sequence of a layer
+    through one array (attention_kernels.attend_decode_batch). Pages are committed as sequences
+    fill (allocate), so a pool sized for 16 long sequences costs what its sequences hold."""
+
+    def __init__(self, n_seqs: int, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 kv_type: str = DEFAULT_KV_TYPE, windows=None):
+        if n_seqs < 1:
+            raise PymlError(f"a KV pool holds at least one sequence, not {n_seqs}")
+        self.kv_type = check_kv_type(kv_type, head_dim)
+        self.n_seqs, self.n_layers, self.n_kv_heads, self.head_dim, self.max_len = (
+            n_seqs, n_layers, n_kv_heads, head_dim, max_len)
+        self.windows = list(windows) if windows is not None else [None] * n_layers
+        self.slots = layer_slots(max_len, self.windows)
+        self.k, self.v, self.k_scale, self.v_scale = allocate(self, (n_seqs,))
+        self._seqs = [None] * n_seqs
+
+    def layer(self, layer: int):
+        """(keys, k_scale, values, v_scale) of every sequence: [n_seqs, ...] each."""
+        return self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer]
+
+    def sequence(self, s: int) -> KVCache:
+        """Sequence s's cache (the same object each time: its length and rings are its own)."""
+        if not 0 <= s < self.n_seqs:
+            raise PymlError(f"sequence {s} is not in this pool of {self.n_seqs}")
+        if self._seqs[s] is None:
+            views = tuple([a[s] for a in arrays] for arrays in (self.k, self.v, self.k_scale, self.v_scale))
+            cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.max_len, self.kv_type,
+                            self.windows, arrays=views)
+            cache.pool, cache.seq = self, s
+            self._seqs[s] = cache
+        return self._seqs[s]
+
+    def clear(self, s: int) -> None:
+        """Sequence s holds nothing (its slots are overwritten by whatever is written next)."""
+        cache = self.sequence(s)
+        cache.length, cache.written = 0, [0] * self.n_layers
+
+    def copy(self, src: int, dst: int) -> None:
+        """Sequence dst holds what src holds (a shared prompt: n > 1 completions of one prefill)."""
+        a, b = self.sequence(src), self.sequence(dst)
+        q8 = self.kv_type == "q8_0"
+        for layer in range(self.n_layers):
+            n = min(a.written[layer], self.slots[layer])  # a ring's every slot once it has wrapped
+            tiles = -(-n // BLOCK)  # keys (and their scales) are stored in tiles of BLOCK positions
+            for arrays, end in ((self.k, tiles), (self.v, n)) + (((self.k_scale, tiles), (self.v_scale, n)) if q8 else ()):
+                arrays[layer][dst][:, :end] = arrays[layer][src][:, :end]
+        b.length, b.written = a.length, list(a.written)

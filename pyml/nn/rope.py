@@ -37,15 +37,25 @@ class RoPE:
                                        f"got {freq_divisors.size}")
             self.inv_freq = self.inv_freq / freq_divisors
         self._table = (0, 0, None, None)  # the last prefill's (pos, T, cos, sin): its layers share it
+        self._rows_table = (None, None, None)  # the last batched step's (positions, cos, sin)
 
     def table(self, pos: int, T: int):
         """cos, sin [T, rotary_dim / 2] of positions pos .. pos+T-1, made once for every layer of a
         forward pass that shares this RoPE (and for both its q and k)."""
         last = self._table
         if last[0] != pos or last[1] != T:
-            last = (pos, T, *ops.rope_table(pos, T, self.inv_freq))
+            last = (pos, T, *ops.rope_table(np.arange(pos, pos + T), self.inv_freq))
             self._table = last
         return last[2], last[3]
+
+    def rotate_rows(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate x [T, n_heads, head_dim] in place, row t at positions[t] (a batched step's rows,
+        each of its own sequence); the table is made once for the step's layers, q and k."""
+        last = self._rows_table
+        if last[0] is not positions:  # the step's one positions array: an identity check suffices
+            last = self._rows_table = (positions, *ops.rope_table(positions, self.inv_freq))
+        with _perf.trace(*SPAN, x.shape, "rows", self.style, op="rope"):
+            return ops.rope_by_table(x, last[1], last[2], self.style == "interleaved")
 
     def __call__(self, x: np.ndarray, pos: int) -> np.ndarray:
         """Rotate x [T, n_heads, head_dim] in place for positions pos .. pos+T-1."""

@@ -16,8 +16,9 @@ from pyml import quant
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
+from pyml.nn.batch import Batch
 from pyml.nn.fused import FusedStep
-from pyml.nn.kv_cache import DEFAULT_KV_TYPE
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE, KVPool
 
 _perf = perf.get("pyml.nlp.model")
 
@@ -54,7 +55,7 @@ class DecoderModel:
     kv_type: str = DEFAULT_KV_TYPE  # the stored type of the caches new_cache makes (load_model's kv_type=)
     float_compute: str = "f32"  # what pack_weights was asked for (load_model's float_compute=)
 
-    def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:  # [T] -> [T, d]
+    def embed(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:  # [T], their positions -> [T, d]
         return self.embed_tokens(tokens)
 
     def new_cache(self, max_len: int | None = None, kv_type: str | None = None) -> KVCache:
@@ -83,7 +84,7 @@ class DecoderModel:
         with runtime.kernel_lock(), \
                 _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
             with span.part("embedding"):
-                x = self.embed(tokens, pos)
+                x = self.embed(tokens, np.arange(pos, pos + T))
             with span.part("layers"):
                 step = self._fused_step() if T == 1 else None
                 if step is not None:  # a decode step: a compiled call per run of like blocks
@@ -102,6 +103,44 @@ class DecoderModel:
                     logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
         cache.length = pos + T
         return logits if all_logits else logits[0]
+
+    def new_pool(self, n_seqs: int, max_len: int | None = None, kv_type: str | None = None) -> KVPool:
+        """The KV caches of up to `n_seqs` sequences decoded together (forward_batch), each of
+        `max_len` positions (default: the context window), committed to memory as they fill."""
+        n = self.max_positions if max_len is None else min(max_len, self.max_positions)
+        return KVPool(n_seqs, len(self.blocks), self.n_kv_heads, self.head_dim, n, kv_type or self.kv_type,
+                      windows=[block.attn.window for block in self.blocks])
+
+    def forward_batch(self, pool: KVPool, rows: list) -> np.ndarray:
+        """Next-token logits [len(rows), vocab] of several sequences in one pass: rows are (sequence
+        of `pool`, token ids, position of the first), each sequence at most once; one-token rows
+        (decode) and longer ones (a prompt or a chunk of one) may be mixed. The projections run
+        over all the rows at once; each sequence attends to its own cache (nn/batch.py)."""
+        batch = Batch(pool, rows)
+        if len(batch.segments) == 1:  # one sequence: its own pass (a decode step's fused path)
+            seq, tokens, pos = rows[0]
+            return self.forward(tokens, pool.sequence(seq), pos)[None]
+        n_layers = len(self.blocks)
+        with runtime.kernel_lock(), _perf.debug("model::forward", "tokens={} batch={}", len(batch),
+                                                 len(batch.segments), op="model", module="model") as span:
+            for seq, end in zip(batch.decode_seqs.tolist(), batch.decode_ends.tolist()):
+                pool.sequence(seq).claim_layers(range(n_layers), end - 1)  # prefill rows claim as they write
+            with span.part("embedding"):
+                x = self.embed(batch.tokens, batch.positions)
+            with span.part("layers"):
+                for block in self.blocks:
+                    x = block(x, None, batch)
+            with span.part("norm"):
+                x = self.final_norm(x[batch.last_rows])
+            with span.part("projection"):
+                logits = self.lm_head(x)
+                if self.logit_softcap:
+                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+        for seq, pos, n in batch.segments:
+            pool.sequence(seq).length = pos + n
+        out = np.empty_like(logits)
+        out[batch.order] = logits  # back in the order the rows were given
+        return out
 
     def _fused_step(self):
         """The blocks' FusedStep, made on the first decode step (after load has packed the weights);

@@ -88,7 +88,7 @@ class GPT2(DecoderModel):
         head = "lm_head.weight" if "lm_head.weight" in store else "transformer.wte.weight"
         self.lm_head = Linear(store.weight(head, (c.vocab_size, d)), name="lm_head")
 
-    def embed(self, tokens: np.ndarray, pos: int) -> np.ndarray:
+    def embed(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         x = self.embed_tokens(tokens)
-        x += self.wpe.rows(np.arange(pos, pos + tokens.shape[0]))
+        x += self.wpe.rows(positions)
         return x

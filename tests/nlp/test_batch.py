@@ -1,0 +1,168 @@
+"""A batched forward pass (DecoderModel.forward_batch over a KVPool) against each sequence run alone.
+
+The oracle is the single-sequence path (itself checked against transformers in test_llama,
+test_gemma3, test_gpt2 and test_architectures): the same prompts, one at a time, each in a KVCache
+of its own. A batch must give the same greedy tokens; sequences of different lengths, at different
+positions, a prompt that joins while the others decode (a mixed pass), sliding windows and a ring
+that wraps are covered.
+
+The logits agree to float32 rounding where the two runs multiply by the same kernels (SmolLM2's
+decode rows: 0.0 apart). Where they do not - a pass of 20 rows and a prompt of 7 take the GEMM's
+tiles in other groupings - the int8 activations of quantized products round a hair differently,
+and that is amplified through the layers as it is between prefill and decode: TOL below, the
+bound test_llama holds pyml to against transformers. Float weights are compared in f32 compute: with
+`float_compute` bf16 (auto on an avx512_bf16 CPU) a batch's rows, like a prefill's, compute in bf16.
+"""
+
+import numpy as np
+import pytest
+
+import pyml
+from pyml.cli.standins import write_gemma3, write_gpt2, write_llama_gguf
+from pyml.core import perf
+from pyml.core.errors import PymlError
+
+PROMPTS = [[5, 9, 2, 77, 31, 64, 12], [8, 90], [1, 33, 47, 3, 100, 17, 4, 4, 60, 21, 2], [42]]
+STEPS = 6
+TOL = 3e-2  # of the largest logit (see above)
+
+
+def greedy_alone(model, prompt, steps, kv_type, max_len=64):
+    """(tokens, logits per step) of one prompt decoded greedily in a cache of its own."""
+    cache = model.new_cache(max_len, kv_type=kv_type)
+    logits = [model.forward(prompt, cache)]
+    tokens = [int(np.argmax(logits[-1]))]
+    for _ in range(steps):
+        logits.append(model.forward([tokens[-1]], cache))
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens, logits
+
+
+def greedy_batched(model, prompts, steps, kv_type, join_at=None, max_len=64):
+    """The same, every prompt in one KVPool and one pass a step. `join_at`: the last prompt joins at
+    that step, its whole prompt a row of a pass whose other rows are decode steps."""
+    pool = model.new_pool(len(prompts), max_len, kv_type=kv_type)
+    late = len(prompts) - 1 if join_at is not None else None
+    tokens, logits = [[] for _ in prompts], [[] for _ in prompts]
+    for step in range(steps + 1 + (join_at or 0)):
+        rows = []
+        for i, prompt in enumerate(prompts):
+            if i == late and step < join_at or len(tokens[i]) == steps + 1:
+                continue
+            cache = pool.sequence(i)
+            rows.append((i, prompt if cache.length == 0 else [tokens[i][-1]], cache.length))
+        out = model.forward_batch(pool, rows)
+        for (i, _, _), row in zip(rows, out):
+            logits[i].append(row)
+            tokens[i].append(int(np.argmax(row)))
+    return tokens, logits
+
+
+def check_batch_equals_alone(model, prompts=PROMPTS, kv_type="f32", join_at=None, max_len=64, tol=TOL):
+    got_tokens, got_logits = greedy_batched(model, prompts, STEPS, kv_type, join_at, max_len)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = greedy_alone(model, prompt, STEPS, kv_type, max_len)
+        assert got_tokens[i] == ref_tokens, f"sequence {i}"
+        for step, (got, ref) in enumerate(zip(got_logits[i], ref_logits)):
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= tol, f"sequence {i} step {step}: {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return pyml.load_model(gguf=str(smollm2_gguf), threads=2).model
+
+
+@pytest.fixture(scope="module")
+def gemma3_real(gemma3_gguf):
+    return pyml.load_model(gguf=str(gemma3_gguf), threads=2).model
+
+
+def test_real_smollm2_batch_equals_alone(smollm2):
+    check_batch_equals_alone(smollm2, tol=1e-5)  # decode rows through the same kernels as alone
+
+
+def test_real_smollm2_a_prompt_joins_while_others_decode(smollm2):
+    check_batch_equals_alone(smollm2, join_at=2)
+
+
+def test_real_gemma3_batch_equals_alone(gemma3_real):
+    check_batch_equals_alone(gemma3_real, join_at=3, tol=5e-2)  # test_gemma3's bound against transformers
+
+
+@pytest.mark.parametrize("target", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
+def test_llama_weight_types_batch_equals_alone(tmp_path, target):
+    """The fused path's x8 types here; Gemma 3 270M's file adds Q4_K, Q5_0, Q6_K and Q8_0."""
+    path = write_llama_gguf(tmp_path / f"llama-{target}.gguf", "llama-tiny", target=target)
+    check_batch_equals_alone(pyml.load_model(gguf=str(path), threads=2, float_compute="f32").model, join_at=1)
+
+
+def test_gpt2_learned_positions_batch_equals_alone(tmp_path):
+    """GPT-2 adds a learned embedding per position: each row's own position, not the pass's."""
+    model = pyml.load_model(safetensors=str(write_gpt2(tmp_path, "gpt2-tiny", n_positions=64)), threads=2).model
+    check_batch_equals_alone(model, join_at=2)
+
+
+def test_gemma3_sliding_window_and_a_ring_that_wraps(tmp_path):
+    """Gemma 3's sliding layers (window 8) attend to their window only, and past window + slack
+    positions their ring wraps: each sequence's, at its own position."""
+    directory = write_gemma3(tmp_path / "g", "gemma3-tiny", max_position_embeddings=512)
+    model = pyml.load_model(safetensors=str(directory), threads=2).model
+    rng = np.random.default_rng(0)
+    long = [int(t) for t in rng.integers(3, 500, 280)]  # past the ring's 264 slots
+    prompts = [long, [5, 9, 2], long[:150]]
+    check_batch_equals_alone(model, prompts, join_at=1, max_len=300)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_stored_cache_types_batch_equals_alone(smollm2, kv_type):
+    """An f16 or q8_0 cache stores the same rounded keys and values either way, and the batched
+    attention reads them in the same order as the one-sequence kernel: nothing changes."""
+    check_batch_equals_alone(smollm2, kv_type=kv_type)
+
+
+def test_a_copied_sequence_continues_as_the_original(smollm2):
+    """n > 1 completions of one prompt: the prompt prefilled once, its cache copied to the others."""
+    pool = smollm2.new_pool(3, 64, kv_type="f32")
+    prompt = PROMPTS[0]
+    first = smollm2.forward_batch(pool, [(0, prompt, 0)])[0]
+    pool.copy(0, 2)
+    token = int(np.argmax(first))
+    out = smollm2.forward_batch(pool, [(0, [token], len(prompt)), (2, [token], len(prompt))])
+    ref_tokens, ref_logits = greedy_alone(smollm2, prompt, 1, "f32")
+    assert np.array_equal(out[0], out[1]) and np.abs(out[0] - ref_logits[1]).max() <= 1e-5 * np.abs(ref_logits[1]).max()
+    pool.clear(2)
+    assert pool.sequence(2).length == 0 and pool.sequence(0).length == len(prompt) + 1
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([(0, [1], 0), (0, [2], 1)], "each sequence once"),
+    ([(0, [], 0)], "at least one token"),
+    ([(0, [1, 2], 63)], "do not fit"),
+    ([(5, [1], 0)], "not in this pool"),
+])
+def test_a_malformed_batch_is_refused_in_one_line(smollm2, rows, message):
+    pool = smollm2.new_pool(2, 64)
+    with pytest.raises(PymlError, match=message):
+        smollm2.forward_batch(pool, rows)
+
+
+def test_a_traced_batched_step_names_its_rows_and_sequences(smollm2):
+    """LOG=trace of a batched step: the projections as one product over every row (T = rows), the
+    attention as one call over the decode rows (`batch=`), a prompt's rows as its own prefill."""
+    pool = smollm2.new_pool(3, 64)
+    smollm2.forward_batch(pool, [(0, [1, 2, 3], 0), (1, [4, 5], 0)])
+    got = []
+    perf.add_collector(got.append)
+    try:
+        smollm2.forward_batch(pool, [(0, [7], 3), (1, [8], 2), (2, [9, 10, 11, 12], 0)])
+    finally:
+        perf.remove_collector(got.append)
+    sdpa = [r["details"] for r in got if r["name"] == "attention::sdpa"]
+    assert sdpa.count("batch=2 q=[9, 64] kv=[3, 7, 64] f16") == 30  # positions 0..3 and 0..2: 7 attended
+    assert sum(d.startswith("q=[4, 9, 64] kv=[3, 4, 64]") for d in sdpa) == 30  # the prompt's own prefill
+    model = [r for r in got if r["name"] == "model::forward"]
+    assert len(model) == 1 and model[0]["details"] == "tokens=6 batch=3"
+    products = [r["details"] for r in got if r["name"] == "linear::forward"]
+    assert len(products) == 4 * 30 + 1 and all(d.startswith("[6, ") for d in products[:-1])  # every row
+    assert products[-1].startswith("[3, 576]")  # the head: each sequence's last row only
