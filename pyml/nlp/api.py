@@ -4,6 +4,7 @@ that builds a model from a file (loaders read files; the architectures compose l
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pyml import quant
 from pyml.core import compiles, derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
+from pyml.nlp.batch_generator import BatchGenerator
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
 from pyml.nlp.loaders import hub, packed_cache
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
@@ -32,6 +34,7 @@ from pyml.quant import QuantType
 _perf = perf.get("pyml.nlp.load")
 DEFAULT_MODEL = "smollm2-135m"
 ModelConfig = GPT2Config | DecoderConfig  # what `LanguageModel.config` may be (the families derive from it)
+BATCH_DEFAULT = 16  # sequences a step when stream_batch is not told
 HEAD_TYPES = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}  # --lm-head-quant
 
 
@@ -133,27 +136,21 @@ class LanguageModel:
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
-        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-        shown = []
+        text_out = _TextOut(self.tokenizer, result, eos, stops)
         try:
             for token in tokens:
-                if decoder is None or token in eos:  # the end token ends the text, it is not part of it
-                    continue
-                text = stops.push(decoder.push(token))
+                text = text_out.push(token)
                 if text:
-                    shown.append(text)
                     yield StreamEvent(text)
-                if stops.hit:
-                    result.stop_reason = "stop"
+                if text_out.stopped:
                     break
             else:
-                text = stops.push(decoder.flush()) + stops.flush() if decoder is not None else ""
+                text = text_out.end()
                 if text:
-                    shown.append(text)
                     yield StreamEvent(text)
         finally:
             tokens.close()  # a consumer that stops early (a closed connection) frees the model here
-            result.text = "".join(shown)
+            text_out.close()
         yield StreamEvent("", result)
 
     def generate(self, prompt: str | list, max_tokens: int = 64, *, on_text=None, stop=(),
@@ -165,6 +162,64 @@ class LanguageModel:
                 on_text(event.text)
         return event.result
 
+    def stream_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
+                     ctx_size: int | None = None, **sampling) -> Iterator[tuple[int, StreamEvent]]:
+        """Generate from many prompts at once (text, or token ids each), `batch` sequences a step
+        (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
+        as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
+        the same for every prompt; with a `seed`, prompt i samples from seed + i."""
+        if not prompts:
+            return iter(())
+        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        longest = max(len(i) for i in ids)
+        self._before_forward(longest)
+        config = SamplingConfig(**sampling)
+        eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
+        slots = min(len(ids), BATCH_DEFAULT) if batch is None else batch
+        max_len = ctx_size if ctx_size is not None else min(longest + max_tokens, self.model.max_positions)
+        gen = BatchGenerator(self.model, slots, max_len)
+        requests = []
+        for i, prompt in enumerate(ids):
+            seeded = config if config.seed is None else dataclasses.replace(config, seed=config.seed + i)
+            requests.append(gen.submit(prompt, max_tokens, seeded, stop_ids=eos))
+        return self._batch_events(gen, requests, eos, stop)
+
+    def _batch_events(self, gen: BatchGenerator, requests: list, eos, stop):
+        outs = {id(r): _TextOut(self.tokenizer, r.result, eos, StopStrings(stop)) for r in requests}
+        try:
+            for r in [r for r in requests if r.done]:  # max_tokens 0: ended before a step
+                outs[id(r)].close()
+                yield r.index, StreamEvent("", r.result)
+            while gen.busy:
+                for r, token in gen.step():
+                    out = outs[id(r)]
+                    text = out.push(token)
+                    if text:
+                        yield r.index, StreamEvent(text)
+                    if out.stopped:
+                        r.cancel()  # its slot is freed at the next step; the reason stays "stop"
+                    if out.stopped or r.done:
+                        if not out.stopped:
+                            text = out.end()
+                            if text:
+                                yield r.index, StreamEvent(text)
+                        out.close()
+                        yield r.index, StreamEvent("", r.result)
+        finally:
+            for r in requests:
+                r.cancel()
+            gen.step()  # the cancelled leave: nothing is left running
+
+    def generate_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
+                       ctx_size: int | None = None, **sampling) -> list[GenerationResult]:
+        """`stream_batch`, collected: a GenerationResult per prompt, in the prompts' order."""
+        results = [None] * len(prompts)
+        for index, event in self.stream_batch(prompts, max_tokens, batch=batch, stop=stop, ctx_size=ctx_size,
+                                               **sampling):
+            if event.result is not None:
+                results[index] = event.result
+        return results
+
     def chat(self, messages: list, max_tokens: int = 256, *, stream: bool = False, **options):
         """Answer a conversation: `generate` (or, with stream=True, `stream`) on its chat-template prompt."""
         run = self.stream if stream else self.generate
@@ -174,6 +229,34 @@ class LanguageModel:
         if self.tokenizer is None:
             raise PymlError(f"{self.source}: no tokenizer found beside the model")
         return self.tokenizer
+
+
+class _TextOut:
+    """The text of one generation as its tokens come: decoded a token at a time, held back where
+    it could be the start of a stop string, ended by one (stop reason "stop"); the end token ends
+    the text without being part of it. `result.text` is what was shown, once closed."""
+
+    def __init__(self, tokenizer, result: GenerationResult, eos, stops: StopStrings):
+        self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.result, self.eos, self.stops, self.shown, self.stopped = result, eos, stops, [], False
+
+    def push(self, token: int) -> str:
+        if self.decoder is None or token in self.eos:
+            return ""
+        text = self.stops.push(self.decoder.push(token))
+        self.shown.append(text)
+        if self.stops.hit:
+            self.result.stop_reason, self.stopped = "stop", True
+        return text
+
+    def end(self) -> str:
+        """What was held back, once the tokens have ended without a stop string."""
+        text = self.stops.push(self.decoder.flush()) + self.stops.flush() if self.decoder is not None else ""
+        self.shown.append(text)
+        return text
+
+    def close(self) -> None:
+        self.result.text = "".join(self.shown)
 
 
 class Built(NamedTuple):

@@ -185,6 +185,20 @@ class StopStrings:
             m.state = 0
 
 
+def check_prompt(model: DecoderModel, prompt_ids, max_new_tokens: int) -> list[int]:
+    """The prompt as a list of ints, once it is known to be one the model can start from."""
+    prompt_ids = [int(t) for t in prompt_ids]
+    if max_new_tokens < 0:
+        raise PymlError(f"--max-tokens must be >= 0, got {max_new_tokens}")
+    if not prompt_ids:
+        raise PymlError("the prompt is empty (no tokens to start from)")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+        raise PymlError(f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens")
+    return prompt_ids
+
+
 class Generator:
     def __init__(self, model: DecoderModel):
         self.model = model
@@ -216,15 +230,7 @@ class Generator:
         iterator ends the generation; so does `cancelled()` turning true, checked before each
         decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
         """
-        prompt_ids = [int(t) for t in prompt_ids]
-        if max_new_tokens < 0:
-            raise PymlError(f"--max-tokens must be >= 0, got {max_new_tokens}")
-        if not prompt_ids:
-            raise PymlError("the prompt is empty (no tokens to start from)")
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise PymlError(f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens")
+        prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
             raise PymlError(f"--ctx-size must be >= 1, got {ctx_size}")
         if n_keep < 0:

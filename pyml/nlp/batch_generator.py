@@ -1,0 +1,149 @@
+"""Many generations at once: sequences join and leave a running batch between steps.
+
+A BatchGenerator holds a KVPool of `slots` sequences. Each `step` is one DecoderModel.forward_batch
+over every running sequence: a decoding sequence contributes its last token, a new one a chunk of
+its prompt (at most `prefill_chunk` prompt tokens a step over all of them, so that the running
+streams are never held up for a whole long prompt). Requests beyond the free slots wait in order
+(up to `max_waiting`); a finished or cancelled request frees its slot for the next at once. This is
+continuous batching as llama-server, vLLM and mlx-lm's server do it, on one model instance.
+
+Each Request keeps its own GenerationResult: its prefill time is the wall time of the steps that
+carried its prompt, each decode step's the wall time of the step that chose its token - what its
+client waited, the other sequences' rows included.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from pyml.core import perf
+from pyml.core.errors import PymlError
+from pyml.nlp.generator import GenerationResult, check_prompt
+from pyml.nlp.models.base import DecoderModel
+from pyml.nlp.sampling import Sampler, SamplingConfig
+
+_perf = perf.get("pyml.nlp.generator")
+PREFILL_CHUNK = 256  # prompt tokens a step takes over all joining sequences
+
+
+class Request:
+    """One sequence of a BatchGenerator: its prompt, limits, sampler and result."""
+
+    def __init__(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingConfig, stop_ids, index: int):
+        self.prompt, self.max_new_tokens, self.stop_ids = prompt_ids, max_new_tokens, set(stop_ids)
+        self.sampler, self.index = Sampler(sampling), index
+        self.result = GenerationResult(list(prompt_ids))
+        self.history = list(prompt_ids)  # what the sampler's penalties see
+        self.slot = None
+        self.fed = 0  # positions of the sequence in its cache
+        self.done = False
+        self._cancel = False
+
+    def cancel(self) -> None:
+        """End the request at the next step (stop reason "cancelled"): its client left."""
+        self._cancel = True
+
+    def _finish(self, reason: str) -> None:
+        self.result.stop_reason = self.result.stop_reason or reason  # a stop string's "stop" stays
+        self.done = True
+
+
+class BatchGenerator:
+    def __init__(self, model: DecoderModel, slots: int, max_len: int | None = None, kv_type: str | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, max_waiting: int | None = None):
+        if slots < 1:
+            raise PymlError(f"--batch must be >= 1, got {slots}")
+        if prefill_chunk < 1:
+            raise PymlError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.model, self.prefill_chunk, self.max_waiting = model, prefill_chunk, max_waiting
+        self.pool = model.new_pool(slots, max_len, kv_type)
+        self.free = list(range(slots))[::-1]
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self._submitted = 0
+
+    def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               stop_ids=()) -> Request:
+        """Queue a generation; it joins the batch at the first step with a free slot."""
+        prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
+        if len(prompt_ids) > self.pool.max_len:
+            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than the context size of "
+                            f"{self.pool.max_len}")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
+        request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
+        self._submitted += 1
+        if max_new_tokens == 0:
+            request._finish("max_tokens")
+        else:
+            self.waiting.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def run(self) -> Iterator[tuple[Request, int]]:
+        """(request, token) as each is chosen, until every submitted request has ended."""
+        while self.busy:
+            yield from self.step()
+
+    def step(self) -> list[tuple[Request, int]]:
+        """One pass over the running sequences (after admitting waiting ones): the tokens it chose."""
+        self._leave([r for r in self.running if r._cancel], "cancelled")
+        for request in [r for r in self.waiting if r._cancel]:
+            self.waiting.remove(request)
+            request._finish("cancelled")
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            request.slot = self.free.pop()
+            self.pool.clear(request.slot)
+            self.running.append(request)
+        # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
+        self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
+        if not self.running:
+            return []
+        rows, budget = [], self.prefill_chunk
+        for r in self.running:
+            if r.fed < len(r.prompt):  # still prefilling: a chunk of the prompt, within the step's budget
+                n = min(len(r.prompt) - r.fed, budget)
+                if n == 0:
+                    continue
+                budget -= n
+                rows.append((r, r.prompt[r.fed:r.fed + n]))
+            else:
+                rows.append((r, [r.result.tokens[-1]]))
+        t0, d0 = perf.clock(), perf.drain_seconds()
+        with _perf.debug("generator::batch_step", "rows={} seqs={}", sum(len(t) for _, t in rows), len(rows),
+                         op="generator"):
+            logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows])
+        made = perf.drain_seconds() - d0
+        elapsed = perf.clock() - t0 - made
+        chosen = []
+        for (r, tokens), row in zip(rows, logits):
+            prefilling = r.fed < len(r.prompt)
+            r.fed += len(tokens)
+            if prefilling:
+                r.result.prefill_s += elapsed
+                r.result.prefill_log_s += made
+                if r.fed < len(r.prompt):
+                    continue  # more of the prompt next step: these logits choose nothing
+            else:
+                r.result.decode_s.append(elapsed)
+                r.result.decode_log_s += made
+            token = r.sampler(row, r.history)
+            r.result.tokens.append(token)
+            r.history.append(token)
+            chosen.append((r, token))
+            if token in r.stop_ids:
+                self._leave([r], "eos")
+            elif len(r.result.tokens) >= r.max_new_tokens:
+                self._leave([r], "max_tokens")
+        return chosen
+
+    def _leave(self, requests: list, reason: str) -> None:
+        for r in requests:
+            self.running.remove(r)
+            self.free.append(r.slot)
+            r._finish(reason)

@@ -1,0 +1,110 @@
+"""Many generations at once (BatchGenerator, LanguageModel.generate_batch / stream_batch) against
+each prompt generated alone (LanguageModel.generate, itself checked against transformers): the
+same texts, tokens and stop reasons, with prompts queueing for slots, joining as others end,
+prompts prefilled in chunks, stop strings, seeds, cancellation and a full cache."""
+
+import numpy as np
+import pytest
+
+import pyml
+from pyml.core.errors import PymlError
+from pyml.nlp.batch_generator import BatchGenerator
+from pyml.nlp.sampling import SamplingConfig
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+           "2 + 2 ="]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2_gguf):
+    return pyml.load_model(gguf=str(smollm2_gguf), threads=2)
+
+
+def alone(lm, prompt, max_tokens, **options):
+    return lm.generate(prompt, max_tokens, **options)
+
+
+@pytest.mark.parametrize("batch", [2, 16])
+def test_batch_texts_are_the_texts_alone(lm, batch):
+    """Five prompts on two slots: three wait, each joins as one ends (different lengths, positions)."""
+    got = lm.generate_batch(PROMPTS, 12, batch=batch)
+    for prompt, result in zip(PROMPTS, got):
+        ref = alone(lm, prompt, 12)
+        assert (result.tokens, result.text, result.stop_reason) == (ref.tokens, ref.text, ref.stop_reason), prompt
+        assert result.prefill_s > 0 and len(result.decode_s) == len(result.tokens) - 1
+
+
+def test_a_seeded_batch_samples_as_each_prompt_alone_with_its_seed(lm):
+    """Prompt i samples from seed + i: reproducible, and the same as that prompt alone with that seed."""
+    options = dict(temperature=0.9, top_p=0.95, seed=7)
+    first = lm.generate_batch(PROMPTS[:3], 10, **options)
+    again = lm.generate_batch(PROMPTS[:3], 10, **options)
+    assert [r.tokens for r in first] == [r.tokens for r in again]
+    for i, (prompt, result) in enumerate(zip(PROMPTS[:3], first)):
+        assert result.tokens == alone(lm, prompt, 10, **{**options, "seed": 7 + i}).tokens
+
+
+def test_a_stop_string_ends_its_own_sequence_only(lm):
+    got = lm.generate_batch(PROMPTS[:2], 16, stop=["."])
+    for prompt, result in zip(PROMPTS[:2], got):
+        ref = alone(lm, prompt, 16, stop=["."])
+        assert (result.text, result.stop_reason) == (ref.text, ref.stop_reason)
+    assert got[0].stop_reason == "stop" and "." not in got[0].text
+
+
+def test_a_prompt_prefilled_in_chunks_across_steps_gives_the_same_tokens(lm):
+    """A 3-token prefill budget a step: a long prompt takes several steps beside running decodes."""
+    ids = [lm.encode(p) for p in PROMPTS]
+    gen = BatchGenerator(lm.model, 3, max_len=64, prefill_chunk=3)
+    requests = [gen.submit(i, 8, stop_ids=lm.tokenizer.eos_ids) for i in ids]
+    list(gen.run())
+    for prompt, r in zip(PROMPTS, requests):
+        assert r.result.tokens == alone(lm, prompt, 8).tokens
+    assert not gen.busy and sorted(gen.free) == [0, 1, 2]
+
+
+def test_a_full_cache_ends_with_context_as_alone(lm):
+    ids = lm.encode(PROMPTS[0])
+    gen = BatchGenerator(lm.model, 2, max_len=len(ids) + 3)
+    r = gen.submit(ids, 20)
+    other = gen.submit(lm.encode(PROMPTS[1]), 2)
+    list(gen.run())
+    ref = lm.generate(ids, 20, ctx_size=len(ids) + 3)
+    assert (r.result.tokens, r.result.stop_reason) == (ref.tokens, "context") and other.result.stop_reason == "max_tokens"
+
+
+def test_a_consumer_that_leaves_frees_every_slot(lm):
+    events = lm.stream_batch(PROMPTS, 50, batch=2)
+    for _ in zip(range(3), events):
+        pass
+    events.close()
+    gen = BatchGenerator(lm.model, 2, max_len=64)
+    r = gen.submit(lm.encode(PROMPTS[0]), 50)
+    gen.step()
+    r.cancel()
+    gen.step()
+    assert r.result.stop_reason == "cancelled" and not gen.busy and len(gen.free) == 2
+
+
+def test_max_tokens_0_ends_before_a_step(lm):
+    got = lm.generate_batch(PROMPTS[:2], 0)
+    assert [(r.tokens, r.stop_reason) for r in got] == [([], "max_tokens")] * 2
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "the prompt is empty"),
+    ([10 ** 6], "outside the model's vocabulary"),
+    (list(range(70)), "longer than the context size"),
+])
+def test_a_bad_request_is_refused_in_one_line(lm, prompt, message):
+    gen = BatchGenerator(lm.model, 2, max_len=64)
+    with pytest.raises(PymlError, match=message):
+        gen.submit(prompt, 4)
+
+
+def test_the_queue_is_bounded(lm):
+    gen = BatchGenerator(lm.model, 1, max_len=64, max_waiting=2)
+    for _ in range(2):
+        gen.submit([1, 2], 4)
+    with pytest.raises(PymlError, match="already waiting"):
+        gen.submit([1, 2], 4)
