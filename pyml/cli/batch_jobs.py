@@ -120,23 +120,57 @@ def id_key(job_id) -> str:
 
 # --- one job ------------------------------------------------------------------------------------
 
+def _prompt(lm, job: Job) -> str:
+    if job.messages is not None or job.chat or job.system is not None:
+        messages = list(job.messages) if job.messages is not None else [{"role": "user", "content": job.prompt}]
+        if job.system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": job.system})
+        return lm.chat_prompt(messages)
+    return job.prompt
+
+
+def _output(job: Job, result) -> dict:
+    return {"id": job.id, "text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
+            "timings": result.timings()}
+
+
 def run_job(lm, job: Job) -> dict:
     """The output line of one job on a loaded LanguageModel (an error line if it cannot run)."""
     try:
-        if job.messages is not None or job.chat or job.system is not None:
-            messages = list(job.messages) if job.messages is not None else [{"role": "user", "content": job.prompt}]
-            if job.system is not None and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": job.system})
-            prompt = lm.chat_prompt(messages)
-        else:
-            prompt = job.prompt
-        result = lm.generate(prompt, **job.options)
+        result = lm.generate(_prompt(lm, job), **job.options)
     except PymlError as e:
         return error_line(job.line, str(e), job.id)
     except Exception as e:  # one line's failure is that line's output, never the batch's end
         return error_line(job.line, f"internal error: {type(e).__name__}: {e}", job.id)
-    return {"id": job.id, "text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
-            "timings": result.timings()}
+    return _output(job, result)
+
+
+BATCH_ONLY = ("ctx_size", "context_shift", "n_keep")  # the options a batch shares (not per line)
+
+
+def run_jobs_batched(lm, jobs: list, batch: int):
+    """(job, output line) of every job, `batch` sequences a step on one model (LanguageModel.stream_batch),
+    as each ends. A line that cannot run (its prompt, its options) is its own error line first."""
+    shared = {k: v for k, v in (jobs[0].options if jobs else {}).items() if k in BATCH_ONLY}
+    if shared.get("context_shift"):
+        raise PymlError("--context-shift is not available with --batch > 1: each sequence stops at a full cache")
+    ready, prompts, options = [], [], []
+    for job in jobs:
+        ask = {k: v for k, v in job.options.items() if k not in BATCH_ONLY}
+        try:
+            prompt = lm.encode(_prompt(lm, job))
+            lm.stream_batch([prompt], ctx_size=shared.get("ctx_size"), options=[ask]).close()  # checks it all
+        except PymlError as e:
+            yield job, error_line(job.line, str(e), job.id)
+            continue
+        ready.append(job)
+        prompts.append(prompt)
+        options.append(ask)
+    if not ready:
+        return
+    for index, event in lm.stream_batch(prompts, batch=batch, ctx_size=shared.get("ctx_size"), options=options):
+        if event.result is not None:
+            yield ready[index], _output(ready[index], event.result)
 
 
 # --- the output file ----------------------------------------------------------------------------

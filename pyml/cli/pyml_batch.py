@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 
-from pyml.cli.batch_jobs import OrderedWriter, id_key, read_jobs, resume, run_job
+from pyml.cli.batch_jobs import OrderedWriter, id_key, read_jobs, resume, run_job, run_jobs_batched
 from pyml.cli.main import Parser, run_command, say
 from pyml.cli.options import add_model_options, add_sampling_options, model_options, profiling, sampling_options
 from pyml.core import perf, progress
@@ -33,6 +33,9 @@ def build_parser() -> Parser:
     add_model_options(p)
     p.add_argument("--chat", action="store_true", help="wrap every prompt in the model's chat template")
     add_sampling_options(p, max_tokens=64)
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="sequences generated together, one model pass a step (default 1: one prompt at a time); "
+                        "a prompt joins as another ends, the texts are those of one at a time")
     p.add_argument("--ray", action="store_true", help='run on Ray workers (needs pip install "pyml[ray]")')
     p.add_argument("--workers", type=int, default=2, help="Ray workers, each with its own model and -t threads "
                    "(default 2 workers; -t defaults to the cores shared out among them)")
@@ -80,6 +83,10 @@ def run(args) -> int:
     perf.configure(args.log)
     if args.workers < 1:
         raise PymlError(f"--workers must be at least 1, got {args.workers}")
+    if args.batch < 1:
+        raise PymlError(f"--batch must be at least 1, got {args.batch}")
+    if args.batch > 1 and args.ray:
+        raise PymlError("--batch with --ray is not implemented yet: Ray's workers take one prompt at a time")
     jobs, errors = read_jobs(args.input, sampling_options(args), args.chat, args.system)
     # Ray is reached (or found missing) before the output file is touched
     with _ray_runner().session(args.address) if args.ray else nullcontext():
@@ -112,11 +119,12 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
     if prof is not None:
         prof.set_model(lm)
     tally.start()
-    for job in jobs:
-        out = run_job(lm, job)
+    outputs = ((job, run_job(lm, job)) for job in jobs) if args.batch == 1 else run_jobs_batched(lm, jobs, args.batch)
+    for job, out in outputs:
         writer.add(job.line, out)
         tally.add(out)
-    return f"1 process, {lm.runtime.threads} threads"
+    batched = f", {args.batch} sequences a step" if args.batch > 1 else ""
+    return f"1 process, {lm.runtime.threads} threads{batched}"
 
 
 def _run_on_ray(args, jobs, writer, tally, prof) -> str:

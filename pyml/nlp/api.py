@@ -163,29 +163,38 @@ class LanguageModel:
         return event.result
 
     def stream_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
-                     ctx_size: int | None = None, **sampling) -> Iterator[tuple[int, StreamEvent]]:
+                     ctx_size: int | None = None, options: list | None = None,
+                     **sampling) -> Iterator[tuple[int, StreamEvent]]:
         """Generate from many prompts at once (text, or token ids each), `batch` sequences a step
         (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
         as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
-        the same for every prompt; with a `seed`, prompt i samples from seed + i."""
+        for every prompt, or per prompt in `options` (a dict each: max_tokens, stop and sampling
+        fields that replace the shared ones); with a `seed`, prompt i samples from seed + i.
+        Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
+        if options is not None and len(options) != len(prompts):
+            raise PymlError(f"{len(options)} option sets for {len(prompts)} prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-        longest = max(len(i) for i in ids)
-        self._before_forward(longest)
-        config = SamplingConfig(**sampling)
+        asks = [{"max_tokens": max_tokens, "stop": stop, **sampling, **(options[i] if options else {})}
+                for i in range(len(ids))]
+        longest = max(len(i) + a["max_tokens"] for i, a in zip(ids, asks))
+        self._before_forward(max(len(i) for i in ids))
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         slots = min(len(ids), BATCH_DEFAULT) if batch is None else batch
-        max_len = ctx_size if ctx_size is not None else min(longest + max_tokens, self.model.max_positions)
+        max_len = ctx_size if ctx_size is not None else min(longest, self.model.max_positions)
         gen = BatchGenerator(self.model, slots, max_len)
-        requests = []
-        for i, prompt in enumerate(ids):
-            seeded = config if config.seed is None else dataclasses.replace(config, seed=config.seed + i)
-            requests.append(gen.submit(prompt, max_tokens, seeded, stop_ids=eos))
-        return self._batch_events(gen, requests, eos, stop)
+        requests, stops = [], []
+        for i, (prompt, ask) in enumerate(zip(ids, asks)):
+            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop")})
+            if config.seed is not None and options is None:
+                config = dataclasses.replace(config, seed=config.seed + i)
+            stops.append(StopStrings(ask["stop"]))
+            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos))
+        return self._batch_events(gen, requests, eos, stops)
 
-    def _batch_events(self, gen: BatchGenerator, requests: list, eos, stop):
-        outs = {id(r): _TextOut(self.tokenizer, r.result, eos, StopStrings(stop)) for r in requests}
+    def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):
+        outs = {id(r): _TextOut(self.tokenizer, r.result, eos, s) for r, s in zip(requests, stops)}
         try:
             for r in [r for r in requests if r.done]:  # max_tokens 0: ended before a step
                 outs[id(r)].close()
@@ -211,11 +220,12 @@ class LanguageModel:
             gen.step()  # the cancelled leave: nothing is left running
 
     def generate_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
-                       ctx_size: int | None = None, **sampling) -> list[GenerationResult]:
+                       ctx_size: int | None = None, options: list | None = None,
+                       **sampling) -> list[GenerationResult]:
         """`stream_batch`, collected: a GenerationResult per prompt, in the prompts' order."""
         results = [None] * len(prompts)
         for index, event in self.stream_batch(prompts, max_tokens, batch=batch, stop=stop, ctx_size=ctx_size,
-                                               **sampling):
+                                               options=options, **sampling):
             if event.result is not None:
                 results[index] = event.result
         return results

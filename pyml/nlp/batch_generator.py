@@ -68,8 +68,8 @@ class BatchGenerator:
         """Queue a generation; it joins the batch at the first step with a free slot."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
-            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than the context size of "
-                            f"{self.pool.max_len}")
+            what = "the model's context window" if self.pool.max_len == self.model.max_positions else "the context size"
+            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)

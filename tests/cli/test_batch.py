@@ -66,12 +66,15 @@ def test_overrides_replace_the_flags_for_their_line():
     assert job.options == {"max_tokens": 3, "temperature": 0.5, "stop": ["."]}
 
 
-def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys, batch):
+    """One prompt at a time, or three sequences a step (--batch 3): the same lines, the same texts."""
     src = write_input(tmp_path / "in.jsonl", extra=[
         "{broken", json.dumps({"id": "long", "prompt": "x" * 200}), json.dumps({"id": "a", "prompt": "again"}),
         json.dumps({"id": "short", "prompt": "Hello there", "max_tokens": 2}), ""])
     out = tmp_path / "out.jsonl"
-    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "6", "-t", "1"]) == 0
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "6", "-t", "1",
+                            "--batch", str(batch)]) == 0
     lines = read_output(out)
     assert [o.get("id") for o in lines] == ["a", "b", None, "long", "a", "short", 3, "d"]
     assert lines[2] == {"line": 3, "error": lines[2]["error"]} and "not a JSON object" in lines[2]["error"]
@@ -84,6 +87,7 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys)
     assert len(lines[5]["tokens"]) == 2
     err = capsys.readouterr().err
     assert "pyml-batch: 5 prompts done, 3 errors" in err and "1 process, 1 threads" in err
+    assert ("3 sequences a step" in err) == (batch == 3)
 
 
 def test_resume_skips_the_ids_done_and_reruns_errors(tiny, tmp_path, monkeypatch, capsys):
@@ -217,3 +221,15 @@ def test_an_unreachable_cluster_is_one_line_before_the_output_is_touched(tiny, t
     assert err == [f"pyml-batch: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused "
                    f"(is `ray start --head` running there?)"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--batch", "2", "--ray"], "--batch with --ray is not implemented yet"),
+    (["--batch", "2", "--context-shift"], "--context-shift is not available with --batch > 1"),
+])
+def test_batch_flags_it_cannot_honour_are_refused_in_one_line(tiny, tmp_path, capsys, flags, message):
+    src = write_input(tmp_path / "in.jsonl")
+    code = pyml_batch.main([str(src), "--out", str(tmp_path / "out.jsonl"), "-m", str(tiny), "-t", "1", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
