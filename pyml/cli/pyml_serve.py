@@ -38,6 +38,9 @@ def build_parser() -> Parser:
     d = Limits()
     p.add_argument("-n", "--max-tokens", type=int, default=d.max_tokens,
                    help=f"a reply's tokens when the request names no max_tokens (default {d.max_tokens})")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="generations run at once, each step one batched pass over all of them; a request "
+                        "joins at the next step (default 1: one at a time, with the prompt cache and pyml.profile)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for the model; more get 503 (default 16 per core)")
     p.add_argument("--max-connections", type=int, default=None,
@@ -76,7 +79,7 @@ def check_limits(args) -> Limits:
     """The request limits the flags ask for, or PymlError naming the flag out of range."""
     positive = {"--ctx-size": (args.ctx_size, 2), "--max-tokens": (args.max_tokens, 1),
                 "--max-queue": (args.max_queue, 1), "--max-connections": (args.max_connections, 1),
-                "--max-body": (args.max_body, 1)}
+                "--max-body": (args.max_body, 1), "--parallel": (args.parallel, 1)}
     for flag, (value, least) in positive.items():
         if value is not None and value < least:
             raise PymlError(f"{flag} must be >= {least}, got {value}")
@@ -85,7 +88,7 @@ def check_limits(args) -> Limits:
             raise PymlError(f"{flag} must be > 0 seconds, got {value:g}")
     return Limits(max_queue=args.max_queue or 0, max_connections=args.max_connections or 0,
                   max_body=args.max_body, timeout=args.timeout, read_timeout=args.read_timeout,
-                  max_tokens=args.max_tokens)
+                  max_tokens=args.max_tokens, parallel=args.parallel)
 
 
 class Uvicorn(uvicorn.Server):

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from pyml.cli.main import one_line
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_requests import Request, RequestError, parse
-from pyml.cli.serve_worker import Job, Metrics, QueueFull, Worker
+from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
 from pyml.core.errors import PymlError
 from pyml.core.runtime import cpu_count
 from pyml.nlp.api import LanguageModel
@@ -49,6 +49,7 @@ class Limits:
     timeout: float = 600.0           # --timeout: seconds from arrival to the last token
     read_timeout: float = 30.0       # --read-timeout: seconds for a request's headers, and for its body
     max_tokens: int = 1024           # --max-tokens: a reply's tokens when the request names none
+    parallel: int = 1                # --parallel: generations run at once, one batched step at a time
 
     @property
     def queue(self) -> int:
@@ -81,7 +82,8 @@ class Server:
         self.lm, self.model_id, self.ctx_size, self.limits = lm, model_id, ctx_size, limits
         self.api_key, self.loopback_only = api_key, loopback_only
         self.metrics = Metrics()
-        self.worker = Worker(lm, ctx_size, self.metrics, limits.threads, limits.queue)
+        self.worker = (Worker(lm, ctx_size, self.metrics, limits.threads, limits.queue) if limits.parallel == 1 else
+                       BatchWorker(lm, ctx_size, self.metrics, limits.threads, limits.queue, limits.parallel))
         self.max_prompt_chars = ctx_size * longest_token_chars(lm)
         self.created = int(time.time())
         # parsing, templates and tokenizing: off the event loop, a few at a time
@@ -118,7 +120,8 @@ class Server:
     async def health(self, request):
         w = self.worker
         return JSONResponse({"status": "ok", "queue": len(w.jobs), "busy": int(w.current is not None),
-                             "threads": w.threads_in_use, "max_queue": self.limits.queue})
+                             "threads": w.threads_in_use, "max_queue": self.limits.queue,
+                             "parallel": self.limits.parallel})
 
     async def prometheus(self, request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

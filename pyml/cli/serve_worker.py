@@ -27,8 +27,10 @@ from pyml.cli.request_profile import profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError
 from pyml.core import perf
 from pyml.core.errors import PymlError
-from pyml.nlp.api import LanguageModel
-from pyml.nlp.generator import GenerationResult
+from pyml.nlp.api import LanguageModel, TextOut
+from pyml.nlp.batch_generator import BatchGenerator
+from pyml.nlp.generator import GenerationResult, StopStrings
+from pyml.nlp.sampling import SamplingConfig
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _perf = perf.get("pyml.cli.serve")
@@ -101,6 +103,11 @@ class JobQueue:
                                 f"server queues (--max-queue {self.limit})")
             self._jobs.append(job)
             self._ready.notify()
+
+    def get_nowait(self) -> Job | None:
+        """The next job if one waits, else None (a running batch does not wait for one)."""
+        with self._ready:
+            return self._jobs.popleft() if self._jobs else None
 
     def get(self) -> Job | None:
         """The next job, waiting for one; None once the queue is closed."""
@@ -211,6 +218,10 @@ class Worker:
                     job.put("text", event.text)
         if req.profile:
             job.profile = profile_summary(records)
+        self._finish(job, result)
+
+    def _finish(self, job: Job, result: GenerationResult) -> None:
+        """Count a job's figures and hand the request its result (or, at shutdown, a 503)."""
         m = self.metrics
         m.prompt_tokens.inc(result.prefilled_tokens)
         m.cached_tokens.inc(result.cached_tokens)
@@ -223,3 +234,102 @@ class Worker:
             job.put("error", shutting_down())
         else:
             job.put("done", result)
+
+
+class BatchWorker(Worker):
+    """pyml-serve --parallel N: the one model thread runs up to N generations at once, one
+    BatchGenerator step (a batched forward) at a time. A waiting job joins the running batch at the
+    next step when a slot is free, its prompt prefilled in chunks beside the running decodes; a job
+    whose client leaves or whose time runs out is cancelled there and its slot freed."""
+
+    def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics, threads: int, max_queue: int,
+                 parallel: int):
+        super().__init__(lm, ctx_size, metrics, threads, max_queue)
+        self.parallel, self.ctx_size = parallel, ctx_size
+        self.active: dict = {}  # Request -> (Job, TextOut)
+
+    def stop(self, timeout: float = 3.0) -> None:
+        for job, _ in list(self.active.values()):
+            job.cancelled = job.cancelled or "shutdown"
+        super().stop(timeout)
+
+    def _loop(self):
+        numba.set_num_threads(self.threads)
+        self.threads_in_use = numba.get_num_threads()
+        try:
+            self.lm.warm_up(prefill=True)
+        except Exception as e:
+            _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
+        gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
+        self._started.set()
+        while True:
+            job = self.jobs.get_nowait() if self.active else self.jobs.get()  # idle: wait for work
+            if job is None and not self.active:
+                break  # the queue is closed
+            while job is not None:
+                self._admit(gen, job)
+                job = self.jobs.get_nowait() if len(gen.running) + len(gen.waiting) < self.parallel else None
+            self.metrics.queue.set(len(self.jobs))
+            self.current = next(iter(self.active.values()))[0] if self.active else None
+            self.metrics.busy.set(int(bool(self.active)))
+            if not self.active:
+                continue
+            try:
+                self._step(gen)
+            except Exception as e:  # every running request learns what happened; the server goes on
+                error = RequestError(one_line(e)) if isinstance(e, PymlError) else RequestError(
+                    f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
+                for request, (job, _) in list(self.active.items()):
+                    request.cancel()
+                    job.put("error", error)
+                self.active.clear()
+                gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
+        self.current = None
+        self.metrics.busy.set(0)
+
+    def _admit(self, gen: BatchGenerator, job: Job) -> None:
+        if job.cancelled:
+            return
+        req = job.request
+        if req.profile:  # a per-request profile needs the model to itself: perf records are per process
+            job.put("error", RequestError("pyml.profile is not available when the server runs requests in "
+                                          "parallel (--parallel > 1)", param="pyml.profile",
+                                          code="unsupported_parameter"))
+            return
+        try:
+            request = gen.submit(job.ids, req.max_tokens, SamplingConfig(**req.sampling),
+                                 stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else ())
+        except PymlError as e:
+            job.put("error", RequestError(one_line(e)))
+            return
+        self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
+                                             StopStrings(req.stop)))
+        job.put("started")
+        if request.done:  # max_tokens 0
+            self._end(request)
+
+    def _step(self, gen: BatchGenerator) -> None:
+        for request, (job, _) in self.active.items():
+            if job.cancelled:
+                request.cancel()
+        for request, token in gen.step():
+            job, text_out = self.active[request]
+            text = text_out.push(token)
+            if text:
+                job.put("text", text)
+            if text_out.stopped:
+                request.cancel()  # its slot is freed at the next step; the reason stays "stop"
+                self._end(request)
+        for request in [r for r in self.active if r.done]:
+            self._end(request)
+
+    def _end(self, request) -> None:
+        job, text_out = self.active.pop(request)
+        if not text_out.stopped and not job.cancelled:
+            text = text_out.end()
+            if text:
+                job.put("text", text)
+        text_out.close()
+        if job.cancelled:
+            request.result.stop_reason = "cancelled"
+        self._finish(job, request.result)

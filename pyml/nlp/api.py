@@ -136,7 +136,7 @@ class LanguageModel:
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
-        text_out = _TextOut(self.tokenizer, result, eos, stops)
+        text_out = TextOut(self.tokenizer, result, eos, stops)
         try:
             for token in tokens:
                 text = text_out.push(token)
@@ -194,7 +194,7 @@ class LanguageModel:
         return self._batch_events(gen, requests, eos, stops)
 
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):
-        outs = {id(r): _TextOut(self.tokenizer, r.result, eos, s) for r, s in zip(requests, stops)}
+        outs = {id(r): TextOut(self.tokenizer, r.result, eos, s) for r, s in zip(requests, stops)}
         try:
             for r in [r for r in requests if r.done]:  # max_tokens 0: ended before a step
                 outs[id(r)].close()
@@ -241,7 +241,7 @@ class LanguageModel:
         return self.tokenizer
 
 
-class _TextOut:
+class TextOut:
     """The text of one generation as its tokens come: decoded a token at a time, held back where
     it could be the start of a stop string, ended by one (stop reason "stop"); the end token ends
     the text without being part of it. `result.text` is what was shown, once closed."""

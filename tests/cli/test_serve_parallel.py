@@ -1,0 +1,107 @@
+"""pyml-serve --parallel N: requests run together, one batched step at a time (BatchWorker).
+
+The same server process as test_serve.py's, started with --parallel 4 on the GPT-2 stand-in. The
+oracle is the same requests one at a time on the same server (greedy): continuous batching must
+not change a text. A client that leaves frees its slot, a request beyond the slots waits for one,
+malformed requests are still 4xx, and what the batch cannot honour (a per-request profile) is
+refused by name.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import socket
+
+import openai
+import pytest
+
+from pyml.cli.standins import write_gpt2
+from tests.cli.test_serve import HOST, generated_tokens, malformed, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    served = start_server(write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256),
+                          "--parallel", "4")
+    yield served
+    stop_server(served)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def test_health_says_how_many_run_at_once(server):
+    assert json.loads(server.request("GET", "/health")[1])["parallel"] == 4
+
+
+def test_sixteen_concurrent_streams_on_four_slots_equal_the_same_requests_one_at_a_time(client):
+    prompts = [f"Story {'#' * i} {i}:" for i in range(16)]
+
+    def run(prompt):
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           frequency_penalty=2.0)
+        return "".join(c.choices[0].text for c in stream)
+
+    one_at_a_time = [run(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, prompts, timeout=90))
+    assert together == one_at_a_time and len(set(one_at_a_time)) > 1
+
+
+def test_whole_streamed_stopped_and_seeded_replies_as_alone(client):
+    chat = [{"role": "user", "content": "Say hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=chat, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=chat, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    timings = whole.model_extra["timings"]
+    assert timings["predicted_n"] == whole.usage.completion_tokens - 1 and timings["prompt_n"] > 0
+    full = client.completions.create(model="tiny", prompt="The cat", max_tokens=20, temperature=0).choices[0].text
+    stop = full[6:9]
+    cut = client.completions.create(model="tiny", prompt="The cat", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model="tiny", prompt="The cat", max_tokens=10, temperature=1.0, seed=7)
+            .choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_a_per_request_profile_is_refused_by_name(server):
+    status, data = server.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "pyml": {"profile": True}})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "pyml.profile" and "--parallel" in err["message"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):
+    served = start_server(write_gpt2(tmp_path, "gpt2-tiny", n_positions=256, n_embd=256, n_layer=4),
+                          "--parallel", "2")
+    try:
+        client = openai.OpenAI(base_url=served.base + "/v1", api_key="none", timeout=60, max_retries=0)
+        before = generated_tokens(served)
+        conn = http.client.HTTPConnection(HOST, served.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "tiny", "prompt": "Long story", "max_tokens": 240, "temperature": 0, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.fp.readline()
+        assert resp.fp.readline().startswith(b"data: ")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+        abandoned = generated_tokens(served) - before - 3
+        assert 1 <= abandoned < 200, abandoned
+    finally:
+        stop_server(served)
+
+
+def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(server, client):
+    for kind, body in malformed():
+        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        status, data = (server.request("POST", path, raw=body) if kind == "raw" else server.request("POST", path, body))
+        assert 400 <= status < 500, (body, status, data)
+    r = client.completions.create(model="tiny", prompt="Still here", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
