@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from pyml import quant
 from pyml.cli import bench_cold
+from pyml.cli.bench_batch import batch_table
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
@@ -506,6 +507,9 @@ def build_parser() -> Parser:
                    help="instead of pp/tg: peak resident memory of each model (one process each) "
                         "against its file size + KV cache")
     p.add_argument("--memory-probe", metavar="MODEL", help=argparse.SUPPRESS)  # the child of --memory
+    p.add_argument("--batch", metavar="B,B,...", default=None,
+                   help="instead of pp/tg: B sequences a step for each B (e.g. 1,4,16): prefill and aggregate "
+                        "decode tokens/s, llama-batched-bench's table (-p, -n, --reps as for pp/tg)")
     p.add_argument("--cold", action="store_true",
                    help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
                         "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
@@ -535,6 +539,16 @@ def run_bench(args) -> int:
     reps = args.reps if args.reps is not None else 40 if args.log_cost else 5
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
+    if args.batch is not None:
+        if peers:
+            raise PymlError("--peers with --batch is not implemented yet: the table is pyml's own batch sizes")
+        table = batch_table(MODELS, models, threads[0], _int_list(args.batch, "--batch", 1), n_prompts[0],
+                            n_gens[0], reps)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch.md").write_text(table)
+        sys.stdout.write(table)
+        return 0
     if args.cold:
         sys.stdout.write(bench_cold.cold(models, MODELS, reps, peers, threads[0], Path(args.out)))
         return 0

@@ -162,3 +162,18 @@ def test_ratio_is_the_median_of_the_repetitions_ratios():
     other = row("llama.cpp", [1.0, 1.0, 1.0], test="pp512")  # another test: not compared
     add_ratios([pyml, peer, other])
     assert pyml.ratio == {"llama.cpp": 2.0} and peer.ratio == {}
+
+
+def test_batch_table(tmp_path, smollm2_gguf):
+    """--batch 1,2,4: a row per batch size, every rate positive, B = 1 the baseline; a --peers ask is
+    refused by name (llama.cpp's batched decode is not wired in yet)."""
+    r = run_bench("--batch", "1,2,4", "--models", "smollm2-135m-q4_1", "--reps", "2", "--n-prompt", "8",
+                  "--n-gen", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "batch.md").read_text() == r.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert [row[1] for row in rows] == ["1", "2", "4"] and rows[0][5] == "1.00x"
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
+    assert all(abs(float(row[4]) - float(row[3]) / int(row[1])) < 0.2 for row in rows)  # per sequence
+    refused = run_bench("--batch", "4", "--peers", "llama.cpp", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "--peers with --batch is not implemented yet" in refused.stderr
