@@ -298,7 +298,8 @@ class BatchWorker(Worker):
             return
         try:
             request = gen.submit(job.ids, req.max_tokens, SamplingConfig(**req.sampling),
-                                 stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else ())
+                                 stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
+                                 reuse=req.cache_prompt)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return

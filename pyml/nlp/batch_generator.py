@@ -7,6 +7,10 @@ streams are never held up for a whole long prompt). Requests beyond the free slo
 (up to `max_waiting`); a finished or cancelled request frees its slot for the next at once. This is
 continuous batching as llama-server, vLLM and mlx-lm's server do it, on one model instance.
 
+Each slot remembers the tokens its cache holds when its request ends: a new request goes to the
+free slot whose tokens its prompt starts with the most of (the next turn of a conversation), and
+prefills only the rest (`cached_tokens`), as a PromptCache does for one sequence.
+
 Each Request keeps its own GenerationResult: its prefill time is the wall time of the steps that
 carried its prompt, each decode step's the wall time of the step that chose its token - what its
 client waited, the other sequences' rows included.
@@ -58,14 +62,16 @@ class BatchGenerator:
             raise PymlError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
         self.model, self.prefill_chunk, self.max_waiting = model, prefill_chunk, max_waiting
         self.pool = model.new_pool(slots, max_len, kv_type)
-        self.free = list(range(slots))[::-1]
+        self.free = list(range(slots))  # the longest free first: a slot without reuse takes the oldest
+        self.held = [[] for _ in range(slots)]  # per slot: the tokens whose keys and values it holds
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self._submitted = 0
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_ids=()) -> Request:
-        """Queue a generation; it joins the batch at the first step with a free slot."""
+               stop_ids=(), reuse: bool = True) -> Request:
+        """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
+        start from a slot's cached tokens (False: its whole prompt is prefilled)."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
             what = "the model's context window" if self.pool.max_len == self.model.max_positions else "the context size"
@@ -73,6 +79,7 @@ class BatchGenerator:
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
+        request.reuse = reuse
         self._submitted += 1
         if max_new_tokens == 0:
             request._finish("max_tokens")
@@ -96,10 +103,7 @@ class BatchGenerator:
             self.waiting.remove(request)
             request._finish("cancelled")
         while self.waiting and self.free:
-            request = self.waiting.popleft()
-            request.slot = self.free.pop()
-            self.pool.clear(request.slot)
-            self.running.append(request)
+            self._admit(self.waiting.popleft())
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
@@ -142,8 +146,27 @@ class BatchGenerator:
                 self._leave([r], "max_tokens")
         return chosen
 
+    def _admit(self, r: Request) -> None:
+        """Into the free slot that holds the longest start of its prompt (at least its last token
+        is run again: its logits choose the first new token)."""
+        best, reused = self.free[0], 0
+        for slot in self.free if r.reuse else ():
+            n = 0
+            for held, new in zip(self.held[slot], r.prompt[:-1]):
+                if held != new:
+                    break
+                n += 1
+            if n > reused and self.pool.sequence(slot).resumable(n):
+                best, reused = slot, n
+        self.free.remove(best)
+        r.slot, r.fed, r.result.cached_tokens = best, reused, reused
+        self.pool.sequence(best).length = reused
+        self.held[best] = []
+        self.running.append(r)
+
     def _leave(self, requests: list, reason: str) -> None:
         for r in requests:
             self.running.remove(r)
+            self.held[r.slot] = (r.prompt + r.result.tokens)[:r.fed]  # what its cache holds, in order
             self.free.append(r.slot)
             r._finish(reason)

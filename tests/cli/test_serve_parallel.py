@@ -105,3 +105,17 @@ def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(s
         assert 400 <= status < 500, (body, status, data)
     r = client.completions.create(model="tiny", prompt="Still here", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
+
+
+def test_a_conversation_reuses_its_slots_cached_prefix(client):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    first = client.chat.completions.create(model="tiny", messages=chat, max_tokens=6, temperature=0)
+    follow = chat + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+    again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0)
+    assert again.model_extra["timings"]["cache_n"] >= first.usage.prompt_tokens - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == again.model_extra["timings"]["cache_n"]
+    cold = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0,
+                                          extra_body={"cache_prompt": False})
+    assert cold.model_extra["timings"]["cache_n"] == 0
+    assert cold.choices[0].message.content == again.choices[0].message.content

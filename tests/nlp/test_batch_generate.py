@@ -108,3 +108,20 @@ def test_the_queue_is_bounded(lm):
         gen.submit([1, 2], 4)
     with pytest.raises(PymlError, match="already waiting"):
         gen.submit([1, 2], 4)
+
+
+def test_a_follow_up_reuses_the_slot_that_holds_its_start(lm):
+    """The next turn of a conversation goes to the slot whose cache holds its start and prefills
+    only the rest; its tokens are those of the whole prompt generated alone."""
+    first_ids = lm.encode(PROMPTS[0])
+    gen = BatchGenerator(lm.model, 3, max_len=64)
+    first = gen.submit(first_ids, 6)
+    other = gen.submit(lm.encode(PROMPTS[1]), 6)
+    list(gen.run())
+    follow = first_ids + first.result.tokens + lm.encode(" And")
+    again = gen.submit(follow, 6)
+    cold = gen.submit(follow, 6, reuse=False)
+    list(gen.run())
+    assert again.slot == first.slot and again.result.cached_tokens == len(first_ids) + 5  # the last token unfed
+    assert cold.result.cached_tokens == 0 and other.result.cached_tokens == 0
+    assert again.result.tokens == cold.result.tokens == alone(lm, follow, 6).tokens
