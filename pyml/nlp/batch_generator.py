@@ -18,6 +18,7 @@ client waited, the other sequences' rows included.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterator
 
@@ -41,6 +42,8 @@ class Request:
         self.history = list(prompt_ids)  # what the sampler's penalties see
         self.slot = None
         self.fed = 0  # positions of the sequence in its cache
+        self.followers = []  # n > 1: the other choices, which start from this one's prefill
+        self.reuse = True
         self.done = False
         self._cancel = False
 
@@ -78,14 +81,34 @@ class BatchGenerator:
             raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
-        request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
-        request.reuse = reuse
-        self._submitted += 1
+        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse)[0]
+
+    def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
+                       stop_ids=(), reuse: bool = True) -> list[Request]:
+        """n completions of one prompt (OpenAI's `n`): the prompt prefilled once, its cache copied to
+        the other n - 1 sequences (KVPool.copy), each then sampling on its own - with a seed, choice i
+        from seed + i. The n join together, when n slots are free."""
+        if not 1 <= n <= self.pool.n_seqs:
+            raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
+        seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+                 for i in range(n)]
+        return self._queue(check_prompt(self.model, prompt_ids, max_new_tokens), max_new_tokens, seeds, stop_ids,
+                           reuse)
+
+    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse) -> list[Request]:
+        requests = []
+        for sampling in samplings:
+            request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
+            request.reuse = reuse
+            self._submitted += 1
+            requests.append(request)
         if max_new_tokens == 0:
-            request._finish("max_tokens")
+            for request in requests:
+                request._finish("max_tokens")
         else:
-            self.waiting.append(request)
-        return request
+            requests[0].followers = requests[1:]
+            self.waiting.append(requests[0])
+        return requests
 
     @property
     def busy(self) -> bool:
@@ -101,9 +124,14 @@ class BatchGenerator:
         self._leave([r for r in self.running if r._cancel], "cancelled")
         for request in [r for r in self.waiting if r._cancel]:
             self.waiting.remove(request)
-            request._finish("cancelled")
-        while self.waiting and self.free:
-            self._admit(self.waiting.popleft())
+            for r in [request, *request.followers]:
+                r._finish("cancelled")
+        while self.waiting and len(self.free) > len(self.waiting[0].followers):
+            leader = self.waiting.popleft()
+            self._admit(leader)
+            for r in leader.followers:  # parked in a slot until the leader's prompt is in the cache
+                r.slot = self.free.pop()
+                self.held[r.slot] = []
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
@@ -136,15 +164,25 @@ class BatchGenerator:
             else:
                 r.result.decode_s.append(elapsed)
                 r.result.decode_log_s += made
-            token = r.sampler(row, r.history)
-            r.result.tokens.append(token)
-            r.history.append(token)
-            chosen.append((r, token))
-            if token in r.stop_ids:
-                self._leave([r], "eos")
-            elif len(r.result.tokens) >= r.max_new_tokens:
-                self._leave([r], "max_tokens")
+            choices, r.followers = ([r, *r.followers] if prefilling else [r]), []
+            for choice in choices:
+                if choice is not r:  # the leader's prompt is cached: a copy of it, the same logits
+                    self._follow(r, choice)
+                token = choice.sampler(row, choice.history)
+                choice.result.tokens.append(token)
+                choice.history.append(token)
+                chosen.append((choice, token))
+                if token in choice.stop_ids:
+                    self._leave([choice], "eos")
+                elif len(choice.result.tokens) >= choice.max_new_tokens:
+                    self._leave([choice], "max_tokens")
         return chosen
+
+    def _follow(self, leader: Request, r: Request) -> None:
+        self.pool.copy(leader.slot, r.slot)
+        r.fed, r.result.cached_tokens = leader.fed, leader.result.cached_tokens
+        r.result.prefill_s, r.result.prefill_log_s = leader.result.prefill_s, leader.result.prefill_log_s
+        self.running.append(r)
 
     def _admit(self, r: Request) -> None:
         """Into the free slot that holds the longest start of its prompt (at least its last token
@@ -166,6 +204,10 @@ class BatchGenerator:
 
     def _leave(self, requests: list, reason: str) -> None:
         for r in requests:
+            for parked in r.followers:  # a leader that leaves before its prompt is in: its choices too
+                self.free.append(parked.slot)
+                parked._finish(reason)
+            r.followers = []
             self.running.remove(r)
             self.held[r.slot] = (r.prompt + r.result.tokens)[:r.fed]  # what its cache holds, in order
             self.free.append(r.slot)

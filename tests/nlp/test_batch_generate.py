@@ -125,3 +125,32 @@ def test_a_follow_up_reuses_the_slot_that_holds_its_start(lm):
     assert again.slot == first.slot and again.result.cached_tokens == len(first_ids) + 5  # the last token unfed
     assert cold.result.cached_tokens == 0 and other.result.cached_tokens == 0
     assert again.result.tokens == cold.result.tokens == alone(lm, follow, 6).tokens
+
+
+def test_n_choices_share_one_prefill_and_are_reproducible_with_a_seed(lm):
+    """n = 3 completions of one prompt: prefilled once, each choice then samples on its own (choice i
+    from seed + i) - the same tokens as the prompt alone with that seed, and again on a second run."""
+    ids = lm.encode(PROMPTS[0])
+    sampling = SamplingConfig(temperature=0.9, seed=11)
+
+    def run():
+        gen = BatchGenerator(lm.model, 4, max_len=64)
+        choices = gen.submit_choices(ids, 8, 3, sampling)
+        other = gen.submit(lm.encode(PROMPTS[1]), 8)
+        list(gen.run())
+        return [c.result for c in choices], other.result
+
+    first, other = run()
+    again, _ = run()
+    assert [r.tokens for r in first] == [r.tokens for r in again]
+    for i, result in enumerate(first):
+        assert result.tokens == alone(lm, ids, 8, temperature=0.9, seed=11 + i).tokens
+        assert result.prefill_s == first[0].prefill_s  # one prefill, shared
+    assert len({tuple(r.tokens) for r in first}) > 1  # the choices do differ
+    assert other.tokens == alone(lm, PROMPTS[1], 8).tokens
+
+
+def test_n_larger_than_the_batch_is_refused(lm):
+    gen = BatchGenerator(lm.model, 2, max_len=64)
+    with pytest.raises(PymlError, match="n=3 completions need as many sequences"):
+        gen.submit_choices([1, 2], 4, 3)
