@@ -57,6 +57,7 @@ import threading
 import time
 
 from pyml.core.errors import PymlError
+from pyml.core.perf_line import format_line, span_line  # noqa: F401 - format_line: what readers of logs import from here
 
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
@@ -334,7 +335,7 @@ def _drain(final: bool = False):
                 details = span.details()
                 if _collectors:
                     _deliver(span, details)
-                made.append((span, _line(span, details, _holding) if shown else None))
+                made.append((span, span_line(span, details, _holding) if shown else None))
         _write(_tree_order(made, final or not _holding) if _holding or _held else made)
         _drained_at[0] = clock()
     _tls.drain_s = drain_seconds() + (clock() - t0)
@@ -525,52 +526,6 @@ def flush():
     for h in logging.getLogger("pyml").handlers:
         if isinstance(h, _PerfHandler):
             h.write_pending()
-
-
-def _line(span: Span, details: str, tree: bool = False) -> str:
-    """The whole `[perf]` line of an ended span: format_line's text and the ` | ` tail (module,
-    depth, start; phase and step on top-level spans), in as few f-strings as it takes; in `tree`
-    order indented by its depth, two spaces a level, after `[perf] `."""
-    elapsed, parts, depth = span.t1 - span.t0, span.parts, span.depth
-    name = f"{INDENT * depth}{span.name}" if tree and depth else span.name
-    head = f"[perf] {name} {details}" if details else f"[perf] {name}"
-    if parts:
-        timed = " ".join([f"{k}={v * 1e3:.3f}ms" for k, v in parts.items()])
-        head = f"{head} {timed} total={elapsed * 1e3:.3f}ms | "
-    else:
-        head = f"{head} {elapsed * 1e3:.3f}ms | "
-    module = span.attrs.get("module")
-    line = (f"{head}{module} depth={depth} start={span.t0:.6f}" if module
-            else f"{head}depth={depth} start={span.t0:.6f}")
-    if depth == 0:
-        ctx = span.ctx
-        phase, step = ctx.get("phase"), ctx.get("step")
-        if phase is not None:
-            line = f"{line} phase={phase}"
-        if step is not None:
-            line = f"{line} step={step}"
-    if span.thread != _MAIN_THREAD:
-        line = f"{line} thread={span.thread}"
-    return f"{line} compiled=1" if span.compiled else line
-
-
-_MAIN_THREAD = threading.main_thread().ident
-INDENT = "  "  # a level of depth in tree order
-
-
-def format_line(name: str, details: str, parts: dict, elapsed: float, context: str = "") -> str:
-    """`name details [k=v ms ...] elapsed [| context]` — with parts, the elapsed reads `total=`.
-
-    Times are printed in ms with three decimals: a log holds durations to the µs. (The live
-    lines are written by _line, which must give the same text.)
-    """
-    head = f"{name} {details}" if details else name
-    if parts:
-        timed = " ".join([f"{k}={v * 1e3:.3f}ms" for k, v in parts.items()])
-        line = f"{head} {timed} total={elapsed * 1e3:.3f}ms"
-    else:
-        line = f"{head} {elapsed * 1e3:.3f}ms"
-    return f"{line} | {context}" if context else line
 
 
 def get(name: str) -> PerfLogger:

@@ -80,6 +80,12 @@ def _splat(value: int, vt: ir.VectorType) -> ir.Constant:
     return ir.Constant(vt, [value] * vt.count)
 
 
+def splat_value(builder, x, vt: ir.VectorType):
+    """The scalar IR value x in every lane of a `vt` (insert into lane 0, then a zero-mask shuffle)."""
+    one = builder.insert_element(ir.Constant(vt, None), x, _I32(0))
+    return builder.shuffle_vector(one, one, _mask([0] * vt.count))
+
+
 def _vec_ptr(context, builder, arytype, ary, idx, vt: ir.Type):
     """Pointer to `vt` at element `idx` of the array."""
     data = context.make_array(arytype)(context, builder, ary).data
@@ -107,7 +113,7 @@ def _literal_int(t):
 
 # --- loads and stores (idx counts the array's elements: bytes for uint8) --------------
 
-def _vector_load(vec: Vec, align: int, doc: str):
+def vector_load(vec: Vec, align: int, doc: str):
     """An intrinsic loading one `vec` value from an array at an element index."""
     @intrinsic
     def fn(typingctx, ary, idx):
@@ -133,11 +139,11 @@ def vector_store(vec: Vec, align: int, doc: str):
     return fn
 
 
-load_u8x32 = _vector_load(U8x32, 1, "32 bytes from a uint8/int8 array as unsigned lanes.")
-load_i8x32 = _vector_load(I8x32, 1, "32 bytes from a uint8/int8 array as signed lanes.")
-load_i16x16 = _vector_load(I16x16, 2, "16 int16 values from an int16 array.")
-load_f32x8 = _vector_load(F32x8, 4, "8 float32 values from a float32 array.")
-load_i32x8 = _vector_load(I32x8, 4, "8 int32 values from an int32 array.")
+load_u8x32 = vector_load(U8x32, 1, "32 bytes from a uint8/int8 array as unsigned lanes.")
+load_i8x32 = vector_load(I8x32, 1, "32 bytes from a uint8/int8 array as signed lanes.")
+load_i16x16 = vector_load(I16x16, 2, "16 int16 values from an int16 array.")
+load_f32x8 = vector_load(F32x8, 4, "8 float32 values from a float32 array.")
+load_i32x8 = vector_load(I32x8, 4, "8 int32 values from an int32 array.")
 store_i8x32 = vector_store(I8x32, 1, "Store 32 byte lanes (I8x32) into a uint8/int8 array at idx.")
 store_u8x32 = vector_store(U8x32, 1, "Store 32 byte lanes (U8x32) into a uint8/int8 array at idx.")
 store_i16x16 = vector_store(I16x16, 2, "Store 16 int16 lanes into an int16 (or uint8, idx in bytes) array at idx.")
@@ -198,43 +204,55 @@ def load_nibbles16(typingctx, ary, idx):
     return U8x32(ary, idx), codegen
 
 
-@intrinsic
-def load_i8x16_i16(typingctx, ary, idx):
-    """16 signed bytes -> I16x16 (sign-extended)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 16))
-        return builder.sext(v, I16x16.llvm())
-    return I16x16(ary, idx), codegen
+def widen_halves(builder, v, vt):  # IEEE halves (as i16 lanes) -> float lanes (vcvtph2ps)
+    return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), v.type.count)), vt)
 
 
-@intrinsic
-def load_i32_bcast(typingctx, ary, idx):
-    """The int32 at idx of an int32 array in all 8 lanes (a memory operand with {1to8} on AVX-512:
-    no scalar register and no vpbroadcastd from one, which Zen 4 runs as 2 uops)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I32, 1), align=4)
-        return builder.shuffle_vector(v, v, _mask([0] * 8))
-    return I32x8(ary, idx), codegen
+def widen_bf16(builder, v, vt):  # bfloat16 bits (i16 lanes): the top half of a float32
+    wide = ir.VectorType(_I32, v.type.count)
+    return builder.bitcast(builder.shl(builder.zext(v, wide), _splat(16, wide)), vt)
 
 
-@intrinsic
-def load_f16x8(typingctx, ary, idx):
-    """8 IEEE halves (a uint16 array of fp16 bits) -> F32x8 (vcvtph2ps)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8), align=2)
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), F32x8.llvm())
-    return F32x8(ary, idx), codegen
+def widen_u8_f32(builder, v, vt):  # unsigned bytes -> float lanes (vpmovzxbd + vcvtdq2ps)
+    return builder.uitofp(builder.zext(v, ir.VectorType(_I32, v.type.count)), vt)
 
 
-@intrinsic
-def load_bf16x8(typingctx, ary, idx):
-    """8 bfloat16s (a uint16 array of bf16 bits) -> F32x8: the bits are the top half of a float32."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8), align=2)
-        vt32 = ir.VectorType(_I32, 8)
-        w = builder.shl(builder.zext(v, vt32), _splat(16, vt32))
-        return builder.bitcast(w, F32x8.llvm())
-    return F32x8(ary, idx), codegen
+def widen_sext(builder, v, vt):
+    return builder.sext(v, vt)
+
+
+def widening_load(src: ir.VectorType, vec: Vec, widen, align: int, doc: str):
+    """An intrinsic loading `src` at an element index, then `widen(builder, v, vec's LLVM type)` to a `vec` value."""
+    @intrinsic
+    def fn(typingctx, ary, idx):
+        def codegen(context, builder, sig, args):
+            return widen(builder, _load(context, builder, sig.args[0], args[0], args[1], src, align=align), vec.llvm())
+        return vec(ary, idx), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+def broadcast_load(src: ir.VectorType, vec: Vec, align: int, doc: str):
+    """An intrinsic loading `src` (n elements) at an element index and repeating it over the lanes
+    of a `vec` value: lane j = element j % n (vpbroadcastd, or a {1toN} memory operand on AVX-512)."""
+    @intrinsic
+    def fn(typingctx, ary, idx):
+        def codegen(context, builder, sig, args):
+            v = _load(context, builder, sig.args[0], args[0], args[1], src, align=align)
+            return builder.shuffle_vector(v, v, _mask([j % src.count for j in range(vec.lanes)]))
+        return vec(ary, idx), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+load_i8x16_i16 = widening_load(ir.VectorType(_I8, 16), I16x16, widen_sext, 1, "16 signed bytes -> I16x16 (sign-extended).")
+load_i32_bcast = broadcast_load(ir.VectorType(_I32, 1), I32x8, 4,
+                                "The int32 at idx of an int32 array in all 8 lanes (a memory operand with {1to8} on "
+                                "AVX-512: no scalar register and no vpbroadcastd from one, which Zen 4 runs as 2 uops).")
+load_f16x8 = widening_load(ir.VectorType(_I16, 8), F32x8, widen_halves, 2,
+                           "8 IEEE halves (a uint16 array of fp16 bits) -> F32x8 (vcvtph2ps).")
+load_bf16x8 = widening_load(ir.VectorType(_I16, 8), F32x8, widen_bf16, 2,
+                            "8 bfloat16s (a uint16 array of bf16 bits) -> F32x8: the bits are the top half of a float32.")
 
 
 @intrinsic
@@ -264,43 +282,19 @@ def load_fp16x8(typingctx, ary, idx, stride):
     return F32x8(ary, idx, stride), codegen
 
 
-@intrinsic
-def load_fp16x8c(typingctx, ary, idx):
-    """8 contiguous fp16 values at byte idx of a uint8 array as F32x8 (vcvtph2ps from memory):
-    the scales of 8 rows in the 8-row interleaved layout (interleaved.py)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I16, 8), align=1)
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), F32x8.llvm())
-    return F32x8(ary, idx), codegen
-
-
-@intrinsic
-def load_u8x8_f32(typingctx, ary, idx):
-    """8 unsigned bytes at idx as F32x8 (vpmovzxbd + vcvtdq2ps): Q4_K's 8 rows' scales of a group
-    in the 8-row interleaved layout (interleaved.py)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 8))
-        return builder.uitofp(builder.zext(v, ir.VectorType(_I32, 8)), F32x8.llvm())
-    return F32x8(ary, idx), codegen
-
-
-@intrinsic
-def load_i8x4_bcast(typingctx, ary, idx):
-    """The 4 bytes at idx, repeated in all 8 groups of 4 lanes (vpbroadcastd): one activation
-    quad against 8 weight rows whose 4 codes for it sit side by side (interleaved.py)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
-        return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(32)]))
-    return I8x32(ary, idx), codegen
-
-
-@intrinsic
-def load_u8x4_bcast(typingctx, ary, idx):
-    """load_i8x4_bcast as unsigned lanes: the first operand of vpdpbusd (activations offset by 128)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
-        return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(32)]))
-    return U8x32(ary, idx), codegen
+load_fp16x8c = widening_load(ir.VectorType(_I16, 8), F32x8, widen_halves, 1,
+                             "8 contiguous fp16 values at byte idx of a uint8 array as F32x8 (vcvtph2ps from "
+                             "memory): the scales of 8 rows in the 8-row interleaved layout (interleaved.py).")
+load_u8x8_f32 = widening_load(ir.VectorType(_I8, 8), F32x8, widen_u8_f32, 1,
+                              "8 unsigned bytes at idx as F32x8 (vpmovzxbd + vcvtdq2ps): Q4_K's 8 rows' scales of "
+                              "a group in the 8-row interleaved layout (interleaved.py).")
+load_i8x4_bcast = broadcast_load(ir.VectorType(_I8, 4), I8x32, 1,
+                                 "The 4 bytes at idx, repeated in all 8 groups of 4 lanes (vpbroadcastd): one "
+                                 "activation quad against 8 weight rows whose 4 codes for it sit side by side "
+                                 "(interleaved.py).")
+load_u8x4_bcast = broadcast_load(ir.VectorType(_I8, 4), U8x32, 1,
+                                 "load_i8x4_bcast as unsigned lanes: the first operand of vpdpbusd (activations "
+                                 "offset by 128).")
 
 
 @intrinsic
@@ -366,8 +360,9 @@ def f32_to_half(typingctx, v):
 
 # --- lane-wise op makers (the float and the integer lanes use them) ----------------
 
-def _const_op(op: str, vec: Vec, doc: str):
-    """An intrinsic applying builder.<op> to each lane of a `vec` value and an integer literal."""
+def _const_op(op: str, vec: Vec, doc: str, out: Vec | None = None):
+    """An intrinsic applying builder.<op> to each lane of a `vec` value and an integer literal (the
+    result typed `out`, by default `vec`: the same bits read another way)."""
     @intrinsic
     def fn(typingctx, v, c):
         if _literal_int(c) is None or not _is_vec(v, vec):
@@ -376,34 +371,89 @@ def _const_op(op: str, vec: Vec, doc: str):
 
         def codegen(context, builder, sig, args):
             return getattr(builder, op)(args[0], _splat(value, vec.llvm()))
-        return vec(v, c), codegen
+        return (out or vec)(v, c), codegen
     fn.__doc__ = doc
     return fn
 
 
-def _lanewise(op: str, vec: Vec, doc: str):
-    """An intrinsic applying builder.<op> lane by lane to two `vec` values."""
+def lane_op(build, out: Vec, ins: tuple, doc: str):
+    """An intrinsic over vectors of the types `ins` (one to three) whose IR `build(builder, *args)`
+    makes, typed `out`. The builders below are width-generic: simd512.py makes its ops from them."""
+    if len(ins) == 1:
+        @intrinsic
+        def fn(typingctx, a):
+            if not _is_vec(a, ins[0]):
+                return None
+            return out(a), lambda context, builder, sig, args: build(builder, *args)
+    elif len(ins) == 2:
+        @intrinsic
+        def fn(typingctx, a, b):
+            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1])):
+                return None
+            return out(a, b), lambda context, builder, sig, args: build(builder, *args)
+    else:
+        @intrinsic
+        def fn(typingctx, a, b, c):
+            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1]) and _is_vec(c, ins[2])):
+                return None
+            return out(a, b, c), lambda context, builder, sig, args: build(builder, *args)
+    fn.__doc__ = doc
+    return fn
+
+
+def vec_int_op(build, vec: Vec, doc: str):
+    """An intrinsic (v, n): v a `vec` value, n any integer (as i32); `build(builder, v, n)` makes a `vec`."""
     @intrinsic
-    def fn(typingctx, a, b):
-        if not (_is_vec(a, vec) and _is_vec(b, vec)):
+    def fn(typingctx, v, n):
+        if not (_is_vec(v, vec) and isinstance(n, types.Integer)):
             return None
 
         def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], args[1])
-        return vec(a, b), codegen
+            return build(builder, args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+        return vec(v, n), codegen
     fn.__doc__ = doc
     return fn
 
+
+def lanewise_op(op: str, vec: Vec, doc: str):
+    """An intrinsic applying builder.<op> lane by lane to two `vec` values."""
+    return lane_op(lambda builder, a, b: getattr(builder, op)(a, b), vec, (vec, vec), doc)
+
+
+def zeros_op(vec: Vec):
+    """An intrinsic making a `vec` value of zeros."""
+    @intrinsic
+    def fn(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(vec.llvm(), [0.0 if vec.kind == "f" else 0] * vec.lanes)
+        return vec(), codegen
+    return fn
+
+
+# width-generic builders for lane_op (the lane count is the value's)
+def low_nibbles(builder, v):
+    return builder.and_(v, _splat(15, v.type))
+
+
+def high_nibbles(builder, v):
+    return builder.lshr(v, _splat(4, v.type))
+
+
+def int_to_float(builder, v):
+    return builder.sitofp(v, ir.VectorType(ir.FloatType(), v.type.count))
+
+
+def fused_mul_add(builder, a, b, c):  # a * b + c
+    return _call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
+
+
+def fused_neg_mul_add(builder, a, b, c):  # c - a * b
+    return _call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [builder.fneg(a), b, c])
 
 
 # --- float lanes ----------------------------------------------------------------------
 
-@intrinsic
-def to_f32(typingctx, v):
-    """I32x8 -> F32x8."""
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], F32x8.llvm())
-    return F32x8(v), codegen
+to_f32 = lane_op(int_to_float, F32x8, (I32x8,), "I32x8 -> F32x8.")
 
 
 @intrinsic
@@ -426,10 +476,7 @@ def broadcast_op(vec: Vec, doc: str):
     @intrinsic
     def fn(typingctx, s):
         def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            vt = vec.llvm()
-            one = builder.insert_element(ir.Constant(vt, None), v, _I32(0))
-            return builder.shuffle_vector(one, one, _mask([0] * vec.lanes))
+            return splat_value(builder, context.cast(builder, args[0], sig.args[0], types.float32), vec.llvm())
         return vec(s), codegen
     fn.__doc__ = doc
     return fn
@@ -438,53 +485,16 @@ def broadcast_op(vec: Vec, doc: str):
 f32x8 = broadcast_op(F32x8, "Broadcast a scalar to 8 float lanes.")
 
 
-@intrinsic
-def zeros_f32x8(typingctx):
-    def codegen(context, builder, sig, args):
-        return ir.Constant(F32x8.llvm(), [0.0] * 8)
-    return F32x8(), codegen
+zeros_f32x8, zeros_i32x8 = zeros_op(F32x8), zeros_op(I32x8)
 
 
-@intrinsic
-def zeros_i32x8(typingctx):
-    def codegen(context, builder, sig, args):
-        return ir.Constant(I32x8.llvm(), [0] * 8)
-    return I32x8(), codegen
-
-
-@intrinsic
-def lane(typingctx, v, j):
-    """F32x8 with every lane = lane j of v (a shuffle once j is a known constant)."""
-    if not (_is_vec(v, F32x8) and isinstance(j, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = F32x8.llvm()
-        e = builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
-        return builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), e, _I32(0)),
-                                      ir.Constant(vt, None), _mask([0] * 8))
-    return F32x8(v, j), codegen
-
-
-@intrinsic
-def fma(typingctx, a, b, c):
-    """a * b + c, fused, lane-wise."""
-    def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.fma.v8f32", F32x8.llvm(), list(args))
-    return F32x8(a, b, c), codegen
-
-
-@intrinsic
-def fnma(typingctx, a, b, c):
-    """c - a * b, fused, lane-wise."""
-    def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.fma.v8f32", F32x8.llvm(), [builder.fneg(args[0]), args[1], args[2]])
-    return F32x8(a, b, c), codegen
-
-
-add = _lanewise("fadd", F32x8, "a + b, lane-wise")
-sub = _lanewise("fsub", F32x8, "a - b, lane-wise")
-mul = _lanewise("fmul", F32x8, "a * b, lane-wise")
+lane = vec_int_op(lambda builder, v, j: splat_value(builder, builder.extract_element(v, j), v.type), F32x8,
+                  "F32x8 with every lane = lane j of v (a shuffle once j is a known constant).")
+fma = lane_op(fused_mul_add, F32x8, (F32x8,) * 3, "a * b + c, fused, lane-wise.")
+fnma = lane_op(fused_neg_mul_add, F32x8, (F32x8,) * 3, "c - a * b, fused, lane-wise.")
+add = lanewise_op("fadd", F32x8, "a + b, lane-wise")
+sub = lanewise_op("fsub", F32x8, "a - b, lane-wise")
+mul = lanewise_op("fmul", F32x8, "a * b, lane-wise")
 
 
 @intrinsic

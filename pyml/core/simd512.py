@@ -22,8 +22,9 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _is_vec, _load, _mask, _splat, _vector_load, broadcast_op,
-                            vector_store)
+from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _load, _mask, broadcast_load, broadcast_op, fused_mul_add,
+                            fused_neg_mul_add, high_nibbles, int_to_float, lane_op, lanewise_op, low_nibbles,
+                            vector_load, vector_store, widen_halves, widen_u8_f32, zeros_op)
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
@@ -31,122 +32,48 @@ U8x64 = Vec("u", 8, 64)
 I8x64 = Vec("i", 8, 64)
 
 
-load_u8x64 = _vector_load(U8x64, 1, "64 bytes from a uint8/int8 array as unsigned lanes.")
-load_f32x16 = _vector_load(F32x16, 4, "16 float32 values from a float32 array.")
-load_i32x16 = _vector_load(I32x16, 4, "16 int32 values from an int32 array.")
+load_u8x64 = vector_load(U8x64, 1, "64 bytes from a uint8/int8 array as unsigned lanes.")
+load_f32x16 = vector_load(F32x16, 4, "16 float32 values from a float32 array.")
+load_i32x16 = vector_load(I32x16, 4, "16 int32 values from an int32 array.")
 
 
-def _pair(builder, lo, hi):
-    return builder.shuffle_vector(lo, hi, _mask(range(2 * lo.type.count)))
+def _same(builder, v, vt):
+    return v
 
 
-def _load_pair(context, builder, sig, args, vt, align=1):
-    """A vector `vt` at idx of a (the low lanes) and one at idx of b (the high), as one vector: an
-    intrinsic's (a, b, idx)."""
-    lo = _load(context, builder, sig.args[0], args[0], args[2], vt, align=align)
-    hi = _load(context, builder, sig.args[1], args[1], args[2], vt, align=align)
-    return _pair(builder, lo, hi)
-
-
-@intrinsic
-def load_u8x32_pair(typingctx, a, b, idx):
-    """32 bytes at idx of a (lanes 0-31) and 32 bytes at idx of b (lanes 32-63), as U8x64."""
-    def codegen(context, builder, sig, args):
-        return _load_pair(context, builder, sig, args, ir.VectorType(_I8, 32))
-    return U8x64(a, b, idx), codegen
-
-
-@intrinsic
-def load_fp16x8c_pair(typingctx, a, b, idx):
-    """8 fp16 at byte idx of a, then 8 at byte idx of b, as F32x16 (the 16 rows' block scales)."""
-    def codegen(context, builder, sig, args):
-        pair = _load_pair(context, builder, sig, args, ir.VectorType(_I16, 8))
-        return builder.fpext(builder.bitcast(pair, ir.VectorType(ir.HalfType(), 16)), F32x16.llvm())
-    return F32x16(a, b, idx), codegen
-
-
-@intrinsic
-def load_i32x8_pair(typingctx, a, b, idx):
-    """8 int32 at idx of a, then 8 at idx of b, as I32x16."""
-    def codegen(context, builder, sig, args):
-        return _load_pair(context, builder, sig, args, ir.VectorType(_I32, 8), align=4)
-    return I32x16(a, b, idx), codegen
-
-
-@intrinsic
-def load_u8x8_f32_pair(typingctx, a, b, idx):
-    """8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales of a group)."""
-    def codegen(context, builder, sig, args):
-        pair = _load_pair(context, builder, sig, args, ir.VectorType(_I8, 8))
-        return builder.uitofp(builder.zext(pair, ir.VectorType(_I32, 16)), F32x16.llvm())
-    return F32x16(a, b, idx), codegen
-
-
-def _bcast4(vec: Vec, doc: str):
+def _pair_load(src: ir.VectorType, vec: Vec, widen, align: int, doc: str):
+    """An intrinsic (a, b, idx): `src` at idx of a (the low lanes) and at idx of b (the high), as one
+    vector, then `widen(builder, v, vec's LLVM type)` (simd.py's widening_load on two groups)."""
     @intrinsic
-    def fn(typingctx, ary, idx):
+    def fn(typingctx, a, b, idx):
         def codegen(context, builder, sig, args):
-            v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, 4))
-            return builder.shuffle_vector(v, v, _mask([j % 4 for j in range(64)]))
-        return vec(ary, idx), codegen
+            lo = _load(context, builder, sig.args[0], args[0], args[2], src, align=align)
+            hi = _load(context, builder, sig.args[1], args[1], args[2], src, align=align)
+            return widen(builder, builder.shuffle_vector(lo, hi, _mask(range(2 * src.count))), vec.llvm())
+        return vec(a, b, idx), codegen
     fn.__doc__ = doc
     return fn
 
 
-load_i8x4_bcast16 = _bcast4(I8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, signed (vpbroadcastd zmm).")
-load_u8x4_bcast16 = _bcast4(U8x64, "The 4 bytes at idx in all 16 groups of 4 lanes, unsigned (vpdpbusd's a).")
-
-
-@intrinsic
-def load_i32_bcast16(typingctx, ary, idx):
-    """The int32 at idx of an int32 array in all 16 lanes (a {1to16} memory operand)."""
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I32, 1), align=4)
-        return builder.shuffle_vector(v, v, _mask([0] * 16))
-    return I32x16(ary, idx), codegen
-
-
+load_u8x32_pair = _pair_load(ir.VectorType(_I8, 32), U8x64, _same, 1,
+                             "32 bytes at idx of a (lanes 0-31) and 32 bytes at idx of b (lanes 32-63), as U8x64.")
+load_fp16x8c_pair = _pair_load(ir.VectorType(_I16, 8), F32x16, widen_halves, 1,
+                               "8 fp16 at byte idx of a, then 8 at byte idx of b, as F32x16 (the 16 rows' block "
+                               "scales).")
+load_i32x8_pair = _pair_load(ir.VectorType(_I32, 8), I32x16, _same, 4, "8 int32 at idx of a, then 8 at idx of b, as I32x16.")
+load_u8x8_f32_pair = _pair_load(ir.VectorType(_I8, 8), F32x16, widen_u8_f32, 1,
+                                "8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales "
+                                "of a group).")
+load_i8x4_bcast16 = broadcast_load(ir.VectorType(_I8, 4), I8x64, 1,
+                                   "The 4 bytes at idx in all 16 groups of 4 lanes, signed (vpbroadcastd zmm).")
+load_u8x4_bcast16 = broadcast_load(ir.VectorType(_I8, 4), U8x64, 1,
+                                   "The 4 bytes at idx in all 16 groups of 4 lanes, unsigned (vpdpbusd's a).")
+load_i32_bcast16 = broadcast_load(ir.VectorType(_I32, 1), I32x16, 4,
+                                  "The int32 at idx of an int32 array in all 16 lanes (a {1to16} memory operand).")
 f32x16 = broadcast_op(F32x16, "Broadcast a scalar to 16 float lanes.")
-
-
 store_f32x16 = vector_store(F32x16, 4, "Store 16 float lanes into a float32 array at idx.")
 store_u8x64 = vector_store(U8x64, 1, "Store 64 byte lanes (U8x64) into a uint8/int8 array at idx.")
-
-
-def _zeros(vec: Vec):
-    @intrinsic
-    def fn(typingctx):
-        def codegen(context, builder, sig, args):
-            return ir.Constant(vec.llvm(), [0.0 if vec.kind == "f" else 0] * vec.lanes)
-        return vec(), codegen
-    return fn
-
-
-zeros_f32x16, zeros_i32x16 = _zeros(F32x16), _zeros(I32x16)
-
-
-def _op(build, out: Vec, ins: tuple, doc: str):
-    """An intrinsic over vectors of the types `ins` whose IR `build(builder, *args)` makes."""
-    if len(ins) == 1:
-        @intrinsic
-        def fn(typingctx, a):
-            if not _is_vec(a, ins[0]):
-                return None
-            return out(a), lambda context, builder, sig, args: build(builder, *args)
-    elif len(ins) == 2:
-        @intrinsic
-        def fn(typingctx, a, b):
-            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1])):
-                return None
-            return out(a, b), lambda context, builder, sig, args: build(builder, *args)
-    else:
-        @intrinsic
-        def fn(typingctx, a, b, c):
-            if not (_is_vec(a, ins[0]) and _is_vec(b, ins[1]) and _is_vec(c, ins[2])):
-                return None
-            return out(a, b, c), lambda context, builder, sig, args: build(builder, *args)
-    fn.__doc__ = doc
-    return fn
+zeros_f32x16, zeros_i32x16 = zeros_op(F32x16), zeros_op(I32x16)
 
 
 def _dpbusd_ir(builder, acc, a, b, generic=False):
@@ -159,19 +86,17 @@ def _dpbusd_ir(builder, acc, a, b, generic=False):
     return builder.add(acc, builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3])))
 
 
-dpbusd16 = _op(_dpbusd_ir, I32x16, (I32x16, U8x64, I8x64),
-               "I32x16 acc + (U8x64 a * I8x64 b): lane i += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3] (vpdpbusd zmm).")
-dpbusd16_generic = _op(lambda b, acc, x, y: _dpbusd_ir(b, acc, x, y, generic=True), I32x16, (I32x16, U8x64, I8x64),
-                       "dpbusd16 in plain IR, whatever the path (tests compare the two).")
-nibbles_lo64 = _op(lambda b, v: b.and_(v, _splat(15, U8x64.llvm())), U8x64, (U8x64,), "Low nibble of each byte.")
-nibbles_hi64 = _op(lambda b, v: b.lshr(v, _splat(4, U8x64.llvm())), U8x64, (U8x64,), "High nibble of each byte.")
-or_u8x64 = _op(lambda b, x, y: b.or_(x, y), U8x64, (U8x64, U8x64), "a | b, lane-wise.")
-as_i8x64 = _op(lambda b, v: v, I8x64, (U8x64,), "The same bytes as signed lanes.")
-add_i32x16 = _op(lambda b, x, y: b.add(x, y), I32x16, (I32x16, I32x16), "a + b, lane-wise.")
-sub_i32x16 = _op(lambda b, x, y: b.sub(x, y), I32x16, (I32x16, I32x16), "a - b, lane-wise.")
-to_f32x16 = _op(lambda b, v: b.sitofp(v, F32x16.llvm()), F32x16, (I32x16,), "I32x16 -> F32x16.")
-mul16 = _op(lambda b, x, y: b.fmul(x, y), F32x16, (F32x16, F32x16), "a * b, lane-wise.")
-fnma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [b.fneg(x), y, z]), F32x16,
-             (F32x16, F32x16, F32x16), "c - a * b, fused, lane-wise.")
-fma16 = _op(lambda b, x, y, z: _call(b, "llvm.fma.v16f32", F32x16.llvm(), [x, y, z]), F32x16,
-            (F32x16, F32x16, F32x16), "a * b + c, fused, lane-wise.")
+dpbusd16 = lane_op(_dpbusd_ir, I32x16, (I32x16, U8x64, I8x64),
+                   "I32x16 acc + (U8x64 a * I8x64 b): lane i += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3] (vpdpbusd zmm).")
+dpbusd16_generic = lane_op(lambda b, acc, x, y: _dpbusd_ir(b, acc, x, y, generic=True), I32x16,
+                           (I32x16, U8x64, I8x64), "dpbusd16 in plain IR, whatever the path (tests compare the two).")
+nibbles_lo64 = lane_op(low_nibbles, U8x64, (U8x64,), "Low nibble of each byte.")
+nibbles_hi64 = lane_op(high_nibbles, U8x64, (U8x64,), "High nibble of each byte.")
+or_u8x64 = lanewise_op("or_", U8x64, "a | b, lane-wise.")
+as_i8x64 = lane_op(lambda b, v: v, I8x64, (U8x64,), "The same bytes as signed lanes.")
+add_i32x16 = lanewise_op("add", I32x16, "a + b, lane-wise.")
+sub_i32x16 = lanewise_op("sub", I32x16, "a - b, lane-wise.")
+to_f32x16 = lane_op(int_to_float, F32x16, (I32x16,), "I32x16 -> F32x16.")
+mul16 = lanewise_op("fmul", F32x16, "a * b, lane-wise.")
+fnma16 = lane_op(fused_neg_mul_add, F32x16, (F32x16,) * 3, "c - a * b, fused, lane-wise.")
+fma16 = lane_op(fused_mul_add, F32x16, (F32x16,) * 3, "a * b + c, fused, lane-wise.")

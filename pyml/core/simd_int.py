@@ -17,7 +17,8 @@ from numba.extending import intrinsic
 from pyml.core.isa import AVX2 as HAVE_AVX2  # the path chosen at run time (core/isa.py)
 from pyml.core.isa import VNNI as HAVE_VNNI
 from pyml.core.simd import (_I8, _I16, _I32, F32x8, I8x32, I16x16, I32x8, U8x32, Vec, _call, _const_op, _is_vec,
-                            _lanewise, _literal_int, _load, _mask, _splat, _vec_ptr)
+                            _literal_int, _load, _mask, _splat, _vec_ptr, high_nibbles, lane_op, lanewise_op,
+                            low_nibbles, splat_value, vec_int_op)
 
 
 # --- byte lanes -----------------------------------------------------------------------
@@ -27,23 +28,9 @@ and_u8 = _const_op("and_", U8x32, "lanes & c (c an integer literal)")
 shr_u8 = _const_op("lshr", U8x32, "lanes >> n, logical (n an integer literal)")
 shl_u8 = _const_op("shl", U8x32, "lanes << n (n an integer literal)")
 sar_i8 = _const_op("ashr", I8x32, "lanes >> n, arithmetic (n an integer literal)")
-or_u8 = _lanewise("or_", U8x32, "a | b, lane-wise")
-
-
-@intrinsic
-def nibbles_lo(typingctx, v):
-    """Low nibble of each byte."""
-    def codegen(context, builder, sig, args):
-        return builder.and_(args[0], _splat(15, U8x32.llvm()))
-    return U8x32(v), codegen
-
-
-@intrinsic
-def nibbles_hi(typingctx, v):
-    """High nibble of each byte."""
-    def codegen(context, builder, sig, args):
-        return builder.lshr(args[0], _splat(4, U8x32.llvm()))
-    return U8x32(v), codegen
+or_u8 = lanewise_op("or_", U8x32, "a | b, lane-wise")
+nibbles_lo = lane_op(low_nibbles, U8x32, (U8x32,), "Low nibble of each byte.")
+nibbles_hi = lane_op(high_nibbles, U8x32, (U8x32,), "High nibble of each byte.")
 
 
 @intrinsic
@@ -88,16 +75,8 @@ def bit_to_u8(typingctx, v, bit, value):
     return v(v, bit, value), codegen
 
 
-@intrinsic
-def minus_i8(typingctx, v, c):
-    """U8x32 lanes - c as signed I8x32 (c an integer literal): recentre unsigned codes, e.g. q - 8."""
-    if _literal_int(c) is None or not _is_vec(v, U8x32):
-        return None
-    value = _literal_int(c)
-
-    def codegen(context, builder, sig, args):
-        return builder.sub(args[0], _splat(value, U8x32.llvm()))
-    return I8x32(v, c), codegen
+minus_i8 = _const_op("sub", U8x32, "U8x32 lanes - c as signed I8x32 (c an integer literal): recentre unsigned "
+                     "codes, e.g. q - 8.", out=I8x32)
 
 
 @intrinsic
@@ -175,24 +154,28 @@ def _pairs(builder, v, n):
     return even, odd
 
 
+def _pair_sums(builder, a, b, elem: ir.IntType, a_signed: bool):
+    """Lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1] in `elem` integers, b signed: the plain IR of
+    vpmaddubsw (a unsigned bytes) and vpmaddwd (a signed words)."""
+    n = a.type.count
+    vt = ir.VectorType(elem, n)
+    p = builder.mul(builder.sext(a, vt) if a_signed else builder.zext(a, vt), builder.sext(b, vt))
+    even, odd = _pairs(builder, p, n)
+    return builder.add(even, odd)
+
+
 def maddubs_ir(builder, a, b, generic: bool):
     """u8 x i8 pair sums -> i16 (vpmaddubsw); exact while |pair sum| < 2^15."""
     if HAVE_AVX2 and not generic:
         return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm(), [a, b])
-    vt = ir.VectorType(_I16, 32)
-    p = builder.mul(builder.zext(a, vt), builder.sext(b, vt))
-    even, odd = _pairs(builder, p, 32)
-    return builder.add(even, odd)
+    return _pair_sums(builder, a, b, _I16, False)
 
 
 def madd_ir(builder, a, b, generic: bool):
     """i16 x i16 pair sums -> i32 (vpmaddwd); exact except -32768*-32768*2."""
     if HAVE_AVX2 and not generic:
         return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm(), [a, b])
-    vt = ir.VectorType(_I32, 16)
-    p = builder.mul(builder.sext(a, vt), builder.sext(b, vt))
-    even, odd = _pairs(builder, p, 16)
-    return builder.add(even, odd)
+    return _pair_sums(builder, a, b, _I32, True)
 
 
 def _dot_op(a_vec: Vec, b_vec: Vec | None, out_vec: Vec, build, doc: str, generic: bool):
@@ -283,53 +266,36 @@ maddubs_generic, dot_i8_generic, madd_generic, sum_pairs_generic = _dot_ops(gene
 dpbusd, dpbusd_generic = _make_dpbusd(False), _make_dpbusd(True)
 
 
+def _halves_i16(builder, a, b):
+    """I16x16 IR with lanes 0-7 = the i16 value a and lanes 8-15 = b."""
+    vt2 = ir.VectorType(_I16, 2)
+    pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a, _I32(0)), b, _I32(1))
+    return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
+
+
 @intrinsic
 def i16_halves(typingctx, a, b):
     """I16x16 with lanes 0-7 = a and lanes 8-15 = b (two 16-element sub-block scales)."""
     def codegen(context, builder, sig, args):
-        a16 = context.cast(builder, args[0], sig.args[0], types.int16)
-        b16 = context.cast(builder, args[1], sig.args[1], types.int16)
-        vt2 = ir.VectorType(_I16, 2)
-        pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a16, _I32(0)), b16, _I32(1))
-        return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
+        return _halves_i16(builder, context.cast(builder, args[0], sig.args[0], types.int16),
+                           context.cast(builder, args[1], sig.args[1], types.int16))
     return I16x16(a, b), codegen
 
 
-@intrinsic
-def pair_i16(typingctx, v, m):
-    """I16x16 with lanes 0-7 = v[m] and lanes 8-15 = v[m+1] (Q6_K: the two scales of a group)."""
-    if not (_is_vec(v, I16x16) and isinstance(m, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i = context.cast(builder, args[1], sig.args[1], types.int32)
-        a = builder.extract_element(args[0], i)
-        b = builder.extract_element(args[0], builder.add(i, _I32(1)))
-        vt2 = ir.VectorType(_I16, 2)
-        pair = builder.insert_element(builder.insert_element(ir.Constant(vt2, None), a, _I32(0)), b, _I32(1))
-        return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
-    return I16x16(v, m), codegen
+pair_i16 = vec_int_op(lambda builder, v, m: _halves_i16(builder, builder.extract_element(v, m),
+                                                      builder.extract_element(v, builder.add(m, _I32(1)))),
+                      I16x16, "I16x16 with lanes 0-7 = v[m] and lanes 8-15 = v[m+1] (Q6_K: the two scales of a group).")
 
 
-add_i16 = _lanewise("add", I16x16, "a + b, lane-wise (wraps: callers keep the sums in range)")
-add_i32 = _lanewise("add", I32x8, "a + b, lane-wise")
-sub_lanes_i32 = _lanewise("sub", I32x8, "a - b, lane-wise")
-sub_i16 = _lanewise("sub", I16x16, "a - b, lane-wise")
+add_i16 = lanewise_op("add", I16x16, "a + b, lane-wise (wraps: callers keep the sums in range)")
+add_i32 = lanewise_op("add", I32x8, "a + b, lane-wise")
+sub_lanes_i32 = lanewise_op("sub", I32x8, "a - b, lane-wise")
+sub_i16 = lanewise_op("sub", I16x16, "a - b, lane-wise")
 shl_i16 = _const_op("shl", I16x16, "lanes << n (n an integer literal)")
 
 
-@intrinsic
-def sub_i32(typingctx, v, s):
-    """I32x8 lanes minus the integer s in every lane."""
-    if not (_is_vec(v, I32x8) and isinstance(s, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = I32x8.llvm()
-        x = context.cast(builder, args[1], sig.args[1], types.int32)
-        one = builder.insert_element(ir.Constant(vt, None), x, _I32(0))
-        return builder.sub(args[0], builder.shuffle_vector(one, one, _mask([0] * 8)))
-    return I32x8(v, s), codegen
+sub_i32 = vec_int_op(lambda builder, v, x: builder.sub(v, splat_value(builder, x, v.type)), I32x8,
+                     "I32x8 lanes minus the integer n in every lane.")
 
 
 # --- activation quantization ----------------------------------------------------------
@@ -341,8 +307,8 @@ def absmax32(typingctx, ary, idx):
 
     On the bits: with the sign cleared, a float's magnitude order is its bits' unsigned integer order,
     and every NaN lies above +inf, so one integer max finds the largest magnitude or a NaN. The float
-    max reduction (llvm.vector.reduce.fmaximum, NaN-propagating) lowers to compare-and-blend chains:
-    a [512, 2048] activation's quantization (quantize_rows_q8, 1 thread) took 0.42 ms with it, 0.27 with this."""
+    max reduction (llvm.vector.reduce.fmaximum, NaN-propagating) lowers to compare-and-blend chains,
+    slower (the journal's "Figures that were in the code")."""
     def codegen(context, builder, sig, args):
         it = ir.VectorType(_I32, 32)
         x = builder.bitcast(_load(context, builder, sig.args[0], args[0], args[1],

@@ -22,10 +22,26 @@ TILE_Q = 8  # queries per work item (x the group's heads = its rows)
 # --- prefill: tiles of queries x the key tiles they see ---------------------------------
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos):
-    """A prefill item's query rows: item -> (kv head, tile's first query t0, its queries nt), the
-    latest tiles first; qs [R, hdp] <- its queries' heads of that group (scaled, zero padding rows),
-    qpos their positions (padding rows: the tile's last)."""
+def _items(q, n_kv):
+    """A prefill's work items, (kv head, TILE_Q queries) each: (heads a kv head, tiles, items)."""
+    n_tiles = (q.shape[0] + TILE_Q - 1) // TILE_Q
+    return q.shape[1] // n_kv, n_tiles, n_kv * n_tiles
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _scratch(R, q_width, acc_width):
+    """A worker's buffers for R query rows: qs [R, q_width] (zeros), qpos, the online softmax's
+    m, l and acc [R, acc_width], a chunk's scores [R, CHUNK]."""
+    return (np.zeros((R, q_width), np.float32), np.empty(R, np.int64), np.empty(R, np.float32),
+            np.empty(R, np.float32), np.empty((R, acc_width), np.float32), np.empty((R, CHUNK), np.float32))
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _item_begin(q, pos, item, n_kv, n_tiles, scale, window, qs, qpos, m, l, acc):
+    """A prefill item's start: item -> (kv head, tile's first query t0, its queries nt, the first
+    position its rows see), the latest tiles first; qs [R, hdp] <- its queries' heads of that group
+    (scaled, zero padding rows), qpos their positions (padding rows: the tile's last); the online
+    softmax's m, l, acc reset."""
     T, H, hd = q.shape
     group = H // n_kv
     kv, tile = item % n_kv, n_tiles - 1 - item // n_kv
@@ -38,7 +54,10 @@ def _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos):
             qpos[t * group + g] = pos + t0 + t
             for i in range(hd):
                 qs[t * group + g, i] = q[t0 + t, kv * group + g, i] * scale
-    return kv, t0, nt
+    m[:] = -np.inf
+    l[:] = 0.0
+    acc[:, :] = 0.0
+    return kv, t0, nt, max(0, pos + t0 - window + 1) if window > 0 else 0
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -60,29 +79,17 @@ def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads
     thread instead claims the next item from a shared counter, the heaviest (latest) tiles first:
     the threads end within about one light item of each other, and a thread the OS descheduled
     leaves its share to the other rather than holding it."""
-    T, H, hd = q.shape
     n_kv, hdp = values.shape[0], values.shape[2]  # the cache's head_dim, padded to 16 with zeros
-    group = H // n_kv
-    n_tiles = (T + TILE_Q - 1) // TILE_Q
-    n_items = n_kv * n_tiles
+    group, n_tiles, n_items = _items(q, n_kv)
     R = (TILE_Q * group + ROWS - 1) // ROWS * ROWS
     claimed = np.zeros(1, np.int64)
     for _worker in numba.prange(min(n_threads, n_items)):
-        qs = np.zeros((R, hdp), np.float32)
-        qpos = np.empty(R, np.int64)
-        m = np.empty(R, np.float32)
-        l = np.empty(R, np.float32)
-        acc = np.empty((R, hdp), np.float32)
-        scores = np.empty((R, CHUNK), np.float32)
+        qs, qpos, m, l, acc, scores = _scratch(R, hdp, hdp)
         while True:
             item = atomics.fetch_add(claimed, 0, 1)
             if item >= n_items:
                 break
-            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:, :] = 0.0
-            lo = max(0, pos + t0 - window + 1) if window > 0 else 0
+            kv, t0, nt, lo = _item_begin(q, pos, item, n_kv, n_tiles, scale, window, qs, qpos, m, l, acc)
             attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
                          m, l, acc, scores)
             _item_out(acc, l, kv, t0, nt, group, out)
@@ -148,38 +155,26 @@ def _rows8(r0):
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def _tiled_bf16(q, pos, kb, vb, base, window, scale, out, n_threads):
     """_tiled's items and online softmax over kb, vb (the span in bf16, from base): out [T, H, hd]."""
-    T, H, hd = q.shape
     n_kv, hdp, n_vblocks = kb.shape[0], kb.shape[2] // bf16_gemm.ROWS, vb.shape[1]
     hdw = n_vblocks * bf16_gemm.ROWS
-    group = H // n_kv
-    n_tiles = (T + TILE_Q - 1) // TILE_Q
-    n_items = n_kv * n_tiles
+    group, n_tiles, n_items = _items(q, n_kv)
     R = (TILE_Q * group + 7) // 8 * 8  # bf16_gemm._tile computes 8 rows at a time
     claimed = np.zeros(1, np.int64)
     for _worker in numba.prange(min(n_threads, n_items)):
-        qs = np.zeros((R, hdp), np.float32)
+        qs, qpos, m, l, acc, scores = _scratch(R, hdp, hdw)
         qb = np.zeros((R, hdp), np.uint16)
-        qpos = np.empty(R, np.int64)
-        m = np.empty(R, np.float32)
-        l = np.empty(R, np.float32)
-        acc = np.empty((R, hdw), np.float32)
         pv = np.empty((R, hdw), np.float32)
-        scores = np.empty((R, CHUNK), np.float32)
         pb = np.zeros((R, CHUNK), np.uint16)
         while True:
             item = atomics.fetch_add(claimed, 0, 1)
             if item >= n_items:
                 break
-            kv, t0, nt = _item_rows(q, pos, item, n_kv, n_tiles, scale, qs, qpos)
-            n_rows = nt * q.shape[1] // n_kv
+            kv, t0, nt, lo = _item_begin(q, pos, item, n_kv, n_tiles, scale, window, qs, qpos, m, l, acc)
+            n_rows = nt * group
             for r in range(R):
                 u = qs[r].view(np.uint32)
                 for i in range(hdp):
                     qb[r, i] = bf16_gemm._round_bits(u[i])
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:, :] = 0.0
-            lo = max(0, pos + t0 - window + 1) if window > 0 else 0
             hi = pos + t0 + nt
             q_first, q_last = pos + t0, pos + t0 + nt - 1
             c0 = lo - (lo - base) % CHUNK

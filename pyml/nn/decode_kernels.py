@@ -24,14 +24,14 @@ from functools import lru_cache
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from pyml.core import atomics, clock
 from pyml.core.jit import FASTMATH
 from pyml.nn import attention_kernels
 from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, add_bias,
                                    after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots, linear,
-                                   now)
+                                   now, per_shape)
 from pyml.quant import interleaved_gemv
 
 _PHASES = 11  # counters per layer in a region: see _region_layers
@@ -243,15 +243,9 @@ def _region_layers(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d
     first thread to ask, the products' and the attention's pieces by every thread."""
 
 
-@overload(_region_layers, prefer_literal=True, jit_options={"fastmath": FASTMATH, "error_model": "numpy"})
-def _region_layers_overload(key, x, pre_w, pre_at, buf, post_w, post_at, kv, kv_at, act_d, act_q, act_f, attn_s,
-                            start, pos, scale, splits, ctx, out, counters, n_threads, events, row, trace, timed,
-                            ticks, layer0):
-    if not isinstance(key, types.StringLiteral):
-        return None
-    shape = BlockShape.of(key)
-    e = event_slots(shape)  # plain ints below: constants in the code
-    n_ev, e_sdpa = e.n, e.sdpa
+@per_shape(_region_layers)
+def _make_region_layers(shape, e):
+    n_ev, e_sdpa = e.n, e.sdpa  # plain ints below: constants in the code
     (pq, lq), (po, lo), (pu, lu), (pd, ld) = e.proj[0], e.o, e.up[0], e.down
     kq, ko, k1, kd = shape.q_kind, shape.o_kind, shape.up_kind, shape.down_kind
 

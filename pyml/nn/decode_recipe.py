@@ -28,6 +28,7 @@ path's spans end), and the layer's start, middle and end ticks (`timed`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numba
@@ -146,6 +147,7 @@ class StepBuffers(NamedTuple):
 A_NORM, A_MM, A_QNORM, A_KNORM, A_ROPE_Q, A_ROPE_K = 0, 1, 7, 8, 9, 10  # A_MM + 2j: projection j
 B_MM_O, B_POST_ATTN, B_NORM, B_MM_1, B_ACT, B_MM_DOWN, B_FFN, B_POST_FFN = 0, 2, 3, 4, 8, 9, 11, 12
 C_KV, C_SDPA = 0, 1  # between them: the cache write and the attention
+N_PRE_OPS, N_POST_OPS = A_ROPE_K + 1, B_POST_FFN + 1  # the op tables' lengths: a new id goes above and here
 
 
 class EventSlots(NamedTuple):
@@ -189,6 +191,23 @@ def event_slots(shape: BlockShape) -> EventSlots:
 
 
 _BODY_OPTIONS = {"fastmath": FASTMATH, "error_model": "numpy"}
+
+
+def per_shape(stub):
+    """Register `make(shape: BlockShape, slots: EventSlots) -> step` as the Numba implementation of
+    `stub` (a function whose first argument is a literal shape key, BlockShape.key()): `step` takes
+    stub's arguments and is compiled once per block shape, with the ints make reads from the shape
+    as constants. Numba checks the step's signature against stub's (functools.wraps lends it)."""
+    def register(make):
+        @functools.wraps(stub)
+        def typer(shape, *args):
+            if not isinstance(shape, types.StringLiteral):
+                return None
+            s = BlockShape.of(shape)
+            return make(s, event_slots(s))
+        overload(stub, prefer_literal=True, jit_options=_BODY_OPTIONS)(typer)
+        return make
+    return register
 SLOT = 16  # int64s between the counters' slots (decode_kernels): each on a cache line of its own
 
 
@@ -290,12 +309,9 @@ def attn_norm(shape, pw, buf, x, events, trace, timed, counters, ticks, layer, l
     """buf.h = norm(x); the layer's start tick. Returns the tick the qkv product starts at."""
 
 
-@overload(attn_norm, prefer_literal=True, jit_options=_BODY_OPTIONS)
-def _attn_norm(shape, pw, buf, x, events, trace, timed, counters, ticks, layer, li, r):
-    if not isinstance(shape, types.StringLiteral):
-        return None
-    s = BlockShape.of(shape)
-    norm, unit, e_norm = s.norm, s.norm_unit, event_slots(s).norm  # plain ints: constants in the code
+@per_shape(attn_norm)
+def _attn_norm(s, e):
+    norm, unit, e_norm = s.norm, s.norm_unit, e.norm  # plain ints: constants in the code
 
     def step(shape, pw, buf, x, events, trace, timed, counters, ticks, layer, li, r):
         t = now(timed, counters)
@@ -313,11 +329,8 @@ def after_qkv(shape, pw, buf, kv, pos, t, events, trace, counters, li, r):
     projections' end). Returns the tick the attention starts at."""
 
 
-@overload(after_qkv, prefer_literal=True, jit_options=_BODY_OPTIONS)
-def _after_qkv(shape, pw, buf, kv, pos, t, events, trace, counters, li, r):
-    if not isinstance(shape, types.StringLiteral):
-        return None
-    s, e = BlockShape.of(shape), event_slots(BlockShape.of(shape))
+@per_shape(after_qkv)
+def _after_qkv(s, e):
     qk_norm, qk_unit, rope = s.qk_norm, s.qk_unit, s.rope
     e_qn, e_kn, e_rq, e_rk, e_kv = e.q_norm, e.k_norm, e.rope_q, e.rope_k, e.kv
 
@@ -350,11 +363,8 @@ def after_o(shape, qw, buf, x, t, events, trace, timed, counters, ticks, layer, 
     the layer's middle tick. Returns the tick the up product starts at (also the feed-forward's start)."""
 
 
-@overload(after_o, prefer_literal=True, jit_options=_BODY_OPTIONS)
-def _after_o(shape, qw, buf, x, t, events, trace, timed, counters, ticks, layer, li, r):
-    if not isinstance(shape, types.StringLiteral):
-        return None
-    s, e = BlockShape.of(shape), event_slots(BlockShape.of(shape))
+@per_shape(after_o)
+def _after_o(s, e):
     post_attn, pan_unit, fnorm, f_unit = s.post_attn, s.post_attn_unit, s.ffn_norm, s.ffn_norm_unit
     e_pan, e_fn, e_ffn = e.post_attn, e.ffn_norm, e.ffn
 
@@ -374,12 +384,9 @@ def after_up(shape, buf, t, events, trace, counters, li, r):
     """buf.a = act(buf.gu) (gated: act(gate) * up), from tick t. Returns the tick the down product starts at."""
 
 
-@overload(after_up, prefer_literal=True, jit_options=_BODY_OPTIONS)
-def _after_up(shape, buf, t, events, trace, counters, li, r):
-    if not isinstance(shape, types.StringLiteral):
-        return None
-    s = BlockShape.of(shape)
-    act, gated, e_act = s.act, s.mlp != 0, event_slots(s).act
+@per_shape(after_up)
+def _after_up(s, e):
+    act, gated, e_act = s.act, s.mlp != 0, e.act
 
     def step(shape, buf, t, events, trace, counters, li, r):
         ops.act_row(buf.gu[0], act, gated, buf.a[0])
@@ -393,11 +400,8 @@ def after_down(shape, qw, buf, x, t, events, trace, timed, counters, ticks, laye
     """The feed-forward's end -> post-FFN norm -> x += y, from tick t (down's end); the layer's end tick."""
 
 
-@overload(after_down, prefer_literal=True, jit_options=_BODY_OPTIONS)
-def _after_down(shape, qw, buf, x, t, events, trace, timed, counters, ticks, layer, li, r):
-    if not isinstance(shape, types.StringLiteral):
-        return None
-    s, e = BlockShape.of(shape), event_slots(BlockShape.of(shape))
+@per_shape(after_down)
+def _after_down(s, e):
     post_ffn, pfn_unit, e_ffn, e_pfn = s.post_ffn, s.post_ffn_unit, e.ffn, e.post_ffn
 
     def step(shape, qw, buf, x, t, events, trace, timed, counters, ticks, layer, li, r):

@@ -1,7 +1,7 @@
 """The fused decode step: a model's blocks in as few compiled calls as their shapes allow, where
 the layer-by-layer path (TransformerBlock, Attention, the feed-forwards) makes ~15 per block.
 
-At T == 1 every op of a small model is a few µs of arithmetic behind ~5-15 µs of Python. A block's
+At T == 1 an op of a small model is less arithmetic than the Python that calls it. A block's
 decode step is written once, as decode_recipe.py's steps, and run by one of decode_kernels.py's
 two drivers over the same kernels the layers call and buffers allocated once per block:
 FusedStep runs each stretch of like blocks (SmolLM2: all 30) as one call - decode_region, one
@@ -43,8 +43,8 @@ from pyml.nn.attention import Attention
 from pyml.nn.decode_kernels import (addresses, clock_slot, decode_layers_kernel, decode_region_kernel,
                                     region_counters, region_shape_ok)
 from pyml.nn.decode_recipe import (A_KNORM, A_MM, A_NORM, A_QNORM, A_ROPE_K, A_ROPE_Q, B_ACT, B_FFN, B_MM_1,
-                                   B_MM_DOWN, B_MM_O, B_NORM, B_POST_ATTN, B_POST_FFN, BlockShape, PostWeights,
-                                   PreWeights, StepBuffers, event_slots)
+                                   B_MM_DOWN, B_MM_O, B_NORM, B_POST_ATTN, B_POST_FFN, N_POST_OPS, N_PRE_OPS,
+                                   BlockShape, PostWeights, PreWeights, StepBuffers, event_slots)
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
@@ -269,9 +269,8 @@ def _parent_of(parent, depth, block_id, start) -> tuple:
 class FusedStep:
     """A decode step through all of a model's blocks: each run of consecutive blocks of one
     signature (SmolLM2: all 30; Gemma 3: its sliding and global layers apart) is one
-    decode_layers call, where FusedBlock makes one per block. What that leaves out per block - a
-    Python call chain, ~60 arguments unboxed, a lock, a copy - was ~7 us of SmolLM2's ~100 us
-    layers. A run whose blocks decode_region implements is one parallel region instead, timed or
+    decode_layers call, where FusedBlock makes one per block; that leaves out per block a Python
+    call chain, ~60 arguments unboxed, a lock and a copy. A run whose blocks decode_region implements is one parallel region instead, timed or
     not. Timed (spans on) the same calls time every op from inside; a block set to the reference
     path, and the blocks run one by one."""
 
@@ -345,8 +344,8 @@ class FusedStep:
         # A model shared by threads: its buffers (and ticks) are one set a run, so a run's lock is
         # held until the next run has read the output it left in its buffer (each kernel copies
         # its input first), and the step leaves with a copy of the last. The locks are taken in
-        # the runs' order: no two threads wait on each other. A copy after every run cost Gemma
-        # 3's 14 runs ~50 µs a step, on caches its weights had just flushed.
+        # the runs' order: no two threads wait on each other. (A copy after every run cost Gemma 3's
+        # 14 runs a measurable share of a step: the journal's "Figures that were in the code".)
         held = None
         try:
             for run, region, pool in zip(self.runs, self.regions, self.ticks):
@@ -404,8 +403,8 @@ class TickPool:
     """A run's timed calls' ticks, (start, middle, end) per layer: each call takes rows of its own,
     which stay as they are until its deferred records have read them; when the pool is used up a
     fresh one takes its place (the old one lives as long as the entries that point into it), as
-    EventBuffer's rows do. Copying each call's ticks out instead (`tolist`) cost ~11 µs of a
-    SmolLM2 step at debug, on the caches its weights had just flushed."""
+    EventBuffer's rows do: copying each call's ticks out instead (`tolist`) cost a measurable share
+    of a step at debug (the journal's "Figures that were in the code")."""
 
     def __init__(self, n_layers: int, calls: int = 64):
         self.rows = np.zeros((calls, n_layers, 3), np.int64)
@@ -476,7 +475,7 @@ def _norm_op(norm, shape) -> clock.Op:
 
 def _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f):
     attn, ffn = block.attn, block.ffn
-    pre = [None] * 11
+    pre = [None] * N_PRE_OPS
     pre[A_NORM] = _norm_op(block.attn_norm, (1, d))
     for j, lin in enumerate(projs):
         pre[A_MM + 2 * j:A_MM + 2 * j + 2] = _linear_ops(lin)
@@ -485,7 +484,7 @@ def _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f):
     if attn.rope is not None:
         for op, heads in ((A_ROPE_Q, H), (A_ROPE_K, Hkv)):
             pre[op] = clock.Op("pyml.nn.rope", *rope.SPAN, (1, heads, hd), clock.POS, attn.rope.style, op="rope")
-    post = [None] * 13
+    post = [None] * N_POST_OPS
     post[B_MM_O:B_MM_O + 2] = _linear_ops(attn.o_proj)
     if block.post_attn_norm is not None:
         post[B_POST_ATTN] = _norm_op(block.post_attn_norm, (1, d))

@@ -6,7 +6,8 @@ dispatch.py     matmul, dequantize, pack, quantize, warmup: every weight read, d
 blocks32.py     Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 in the file's layout; kquants.py Q4_K Q5_K Q6_K;
                 floats.py F32 F16 BF16; kernel_set.py a type's kernels as one record
 interleaved.py  the 8-row "x8" layout and its packing; interleaved_gemv.py, interleaved_gemm.py,
-                interleaved_pairs.py (512-bit), interleaved_triples.py (no VNNI) its kernels
+                interleaved_pairs.py (512-bit), interleaved_triples.py (no VNNI) its kernels,
+                interleaved_tiles.py the GEMMs' token-tile loop
 bf16_gemm.py    the bf16-compute GEMM for float weights (--float-compute bf16)
 activation.py   int8 activations; quantizers.py the weight quantizers; reference.py the scalar
                 oracle path

@@ -54,8 +54,8 @@ def quantize_q8(x):  # x [n] f32 -> (xq [n] i8, xd [n/32] f32, xs [n/32] f32, xp
     return xq, xd, xs, xp
 
 
-# Rows in parallel: a GEMM quantizes its activation before its own parallel loop, and on one thread
-# that was ~0.17 ms per [512, 640] call (1.0-1.4 ms per Gemma 3 layer at pp512) with the other core idle.
+# Rows in parallel: a GEMM quantizes its activation before its own parallel loop, which on one thread
+# left the other cores idle (docs/performance-journal.md, "Figures that were in the code").
 @numba.njit(parallel=True, cache=True, fastmath=False)
 def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, n/32] f32, xp [T, n/2] i16)
     T, n = x.shape
@@ -70,8 +70,8 @@ def quantize_rows_q8(x):  # x [T, n] f32 -> (xq [T, n] i8, xd [T, n/32], xs [T, 
 
 # What the GEMMs load whose weight codes are the signed operand (vpdpbusd's Q8_0 x8 tiles and Q6_K's
 # transcoded ones, the AVX2 x8 triples): the codes + 128 as unsigned bytes, the block scales, and
-# for the triples s and the code sums; no pair sums, and no pass of its own for the offset. 1 thread,
-# [512, 2048]: 0.15 ms without the sums, 0.24 ms with them, against 0.27 ms for quantize_rows_q8.
+# for the triples s and the code sums; no pair sums, and no pass of its own for the offset (each of
+# which costs: the journal's "Figures that were in the code").
 @numba.njit(cache=True, fastmath=False)
 def _quantize_row_u8(x, y, xd, xs, qs):  # one row; xs and qs empty: no sums (LLVM then drops them)
     for b in range(xd.size):
@@ -84,28 +84,28 @@ def _quantize_row_u8(x, y, xd, xs, qs):  # one row; xs and qs empty: no sums (LL
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def quantize_rows_u8(x):  # x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32); q, xd as quantize_rows_q8
+def _quantize_rows_u8(x, n_sums):  # the two below: xs, qs [T, n_sums], n_sums n/32 or 0 (none made)
     T, n = x.shape
     y = np.empty((T, n), np.uint8)
     xd = np.empty((T, n // 32), np.float32)
-    none = np.empty(0, np.float32), np.empty(0, np.int32)
-    for t in prange(T):
-        _quantize_row_u8(x[t], y[t], xd[t], none[0], none[1])
-    return y, xd
-
-
-@numba.njit(parallel=True, cache=True, fastmath=False)
-def quantize_rows_u8_sums(x):
-    """x [T, n] f32 -> quantize_rows_u8's (y, xd), xs [T, n/32] f32 as quantize_rows_q8's, and qs
-    [T, n/32] int32, the blocks' code sums."""
-    T, n = x.shape
-    y = np.empty((T, n), np.uint8)
-    xd = np.empty((T, n // 32), np.float32)
-    xs = np.empty((T, n // 32), np.float32)
-    qs = np.empty((T, n // 32), np.int32)
+    xs = np.empty((T, n_sums), np.float32)
+    qs = np.empty((T, n_sums), np.int32)
     for t in prange(T):
         _quantize_row_u8(x[t], y[t], xd[t], xs[t], qs[t])
     return y, xd, xs, qs
+
+
+@numba.njit(cache=True)
+def quantize_rows_u8(x):  # x [T, n] f32 -> (y [T, n] u8 = q + 128, xd [T, n/32] f32); q, xd as quantize_rows_q8
+    y, xd, _, _ = _quantize_rows_u8(x, 0)
+    return y, xd
+
+
+@numba.njit(cache=True)
+def quantize_rows_u8_sums(x):
+    """x [T, n] f32 -> quantize_rows_u8's (y, xd), xs [T, n/32] f32 as quantize_rows_q8's, and qs
+    [T, n/32] int32, the blocks' code sums."""
+    return _quantize_rows_u8(x, x.shape[1] // 32)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)

@@ -25,6 +25,7 @@ from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved_gemv import (_block, _block_codes, _correction_table, _dot, _gemv_group_k, _k_scales,
                                          _offset_sums, _sb_size, gemv_activation, gemv_buffers, gemv_group_into)
 from pyml.quant.interleaved_pairs import _gemm_pair, _gemm_pair_k
+from pyml.quant.interleaved_tiles import code_scratch, token_tiles
 from pyml.quant.interleaved_triples import SIGNED_KINDS, _gemm_triple
 
 
@@ -35,23 +36,17 @@ from pyml.quant.interleaved_triples import SIGNED_KINDS, _gemm_triple
 # stays in L1/L2. Q4_K's float scales (d x sc, dmin x mn) are made once per call the same way.
 # The same integers and float ops, so the same bits.
 
+_stage, _staged = code_scratch(load_u8x32, store_u8x32, 32)
+
+
 @numba.njit
 def _staged_codes(kind, w, nb):
     """uint8 [nb * 256]: _codes of the group's nb superblocks (Q4_K: _k_codes of its nb groups of 32), block b at 256 b."""
     numba.literally(kind)
     st = np.empty(256 * nb, np.uint8)
     for b in range(nb):
-        v = _block_codes(kind, w, b)
-        for n in range(8):
-            store_u8x32(st, 256 * b + 32 * n, v[n])
+        _stage(st, b, _block_codes(kind, w, b))
     return st
-
-
-@numba.njit
-def _staged(st, b):  # the 8 code vectors of block b of _staged_codes
-    c = 256 * b
-    return (load_u8x32(st, c), load_u8x32(st, c + 32), load_u8x32(st, c + 64), load_u8x32(st, c + 96),
-            load_u8x32(st, c + 128), load_u8x32(st, c + 160), load_u8x32(st, c + 192), load_u8x32(st, c + 224))
 
 
 @numba.njit
@@ -63,36 +58,13 @@ def _table_row(kind, table, b):  # I32x8: row b of a _correction_table (zeros wh
 
 
 @numba.njit
-def _gemm_group(kind, w, xq, xd, xs, xoff, out, g):
-    """Rows 8g..8g+7 of out [T, R]: the codes unpacked once (_staged_codes), then 4 activation rows at a time."""
-    numba.literally(kind)
-    sb = _sb_size(kind)
-    T, nb = xd.shape
-    table = _correction_table(kind, w, nb)
-    st = _staged_codes(kind, w, nb)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-        f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
-        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        for b in range(nb):
-            o = sb * b
-            v = _staged(st, b)
-            corr = _table_row(kind, table, b)
-            a0 = _block(kind, v, corr, w, o, y0, b, xd[t, b], f0, xs[t, b], a0)
-            a1 = _block(kind, v, corr, w, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
-            a2 = _block(kind, v, corr, w, o, y2, b, xd[t + 2, b], f2, xs[t + 2, b], a2)
-            a3 = _block(kind, v, corr, w, o, y3, b, xd[t + 3, b], f3, xs[t + 3, b], a3)
-        store_f32x8(out[t], 8 * g, a0)
-        store_f32x8(out[t + 1], 8 * g, a1)
-        store_f32x8(out[t + 2], 8 * g, a2)
-        store_f32x8(out[t + 3], 8 * g, a3)
-    for t in range(T - T % 4, T):
-        acc = zeros_f32x8()
-        for b in range(nb):
-            o = sb * b
-            acc = _block(kind, _staged(st, b), _table_row(kind, table, b), w, o, xq[t], b, xd[t, b], xoff[t],
-                         xs[t, b], acc)
-        store_f32x8(out[t], 8 * g, acc)
+def _shared(kind, data, b):  # block b's codes and Q8_0's corrections (data: codes, correction table, group)
+    return _staged(data[0], b), _table_row(kind, data[1], b)
+
+
+@numba.njit
+def _block_dot(kind, data, s, b, y, yd, yoff, ys, acc):
+    return _block(kind, s[0], s[1], data[2], _sb_size(kind) * b, y, b, yd, yoff, ys, acc)
 
 
 @numba.njit
@@ -108,32 +80,39 @@ def _staged_scales_k(w, n):
 
 
 @numba.njit
-def _k_block_s(v, sc, u, y, yd, ys, acc):
+def _shared_k(kind, data, u):  # Q4_K: group u's codes (data: codes, staged scales, group)
+    return _staged(data[0], u)
+
+
+@numba.njit
+def _block_dot_k(kind, data, v, u, y, yd, yoff, ys, acc):
     """_k_block, its scales from _staged_scales_k (the same float ops)."""
+    sc = data[1]
     acc = fma(mul(load_f32x8(sc, 16 * u), f32x8(yd)), to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)
     return fnma(load_f32x8(sc, 16 * u + 8), f32x8(ys), acc)
 
 
 @numba.njit
-def _gemm_group_k(w, xq, xd, xs, out, g):  # Q4_K: _gemm_group for the superblocks of module doc
-    T, n = xd.shape
-    st, sc = _staged_codes(Q4_K, w, n), _staged_scales_k(w, n)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-        a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        for u in range(n):
-            v = _staged(st, u)
-            a0 = _k_block_s(v, sc, u, y0, xd[t, u], xs[t, u], a0)
-            a1 = _k_block_s(v, sc, u, y1, xd[t + 1, u], xs[t + 1, u], a1)
-            a2 = _k_block_s(v, sc, u, y2, xd[t + 2, u], xs[t + 2, u], a2)
-            a3 = _k_block_s(v, sc, u, y3, xd[t + 3, u], xs[t + 3, u], a3)
-        store_f32x8(out[t], 8 * g, a0)
-        store_f32x8(out[t + 1], 8 * g, a1)
-        store_f32x8(out[t + 2], 8 * g, a2)
-        store_f32x8(out[t + 3], 8 * g, a3)
-    for t in range(T - T % 4, T):
-        store_f32x8(out[t], 8 * g, _gemv_group_k(w, xq[t], xd[t], xs[t]))
+def _rest_k(kind, data, y, yd, ys, yoff, out_row, col):  # Q4_K's rows left over: its GEMV (interleaved_tiles.py)
+    store_f32x8(out_row, col, _gemv_group_k(data[2], y, yd, ys))
 
+
+_tiles = token_tiles(zeros_f32x8, store_f32x8, _shared, _block_dot)
+_tiles_k = token_tiles(zeros_f32x8, store_f32x8, _shared_k, _block_dot_k, _rest_k)
+
+
+@numba.njit
+def _gemm_group(kind, w, xq, xd, xs, xoff, out, g):
+    """Rows 8g..8g+7 of out [T, R]: the codes unpacked once (_staged_codes), then 4 activation rows at a time."""
+    numba.literally(kind)
+    nb = xd.shape[1]
+    _tiles(kind, (_staged_codes(kind, w, nb), _correction_table(kind, w, nb), w), xq, xd, xs, xoff, out, 8 * g)
+
+
+@numba.njit
+def _gemm_group_k(w, xq, xd, xs, xoff, out, g):  # Q4_K: _gemm_group for the superblocks of module doc
+    n = xd.shape[1]
+    _tiles_k(Q4_K, (_staged_codes(Q4_K, w, n), _staged_scales_k(w, n), w), xq, xd, xs, xoff, out, 8 * g)
 
 
 # --- the kernels of one type ------------------------------------------------------------------
@@ -184,18 +163,18 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
                     or kind == Q4_K):  # ZMM_KINDS
             for p in prange(G // 2):
                 if kind == Q4_K:
-                    _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, out, 2 * p)
+                    _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, xoff, out, 2 * p)
                 else:
                     _gemm_pair(kind, groups[2 * p], groups[2 * p + 1], y, xd, xs, xoff, out, 2 * p)
             if G % 2:
                 if kind == Q4_K:
-                    _gemm_group_k(groups[G - 1], xq, xd, xs, out, G - 1)
+                    _gemm_group_k(groups[G - 1], xq, xd, xs, xoff, out, G - 1)
                 else:
                     _gemm_group(kind, groups[G - 1], y, xd, xs, xoff, out, G - 1)
             return out
         for g in prange(G):  # a group's weights stay in L1/L2 while the activations stream by
             if kind == Q4_K:
-                _gemm_group_k(groups[g], xq, xd, xs, out, g)
+                _gemm_group_k(groups[g], xq, xd, xs, xoff, out, g)
             else:
                 _gemm_group(kind, groups[g], y, xd, xs, xoff, out, g)
         return out

@@ -18,6 +18,7 @@ from pyml.core.simd_int import bit_to_u8
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import _correction_table, _gemv_group_k, _sb_size
+from pyml.quant.interleaved_tiles import code_scratch, token_tiles
 
 
 ZMM_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)  # the types whose GEMM runs on 512-bit vectors (avx512_vnni)
@@ -79,27 +80,27 @@ def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
 
 
 @numba.njit
+def _block_codes16(kind, w0, w1, b):
+    """_block_codes of two groups: _codes16 of superblock b, or for Q4_K _k_codes16 of its group b of 32."""
+    numba.literally(kind)
+    if kind == Q4_K:
+        s, j = b // 8, b % 8
+        c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
+        return _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
+    return _codes16(kind, w0, w1, _sb_size(kind) * b)
+
+
+_stage16, _staged16 = code_scratch(load_u8x64, store_u8x64, 64)
+
+
+@numba.njit
 def _staged_codes16(kind, w0, w1, nb):
     """_staged_codes of two groups on 512-bit vectors: uint8 [nb * 512], block b at 512 b."""
     numba.literally(kind)
     st = np.empty(512 * nb, np.uint8)
     for b in range(nb):
-        if kind == Q4_K:
-            s, j = b // 8, b % 8
-            c = Q4_K_SUPERBLOCK * s + 160 + 256 * (j // 2)
-            v = _k_codes16(w0, w1, c, 0) if j % 2 == 0 else _k_codes16(w0, w1, c, 1)
-        else:
-            v = _codes16(kind, w0, w1, _sb_size(kind) * b)
-        for n in range(8):
-            store_u8x64(st, 512 * b + 64 * n, v[n])
+        _stage16(st, b, _block_codes16(kind, w0, w1, b))
     return st
-
-
-@numba.njit
-def _staged16(st, b):  # the 8 code vectors of block b of _staged_codes16
-    c = 512 * b
-    return (load_u8x64(st, c), load_u8x64(st, c + 64), load_u8x64(st, c + 128), load_u8x64(st, c + 192),
-            load_u8x64(st, c + 256), load_u8x64(st, c + 320), load_u8x64(st, c + 384), load_u8x64(st, c + 448))
 
 
 @numba.njit
@@ -111,36 +112,22 @@ def _pair_corrections(kind, t0, t1, b):  # I32x16: rows b of two _correction_tab
 
 
 @numba.njit
+def _shared16(kind, data, b):  # _shared of interleaved_gemm on 16 rows (data: codes, both tables, both groups)
+    return _staged16(data[0], b), _pair_corrections(kind, data[1], data[2], b)
+
+
+@numba.njit
+def _block_dot16(kind, data, s, b, y, yd, yoff, ys, acc):
+    return _block16(kind, s[0], s[1], data[3], data[4], _sb_size(kind) * b, y, b, yd, yoff, ys, acc)
+
+
+@numba.njit
 def _gemm_pair(kind, w0, w1, xq, xd, xs, xoff, out, g):
     """Rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1): _gemm_group on 16 rows."""
     numba.literally(kind)
-    sb = _sb_size(kind)
-    T, nb = xd.shape
-    t0, t1 = _correction_table(kind, w0, nb), _correction_table(kind, w1, nb)
-    st = _staged_codes16(kind, w0, w1, nb)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-        f0, f1, f2, f3 = xoff[t], xoff[t + 1], xoff[t + 2], xoff[t + 3]
-        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-        for b in range(nb):
-            o = sb * b
-            v = _staged16(st, b)
-            corr = _pair_corrections(kind, t0, t1, b)
-            a0 = _block16(kind, v, corr, w0, w1, o, y0, b, xd[t, b], f0, xs[t, b], a0)
-            a1 = _block16(kind, v, corr, w0, w1, o, y1, b, xd[t + 1, b], f1, xs[t + 1, b], a1)
-            a2 = _block16(kind, v, corr, w0, w1, o, y2, b, xd[t + 2, b], f2, xs[t + 2, b], a2)
-            a3 = _block16(kind, v, corr, w0, w1, o, y3, b, xd[t + 3, b], f3, xs[t + 3, b], a3)
-        store_f32x16(out[t], 8 * g, a0)
-        store_f32x16(out[t + 1], 8 * g, a1)
-        store_f32x16(out[t + 2], 8 * g, a2)
-        store_f32x16(out[t + 3], 8 * g, a3)
-    for t in range(T - T % 4, T):
-        acc = zeros_f32x16()
-        for b in range(nb):
-            o = sb * b
-            acc = _block16(kind, _staged16(st, b), _pair_corrections(kind, t0, t1, b), w0, w1, o, xq[t], b,
-                           xd[t, b], xoff[t], xs[t, b], acc)
-        store_f32x16(out[t], 8 * g, acc)
+    nb = xd.shape[1]
+    data = (_staged_codes16(kind, w0, w1, nb), _correction_table(kind, w0, nb), _correction_table(kind, w1, nb), w0, w1)
+    _tiles16(kind, data, xq, xd, xs, xoff, out, 8 * g)
 
 
 @numba.njit
@@ -172,30 +159,31 @@ def _staged_scales16_k(w0, w1, n):
 
 
 @numba.njit
-def _k_block16s(v, sc, u, y, yd, ys, acc):
-    """_k_block_s on 16 rows."""
+def _shared16_k(kind, data, u):  # Q4_K: group u's codes (data: codes, staged scales, both groups)
+    return _staged16(data[0], u)
+
+
+@numba.njit
+def _block_dot16_k(kind, data, v, u, y, yd, yoff, ys, acc):
+    """_block_dot_k on 16 rows."""
+    sc = data[1]
     acc = fma16(mul16(load_f32x16(sc, 32 * u), f32x16(yd)), to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
     return fnma16(load_f32x16(sc, 32 * u + 16), f32x16(ys), acc)
 
 
 @numba.njit
-def _gemm_pair_k(w0, w1, xq, xd, xs, out, g):
+def _rest16_k(kind, data, y, yd, ys, yoff, out_row, col):  # Q4_K's rows left over: its GEMV on each group
+    store_f32x8(out_row, col, _gemv_group_k(data[2], y, yd, ys))
+    store_f32x8(out_row, col + 8, _gemv_group_k(data[3], y, yd, ys))
+
+
+_tiles16 = token_tiles(zeros_f32x16, store_f32x16, _shared16, _block_dot16)
+_tiles16_k = token_tiles(zeros_f32x16, store_f32x16, _shared16_k, _block_dot16_k, _rest16_k)
+
+
+@numba.njit
+def _gemm_pair_k(w0, w1, xq, xd, xs, xoff, out, g):
     """Q4_K: rows 8g..8g+15 of out [T, R] from groups g (w0) and g + 1 (w1)."""
-    T, n = xd.shape
-    st, sc = _staged_codes16(Q4_K, w0, w1, n), _staged_scales16_k(w0, w1, n)
-    for t in range(0, T - 3, 4):
-        y0, y1, y2, y3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-        a0, a1, a2, a3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-        for u in range(n):
-            v = _staged16(st, u)
-            a0 = _k_block16s(v, sc, u, y0, xd[t, u], xs[t, u], a0)
-            a1 = _k_block16s(v, sc, u, y1, xd[t + 1, u], xs[t + 1, u], a1)
-            a2 = _k_block16s(v, sc, u, y2, xd[t + 2, u], xs[t + 2, u], a2)
-            a3 = _k_block16s(v, sc, u, y3, xd[t + 3, u], xs[t + 3, u], a3)
-        store_f32x16(out[t], 8 * g, a0)
-        store_f32x16(out[t + 1], 8 * g, a1)
-        store_f32x16(out[t + 2], 8 * g, a2)
-        store_f32x16(out[t + 3], 8 * g, a3)
-    for t in range(T - T % 4, T):
-        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq[t], xd[t], xs[t]))
-        store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq[t], xd[t], xs[t]))
+    n = xd.shape[1]
+    data = (_staged_codes16(Q4_K, w0, w1, n), _staged_scales16_k(w0, w1, n), w0, w1)
+    _tiles16_k(Q4_K, data, xq, xd, xs, xoff, out, 8 * g)

@@ -14,7 +14,7 @@ Each vpmaddubsw pair sum stays within 2 x 255 x 16 = 8160, so none saturates; th
 wrap, but modulo 2^16, and the lane's final value is within |16 x 127 x 16| = 32512 (Q4_1's
 o_s = 0: 16 x 127 x 15 = 30480), so it comes out exact. The integers are those of _dot less
 the code offset (Q5_1, whose values carry no offset: plus 16 sum y), and the float ops are
-_block's and _k_block_s's (Q4_K's last T % 4 tokens: its GEMV's, as on the other paths): the
+_block's and _block_dot_k's (Q4_K's last T % 4 tokens: its GEMV's, as on the other paths): the
 same bits as every other path (tests/core/test_isa.py).
 
 Memory: the staging holds, per block and group, 256 bytes of codes, 32 of lane corrections and
@@ -163,7 +163,7 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
     numba.literally(kind)
     T, nb = xd.shape
     # Q4_K's last T % 4 tokens go through its GEMV, as in _gemm_group_k and _gemm_pair_k: that
-    # kernel's float ops round differently from _k_block_s's, and every path gives the same bits.
+    # kernel's float ops round differently from _block_dot_k's, and every path gives the same bits.
     tiled = T - T % 4 if kind == Q4_K else T
     rec, chunk = _record(kind), _chunk(kind)
     buf = np.empty(3 * rec * nb, np.uint8)

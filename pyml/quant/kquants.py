@@ -325,8 +325,8 @@ def _transcode_q6k(w, r0, rows, codes, scales, corr):
     at 2 rows b + rows h + r: d * sc and 128 x the half's code sum).
 
     A superblock's codes are decoded row by row in value order into `stage`, then transposed as
-    4-byte words into the chunks (transpose_u32). Copied word by word, the transcoding took 0.26 ms
-    of a 4.6 ms GEMM (640x2048, T = 512, 1 thread); this way 0.10 ms."""
+    4-byte words into the chunks (transpose_u32), in registers: copied word by word it cost more
+    than twice as much (the journal's "Figures that were in the code")."""
     nb = codes.size // (32 * rows)
     stage = np.empty(256 * rows, np.uint8)  # row r's 256 codes - 32 at 256 r
     for s in range(nb // 8):
