@@ -191,6 +191,10 @@ def test_stop_strings_and_seeded_sampling(client):
 
 
 def test_a_conversation_reuses_its_cached_prefix(client):
+    check_conversation_reuses_its_cached_prefix(client)
+
+
+def check_conversation_reuses_its_cached_prefix(client):
     first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
     follow = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "again"}]
@@ -217,8 +221,8 @@ def test_a_request_can_ask_for_its_profile(client):
 
 
 # --- concurrency ------------------------------------------------------------------------------
-def test_sixteen_concurrent_streams_equal_the_same_requests_one_at_a_time(client):
-    prompts = [f"Story {'#' * i} {i}:" for i in range(16)]
+def check_concurrent_streams_equal_one_at_a_time(client, n: int = 16):
+    prompts = [f"Story {'#' * i} {i}:" for i in range(n)]
 
     def run(prompt):
         # greedy; the penalty over the prompt's tokens makes each prompt lead somewhere else
@@ -227,10 +231,14 @@ def test_sixteen_concurrent_streams_equal_the_same_requests_one_at_a_time(client
         return "".join(c.choices[0].text for c in stream)
 
     one_at_a_time = [run(p) for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
         together = list(pool.map(run, prompts, timeout=90))
     assert together == one_at_a_time
     assert len(set(one_at_a_time)) > 1  # the prompts really lead to different texts
+
+
+def test_sixteen_concurrent_streams_equal_the_same_requests_one_at_a_time(client):
+    check_concurrent_streams_equal_one_at_a_time(client)
 
 
 def generated_tokens(server) -> float:
@@ -241,7 +249,10 @@ def generated_tokens(server) -> float:
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_model(wide_server):
-    server = wide_server
+    check_a_client_that_leaves_frees_the_model(wide_server)
+
+
+def check_a_client_that_leaves_frees_the_model(server):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
     before = generated_tokens(server)
     conn = http.client.HTTPConnection(HOST, server.port, timeout=30)

@@ -7,16 +7,14 @@ malformed requests are still 4xx, and what the batch cannot honour (a per-reques
 refused by name.
 """
 
-import concurrent.futures
-import http.client
 import json
-import socket
 
 import openai
 import pytest
 
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import HOST, generated_tokens, malformed, start_server, stop_server
+from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
+                                  check_conversation_reuses_its_cached_prefix, malformed, start_server, stop_server)
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +35,7 @@ def test_health_says_how_many_run_at_once(server):
 
 
 def test_sixteen_concurrent_streams_on_four_slots_equal_the_same_requests_one_at_a_time(client):
-    prompts = [f"Story {'#' * i} {i}:" for i in range(16)]
-
-    def run(prompt):
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                                           frequency_penalty=2.0)
-        return "".join(c.choices[0].text for c in stream)
-
-    one_at_a_time = [run(p) for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(run, prompts, timeout=90))
-    assert together == one_at_a_time and len(set(one_at_a_time)) > 1
+    check_concurrent_streams_equal_one_at_a_time(client)
 
 
 def test_whole_streamed_stopped_and_seeded_replies_as_alone(client):
@@ -78,22 +66,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):
     served = start_server(write_gpt2(tmp_path, "gpt2-tiny", n_positions=256, n_embd=256, n_layer=4),
                           "--parallel", "2")
     try:
-        client = openai.OpenAI(base_url=served.base + "/v1", api_key="none", timeout=60, max_retries=0)
-        before = generated_tokens(served)
-        conn = http.client.HTTPConnection(HOST, served.port, timeout=30)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": "tiny", "prompt": "Long story", "max_tokens": 240, "temperature": 0, "stream": True}),
-            headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        resp.fp.readline()
-        assert resp.fp.readline().startswith(b"data: ")
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
-        r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
-        assert r.usage.completion_tokens == 3
-        abandoned = generated_tokens(served) - before - 3
-        assert 1 <= abandoned < 200, abandoned
+        check_a_client_that_leaves_frees_the_model(served)
     finally:
         stop_server(served)
 
@@ -108,14 +81,4 @@ def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(s
 
 
 def test_a_conversation_reuses_its_slots_cached_prefix(client):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
-    first = client.chat.completions.create(model="tiny", messages=chat, max_tokens=6, temperature=0)
-    follow = chat + [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "again"}]
-    again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0)
-    assert again.model_extra["timings"]["cache_n"] >= first.usage.prompt_tokens - 1
-    assert again.usage.prompt_tokens_details.cached_tokens == again.model_extra["timings"]["cache_n"]
-    cold = client.chat.completions.create(model="tiny", messages=follow, max_tokens=6, temperature=0,
-                                          extra_body={"cache_prompt": False})
-    assert cold.model_extra["timings"]["cache_n"] == 0
-    assert cold.choices[0].message.content == again.choices[0].message.content
+    check_conversation_reuses_its_cached_prefix(client)
