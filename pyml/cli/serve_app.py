@@ -70,10 +70,11 @@ def longest_token_chars(lm: LanguageModel) -> int:
     return max(1, max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)))
 
 
-def usage(result: GenerationResult) -> dict:
-    n_prompt, n_gen = len(result.prompt_tokens), len(result.tokens)
+def usage(results: list) -> dict:
+    """OpenAI's usage of a request's choices: the prompt counted once, every choice's tokens."""
+    n_prompt, n_gen = len(results[0].prompt_tokens), sum(len(r.tokens) for r in results)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}
 
 
 class Server:
@@ -185,6 +186,9 @@ class Server:
         except PymlError as e:  # the tokenizer's or a template's refusal: the request's fault
             raise RequestError(one_line(e)) from None
         self._check_length(ids, req)
+        if req.n > self.limits.parallel:
+            raise RequestError(f"'n'={req.n} completions run together and need --parallel {req.n} or more: this "
+                               f"server runs {self.limits.parallel} at once", "n", code="unsupported_parameter")
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
         return req, ids
@@ -270,18 +274,18 @@ class _Answer:
             pass
         self.job.events.put_nowait(("gone", None))
 
-    def _final(self, result: GenerationResult) -> dict:
-        out = {"usage": usage(result), "timings": result.timings()}
+    def _final(self, results: list) -> dict:
+        out = {"usage": usage(results), "timings": results[0].timings()}
         if self.job.profile is not None:
             out["pyml"] = {"profile": self.job.profile}
         return out
 
-    def _choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+    def _choice(self, text: str | None, finish: str | None, delta: bool, index: int = 0) -> dict:
         if self.chat:
             content = {"delta": {} if text is None else {"content": text}} if delta else \
                 {"message": {"role": "assistant", "content": text}}
-            return {"index": 0, **content, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": index, **content, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
 
     def _envelope(self, choices, delta: bool) -> dict:
         kind = ("chat.completion.chunk" if delta else "chat.completion") if self.chat else "text_completion"
@@ -289,17 +293,17 @@ class _Answer:
                 "system_fingerprint": "pyml", "choices": choices}
 
     async def whole(self) -> Response:
-        pieces = []
+        pieces = [[] for _ in range(self.job.request.n)]
         watcher = asyncio.create_task(self._watch_disconnect())
         try:
             async for kind, value in self.events():
                 if kind == "text":
-                    pieces.append(value)
+                    pieces[value[0]].append(value[1])
                 elif kind == "error":
                     return JSONResponse(value.body(), status_code=value.status)
                 elif kind == "done":
-                    body = self._envelope([self._choice("".join(pieces), FINISH.get(value.stop_reason, "stop"),
-                                                        delta=False)], delta=False)
+                    body = self._envelope([self._choice("".join(p), FINISH.get(r.stop_reason, "stop"), False, i)
+                                           for i, (p, r) in enumerate(zip(pieces, value))], delta=False)
                     body.update(self._final(value))
                     return JSONResponse(body)
         finally:
@@ -308,21 +312,25 @@ class _Answer:
 
     async def sse(self):
         if self.chat:
-            yield _sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None, "logprobs": None}], delta=True))
+            yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None, "logprobs": None} for i in range(self.job.request.n)],
+                                      delta=True))
         async for kind, value in self.events():
             if kind == "text":
-                yield _sse(self._envelope([self._choice(value, None, delta=True)], delta=True))
+                yield _sse(self._envelope([self._choice(value[1], None, True, value[0])], delta=True))
             elif kind == "error":  # headers are sent: the error travels as an event, as OpenAI's does
                 self.http.scope.setdefault("state", {})["pyml_status"] = str(value.status)  # for Guard's count
                 yield _sse(value.body())
             elif kind == "done":
-                last = self._envelope([self._choice(None, FINISH.get(value.stop_reason, "stop"), delta=True)],
-                                      delta=True)
+                for i, result in enumerate(value[:-1]):  # every choice's end; the last one's carries usage
+                    yield _sse(self._envelope([self._choice(None, FINISH.get(result.stop_reason, "stop"), True, i)],
+                                              delta=True))
+                last = self._envelope([self._choice(None, FINISH.get(value[-1].stop_reason, "stop"), True,
+                                                    len(value) - 1)], delta=True)
                 last.update(self._final(value))
                 if not self.job.request.include_usage:
                     last["usage"] = None  # OpenAI sends usage in the stream only when asked
-                    last["timings"] = value.timings()
+                    last["timings"] = value[0].timings()
                 yield _sse(last)
         yield "data: [DONE]\n\n"
 

@@ -54,6 +54,10 @@ class Request:
     profile: bool = False
     cache_prompt: bool = True
     include_usage: bool = False
+    n: int = 1                      # completions of the prompt (choices), run together (--parallel)
+
+
+MAX_CHOICES = 16  # `n`: a request's completions at most (each takes a sequence of the batch)
 
 
 def _sendable(text: str | None) -> str | None:
@@ -158,9 +162,7 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
     if "repeat_penalty" in body:  # llama-server's name
         sampling["repetition_penalty"] = float(_number(body, "repeat_penalty", 1.0, lambda r: 0 < r <= 10,
                                                        "a number in (0, 10]"))
-    n = _get(body, "n", int, 1, what="an integer")
-    if n != 1:
-        raise RequestError("'n' must be 1: one completion per request", "n", code="unsupported_parameter")
+    n = _get(body, "n", int, 1, lambda n: 1 <= n <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
     try:
         SamplingConfig(**sampling)
     except PymlError as e:
@@ -175,7 +177,7 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
                    stream=_get(body, "stream", bool, False, what="a boolean"),
                    profile=_get(options, "profile", bool, False, what="a boolean"),
                    cache_prompt=_get(body, "cache_prompt", bool, True, what="a boolean"),
-                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"))
+                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n)
 
 
 def _messages(body: dict) -> list:

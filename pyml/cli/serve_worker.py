@@ -215,17 +215,17 @@ class Worker:
                     result.stop_reason = "cancelled"
                     break
                 if event.text:
-                    job.put("text", event.text)
+                    job.put("text", (0, event.text))
         if req.profile:
             job.profile = profile_summary(records)
-        self._finish(job, result)
+        self._finish(job, [result])
 
-    def _finish(self, job: Job, result: GenerationResult) -> None:
-        """Count a job's figures and hand the request its result (or, at shutdown, a 503)."""
-        m = self.metrics
+    def _finish(self, job: Job, results: list) -> None:
+        """Count a job's figures and hand the request its choices' results (or, at shutdown, a 503)."""
+        m, result = self.metrics, results[0]
         m.prompt_tokens.inc(result.prefilled_tokens)
         m.cached_tokens.inc(result.cached_tokens)
-        m.generated_tokens.inc(len(result.tokens))
+        m.generated_tokens.inc(sum(len(r.tokens) for r in results))
         if result.decode_s:
             m.decode_tok_s.set(result.decode_tok_s)
         if job.cancelled:
@@ -233,7 +233,7 @@ class Worker:
         if job.cancelled == "shutdown":
             job.put("error", shutting_down())
         else:
-            job.put("done", result)
+            job.put("done", results)
 
 
 class BatchWorker(Worker):
@@ -246,10 +246,11 @@ class BatchWorker(Worker):
                  parallel: int):
         super().__init__(lm, ctx_size, metrics, threads, max_queue)
         self.parallel, self.ctx_size = parallel, ctx_size
-        self.active: dict = {}  # Request -> (Job, TextOut)
+        self.active: dict = {}  # Request -> (Job, TextOut, choice index)
+        self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
 
     def stop(self, timeout: float = 3.0) -> None:
-        for job, _ in list(self.active.values()):
+        for job, _, _ in list(self.active.values()):
             job.cancelled = job.cancelled or "shutdown"
         super().stop(timeout)
 
@@ -279,9 +280,10 @@ class BatchWorker(Worker):
             except Exception as e:  # every running request learns what happened; the server goes on
                 error = RequestError(one_line(e)) if isinstance(e, PymlError) else RequestError(
                     f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
-                for request, (job, _) in list(self.active.items()):
+                for request, (job, _, _) in list(self.active.items()):
                     request.cancel()
-                    job.put("error", error)
+                    if self.choices.pop(id(job), None) is not None:
+                        job.put("error", error)
                 self.active.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
         self.current = None
@@ -297,27 +299,30 @@ class BatchWorker(Worker):
                                           code="unsupported_parameter"))
             return
         try:
-            request = gen.submit(job.ids, req.max_tokens, SamplingConfig(**req.sampling),
-                                 stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
-                                 reuse=req.cache_prompt)
+            requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
+                                          stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
+                                          reuse=req.cache_prompt)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return
-        self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
-                                             StopStrings(req.stop)))
+        self.choices[id(job)] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
+                                                 StopStrings(req.stop)), i)
         job.put("started")
-        if request.done:  # max_tokens 0
-            self._end(request)
+        for request in requests:
+            if request.done:  # max_tokens 0
+                self._end(request)
 
     def _step(self, gen: BatchGenerator) -> None:
-        for request, (job, _) in self.active.items():
+        for request, (job, _, _) in self.active.items():
             if job.cancelled:
                 request.cancel()
         for request, token in gen.step():
-            job, text_out = self.active[request]
+            job, text_out, index = self.active[request]
             text = text_out.push(token)
             if text:
-                job.put("text", text)
+                job.put("text", (index, text))
             if text_out.stopped:
                 request.cancel()  # its slot is freed at the next step; the reason stays "stop"
                 self._end(request)
@@ -325,12 +330,17 @@ class BatchWorker(Worker):
             self._end(request)
 
     def _end(self, request) -> None:
-        job, text_out = self.active.pop(request)
+        """One choice has ended; the job's answer goes once all its choices have."""
+        job, text_out, index = self.active.pop(request)
         if not text_out.stopped and not job.cancelled:
             text = text_out.end()
             if text:
-                job.put("text", text)
+                job.put("text", (index, text))
         text_out.close()
         if job.cancelled:
             request.result.stop_reason = "cancelled"
-        self._finish(job, request.result)
+        results = self.choices[id(job)]
+        results[index] = request.result
+        if all(r is not None for r in results):
+            del self.choices[id(job)]
+            self._finish(job, results)

@@ -73,6 +73,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):
 
 def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(server, client):
     for kind, body in malformed():
+        if isinstance(body, dict) and body.get("n") == 2:
+            continue  # n = 2 is a good request here (test_n_choices)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         status, data = (server.request("POST", path, raw=body) if kind == "raw" else server.request("POST", path, body))
         assert 400 <= status < 500, (body, status, data)
@@ -82,3 +84,31 @@ def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(s
 
 def test_a_conversation_reuses_its_slots_cached_prefix(client):
     check_conversation_reuses_its_cached_prefix(client)
+
+
+def test_n_choices_whole_and_streamed(client):
+    """n = 3: one prefill, three choices sampled apart (choice i from seed + i): reproducible, the
+    streamed choices equal the whole ones, usage counts the prompt once and every choice's tokens."""
+    ask = dict(model="tiny", prompt="The cat", max_tokens=8, temperature=1.0, seed=5, n=3)
+    whole = client.completions.create(**ask)
+    again = client.completions.create(**ask)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert whole.usage.completion_tokens == 3 * 8
+    streamed = ["", "", ""]
+    finishes = {}
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert streamed == texts and finishes == {0: "length", 1: "length", 2: "length"}
+    alone = client.completions.create(**{**ask, "n": 1, "seed": 6})
+    assert alone.choices[0].text == texts[1]  # choice 1 is the prompt alone with seed + 1
+
+
+def test_n_beyond_the_slots_is_refused_by_name(server):
+    status, data = server.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 5})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "n" and "--parallel 5" in err["message"]
