@@ -228,6 +228,25 @@ def _product_end(events, trace, counters, ph, r_mm, r_lin, op, li, out, bias):
     return t
 
 
+@numba.njit(inline="always")
+def _product(counters, ph, kind, groups, act, out, n_threads, events, trace, r_mm, r_lin, op, li, bias):
+    """A product's pieces (step ph), then its end if this thread is the first to take step ph + 1:
+    (whether it did, the end tick). The taker then runs the recipe's steps up to the next product
+    and hands on (_hand_on)."""
+    _product_pieces(counters, ph, kind, groups, act, out, n_threads, trace)
+    if _first(counters, ph + 1):
+        return True, _product_end(events, trace, counters, ph, r_mm, r_lin, op, li, out, bias)
+    return False, np.int64(0)
+
+
+@numba.njit(inline="always")
+def _hand_on(counters, ph, took):
+    """One-thread step ph done (by the thread that took it); every thread waits for it."""
+    if took:
+        _finish(counters, ph)
+    _wait(counters, ph, 1)
+
+
 # --- decode_region ------------------------------------------------------------------------------
 
 def region_shape_ok(shape: BlockShape) -> bool:
@@ -263,20 +282,19 @@ def _make_region_layers(shape, e):
             keys, k_scale, values, v_scale = cache
             ph = _PHASES * layer
             li, r = layer0 + layer, row + layer * n_ev  # the model's layer; its first event row
-            if _first(counters, ph):
+            took = _first(counters, ph)
+            if took:
                 t = attn_norm(key, pw, buf, out, events, trace, timed, counters, ticks, layer, li, r)
                 _product_start(events, trace, r + pq, t, kq, h[0], act_d)
-                _finish(counters, ph)
-            _wait(counters, ph, 1)
-            _product_pieces(counters, ph + 1, kq, pw.wq, act_d, qkv, n_threads, trace)
-            if _first(counters, ph + 2):
-                t = _product_end(events, trace, counters, ph + 1, r + pq, r + lq, A_MM, li, qkv, pw.bq)
+            _hand_on(counters, ph, took)
+            took, t = _product(counters, ph + 1, kq, pw.wq, act_d, qkv, n_threads, events, trace, r + pq, r + lq,
+                               A_MM, li, pw.bq)
+            if took:
                 t = after_qkv(key, pw, buf, cache, pos, t, events, trace, counters, li, r)
                 attention_kernels.decode_begin(q3[0], scale, end, qs, qpos)
                 if trace:
                     events[r + e_sdpa, 2] = t
-                _finish(counters, ph + 2)
-            _wait(counters, ph + 2, 1)
+            _hand_on(counters, ph + 2, took)
             group = q3.shape[1] // n_kv
             while True:  # the attention's (kv head, part) items
                 c = atomics.fetch_add(counters, SLOT * (ph + 3), 1)
@@ -286,34 +304,31 @@ def _make_region_layers(shape, e):
                                               end, 0, m, l, acc, scores)
                 _piece_done(counters, ph + 3, False)
             _wait(counters, ph + 3, items)
-            if _first(counters, ph + 4):  # the parts merged
+            took = _first(counters, ph + 4)
+            if took:  # the parts merged
                 attention_kernels.decode_merge(n_kv, splits, group, m, l, acc, ctx)
                 t = now(trace, counters)
                 if trace:
                     event(events, trace, r + e_sdpa, C_SDPA, li, events[r + e_sdpa, 2], t)
                 _product_start(events, trace, r + po, t, ko, flat_ctx, act_q)
-                _finish(counters, ph + 4)
-            _wait(counters, ph + 4, 1)
-            _product_pieces(counters, ph + 5, ko, qw.wo, act_q, y[0], n_threads, trace)
-            if _first(counters, ph + 6):
-                t = _product_end(events, trace, counters, ph + 5, r + po, r + lo, B_MM_O, li, y[0], qw.bo)
+            _hand_on(counters, ph + 4, took)
+            took, t = _product(counters, ph + 5, ko, qw.wo, act_q, y[0], n_threads, events, trace, r + po, r + lo,
+                               B_MM_O, li, qw.bo)
+            if took:  # o_proj's end, the residual and the feed-forward's norm: then gate/up's start
                 t = after_o(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
                 _product_start(events, trace, r + pu, t, k1, h[0], act_d)
-                _finish(counters, ph + 6)
-            _wait(counters, ph + 6, 1)
-            _product_pieces(counters, ph + 7, k1, qw.w1, act_d, gu[0], n_threads, trace)
-            if _first(counters, ph + 8):
-                t = _product_end(events, trace, counters, ph + 7, r + pu, r + lu, B_MM_1, li, gu[0], qw.b1)
-                t = after_up(key, buf, t, events, trace, counters, li, r)
-                _product_start(events, trace, r + pd, t, kd, a[0], act_f)
-                _finish(counters, ph + 8)
-            _wait(counters, ph + 8, 1)
-            _product_pieces(counters, ph + 9, kd, qw.wd, act_f, y[0], n_threads, trace)
-            if _first(counters, ph + 10):
-                t = _product_end(events, trace, counters, ph + 9, r + pd, r + ld, B_MM_DOWN, li, y[0], qw.bd)
+            _hand_on(counters, ph + 6, took)
+            took, t = _product(counters, ph + 7, k1, qw.w1, act_d, gu[0], n_threads, events, trace, r + pu, r + lu,
+                               B_MM_1, li, qw.b1)
+            if took:
+                _product_start(events, trace, r + pd, after_up(key, buf, t, events, trace, counters, li, r), kd, a[0],
+                               act_f)
+            _hand_on(counters, ph + 8, took)
+            took, t = _product(counters, ph + 9, kd, qw.wd, act_f, y[0], n_threads, events, trace, r + pd, r + ld,
+                               B_MM_DOWN, li, qw.bd)
+            if took:
                 after_down(key, qw, buf, out, t, events, trace, timed, counters, ticks, layer, li, r)
-                _finish(counters, ph + 10)
-            _wait(counters, ph + 10, 1)
+            _hand_on(counters, ph + 10, took)
 
     return region_layers
 
