@@ -18,7 +18,7 @@ from pyml.cli.main import Parser, run_command, say
 from pyml.cli.options import add_model_options, model_options
 from pyml.cli.serve_app import Limits, Server
 from pyml.cli.serve_guard import is_loopback, timed_h11
-from pyml.core import perf
+from pyml.core import perf, runtime
 from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import DEFAULT_MODEL, load_model
@@ -110,7 +110,7 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("PYML_API_KEY")
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the OS gave
-    lm = load_model(**model_options(args))
+    lm = runtime.in_passing_thread(load_model, **model_options(args))  # the model thread alone launches kernels
     limits = dataclasses.replace(limits, threads=lm.runtime.threads)
     ctx = min(args.ctx_size, lm.model.max_positions)
     server = Server(lm, args.alias or model_id(args), ctx, api_key, limits, loopback_only=is_loopback(args.host))

@@ -77,3 +77,16 @@ def test_activations_of_large_inputs_saturate(rng):
     np.testing.assert_allclose(ops.silu(x), [[0.0, 0.0, 90.0, 200.0]], atol=1e-30)
     np.testing.assert_allclose(ops.gelu_tanh(x), [[0.0, 0.0, 90.0, 200.0]], atol=1e-30)
     assert np.isnan(ops.silu(np.array([[np.nan]], np.float32))).all()
+
+
+def test_in_passing_thread_returns_the_result_or_raises_the_error_on_the_caller():
+    import threading
+
+    from pyml.core import runtime
+    from pyml.core.errors import PymlError
+    assert runtime.in_passing_thread(lambda a, b=0: (a + b, threading.current_thread().name), 2, b=3) == (5, "pyml-load")
+
+    def fail():
+        raise PymlError("no such model")
+    with pytest.raises(PymlError, match="no such model"):
+        runtime.in_passing_thread(fail)
