@@ -83,7 +83,9 @@ def pytest_terminal_summary(terminalreporter):
             f"kernels compiled in the test processes: {kernels} in {secs:.0f} s, {distinct} distinct ("
             + ", ".join(f"{k} {v[0]} in {v[1]:.0f} s" for k, v in sorted(_COMPILED.items())) + ")")
         # CPU seconds, not wall: on a shared machine the wall time says as much about the neighbours
-        own, started = (sum(v[3][i] for v in _COMPILED.values()) for i in (0, 1))
+        # (with workers, the main process's own children are the workers: counted once, as workers)
+        counted = [v for k, v in _COMPILED.items() if k != "main" or len(_COMPILED) == 1]
+        own, started = (sum(v[3][i] for v in counted) for i in (0, 1))
         terminalreporter.write_line(f"CPU of the test processes: {own:.0f} s, of the commands they started: "
                                     f"{started:.0f} s")
     said = [f"{report.nodeid}: {text}" for reports in terminalreporter.stats.values() for report in reports
