@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -47,14 +48,16 @@ def say(record_property):
     return lambda text: record_property("said", text)
 
 
-_COMPILED = {}  # worker id -> (kernels, seconds, [(kernel, argument types)]) compiled in that test process
+_COMPILED = {}  # worker id -> (kernels, seconds, [(kernel, argument types)], (CPU s, its commands' CPU s))
 
 
 def pytest_sessionfinish(session):
     """Each test process says how many kernels it compiled (subprocesses the tests start are not
     counted): the figure a cold run's time mostly goes to."""
     from pyml.core import compiles
-    stats = (compiles.kernels(), compiles.seconds(), compiles.compiled())
+    own, started = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (own.ru_utime + own.ru_stime, started.ru_utime + started.ru_stime)  # this process, the commands it ran
+    stats = (compiles.kernels(), compiles.seconds(), compiles.compiled(), cpu)
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["pyml_compiled"] = stats
@@ -79,6 +82,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"kernels compiled in the test processes: {kernels} in {secs:.0f} s, {distinct} distinct ("
             + ", ".join(f"{k} {v[0]} in {v[1]:.0f} s" for k, v in sorted(_COMPILED.items())) + ")")
+        # CPU seconds, not wall: on a shared machine the wall time says as much about the neighbours
+        # (with workers, the main process's own children are the workers: counted once, as workers)
+        counted = [v for k, v in _COMPILED.items() if k != "main" or len(_COMPILED) == 1]
+        own, started = (sum(v[3][i] for v in counted) for i in (0, 1))
+        terminalreporter.write_line(f"CPU of the test processes: {own:.0f} s, of the commands they started: "
+                                    f"{started:.0f} s")
     said = [f"{report.nodeid}: {text}" for reports in terminalreporter.stats.values() for report in reports
             if getattr(report, "when", None) == "call"
             for key, text in getattr(report, "user_properties", ()) if key == "said"]

@@ -35,6 +35,7 @@ class _Listener(event.Listener):
         self.compiled = []      # (kernel, argument types) of each, in order
         self.seconds = 0.0      # outermost compiles' wall time, this process
         self._depth = 0
+        self._open = []         # the compiled entries of the compiles not yet ended, innermost last
         self._t0 = 0.0
         self.current = ""       # the kernel being compiled now
         self.on_change = None   # the display's hook, while one is active
@@ -44,6 +45,7 @@ class _Listener(event.Listener):
         dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
         func = getattr(dispatcher, "py_func", None)
         name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}" if func is not None else "?"
+        self._open.append(len(self.compiled))
         self.compiled.append((name, str(ev.data.get("args", "")) if isinstance(ev.data, dict) else ""))
         if self._depth == 0:
             self._t0 = time.perf_counter()
@@ -53,12 +55,27 @@ class _Listener(event.Listener):
         self._depth += 1
 
     def on_end(self, ev):
+        at = self._open.pop()
+        if not _built(ev):  # no kernel: numba.literally's first try, typing the argument as a plain
+            # int, stops at once and asks for a retry with the constant (the compile counted next)
+            self.kernels -= 1
+            self.compiled[at] = None
         self._depth -= 1
         if self._depth == 0:
             self.seconds += time.perf_counter() - self._t0
             self.current = ""
             if self.on_change is not None:
                 self.on_change()
+
+
+def _built(ev) -> bool:
+    """Whether the compile that `ev` ends added a kernel to its dispatcher (Numba 0.68's
+    Event.is_failed says the opposite of what happened, so the dispatcher is asked)."""
+    data = ev.data if isinstance(ev.data, dict) else {}
+    overloads = getattr(data.get("dispatcher"), "overloads", None)
+    if overloads is None or "args" not in data:
+        return True
+    return tuple(data["args"]) in overloads
 
 
 _listener = _Listener()
@@ -72,7 +89,7 @@ def kernels() -> int:
 
 def compiled() -> list[tuple[str, str]]:
     """(kernel, argument types) of every compile in this process so far."""
-    return list(_listener.compiled)
+    return [c for c in _listener.compiled if c is not None]
 
 
 def seconds() -> float:

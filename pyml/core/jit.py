@@ -29,6 +29,13 @@ cold cache at once - the test suite's workers and the commands its tests start, 
 replicas, pyml-batch's Ray workers - each wait for a kernel another is compiling and load it,
 instead of compiling it again on a core the others need.
 
+A function's entries share one index file (every signature, and every closure a factory such as
+float_kernels makes), which Numba rewrites by read-modify-write. Two processes saving two entries
+of one function at once both read the old index: the last writer dropped the other's entry (a
+recompile in every later run), and both could pick the same data file number, leaving an index
+entry that names the other signature's machine code. So the index is rewritten under a lock file of
+its own, held only while it is read, extended and written.
+
 Importing this module installs the locators; every kernel module imports FASTMATH from here,
 so the locators are in place before any kernel is decorated.
 """
@@ -149,6 +156,29 @@ def _compile_once_across_processes() -> None:
 
     load_overload._pyml = True
     caching.Cache.load_overload, dispatcher.Dispatcher.compile = load_overload, compile
+    _save_index_entries_one_process_at_a_time()
+
+
+def _save_index_entries_one_process_at_a_time() -> None:
+    """Wrap Numba's index update (read the index, add an entry, write it) in the index's own lock
+    file (see the module's docstring). Never held while waiting for another lock: no deadlock."""
+    save = caching.IndexDataCacheFile.save
+    if getattr(save, "_pyml", False):
+        return
+
+    def locked_save(self, key, data):
+        try:
+            fd = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # a read-only cache folder: Numba's own save fails there as it would
+            return save(self, key, data)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return save(self, key, data)
+        finally:
+            os.close(fd)  # releases the lock
+
+    locked_save._pyml = True
+    caching.IndexDataCacheFile.save = locked_save
 
 
 def kernel_cache_folders() -> list[Path]:

@@ -6,7 +6,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
+
+from numba.core import caching
 
 from pyml.core import jit, ops
 from pyml.quant import TRAITS, QuantType
@@ -122,3 +126,25 @@ def test_two_processes_on_a_cold_cache_compile_a_kernel_once(tmp_path):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["misses"] for r in results) == [0, 1], results
     assert sorted(r["hits"] for r in results) == [0, 1], results
+
+
+def test_two_entries_of_one_function_saved_at_once_both_stay_in_its_index(tmp_path):
+    """A function's signatures share one index file that Numba rewrites by read-modify-write: two
+    saves at once (two processes, or two threads as here, each with its own lock descriptor) are
+    taken one at a time, so both entries stay and each names its own data file (a mutant without
+    the index lock kept one entry, the other's machine code under its number)."""
+    index = caching.IndexDataCacheFile(str(tmp_path), "kernel-1.py42", jit.FINGERPRINT)
+    read = index._load_index
+
+    def slow_read():  # both saves would read the old index before either wrote it
+        found = read()
+        time.sleep(0.3)
+        return found
+    index._load_index = slow_read
+    saves = [threading.Thread(target=index.save, args=(key, f"code for {key}")) for key in ("sig a", "sig b")]
+    for t in saves:
+        t.start()
+    for t in saves:
+        t.join(timeout=60)
+    assert index.load("sig a") == "code for sig a"
+    assert index.load("sig b") == "code for sig b"

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.nlp.tokenizer import Tokenizer
+from tests import oracle_cache
 
 PROMPTS = [
     "Hello", "Hello world", "The capital of France is",
@@ -37,20 +39,28 @@ GEMMA3_SPECIALS = ["<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_tu
 
 
 def read_metadata(path: Path) -> dict:
-    """GGUF metadata as pyml's loader gives it: strings, scalars, lists of str, numpy arrays."""
-    from gguf import GGUFReader
-    metadata = {}
-    for name, field in GGUFReader(path).fields.items():
-        value = field.contents()
-        if isinstance(value, list) and value and not isinstance(value[0], str):
-            value = np.asarray(value)
-        metadata[name] = value
-    return metadata
+    """GGUF metadata as pyml's loader gives it: strings, scalars, lists of str, numpy arrays
+    (gguf's reader, kept on disk between runs: tests/oracle_cache.py)."""
+    def read():
+        metadata = {}
+        for name, field in GGUFReader(path).fields.items():
+            value = field.contents()
+            if isinstance(value, list) and value and not isinstance(value[0], str):
+                value = np.asarray(value)
+            metadata[name] = value
+        return metadata
+    return oracle_cache.kept_pickle("gguf-metadata", Path(path), "gguf", read)
 
 
 def transformers_tokenizer(path: Path):
+    """transformers' tokenizer converted from the GGUF file (kept on disk between runs as the
+    converter wrote it, tests/oracle_cache.py: Gemma 3's conversion takes ~15 s)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return oracle_cache.kept(
+        "gguf-tokenizer", Path(path), "transformers",
+        lambda: transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
+        lambda tokenizer, entry: tokenizer.save_pretrained(entry),
+        lambda entry: transformers.AutoTokenizer.from_pretrained(str(entry)))
 
 
 @pytest.fixture(scope="module")

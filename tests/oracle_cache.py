@@ -1,0 +1,51 @@
+"""Oracle outputs that are slow to make, kept on disk between test runs.
+
+Reading Gemma 3's GGUF with the gguf package (GGUFReader parses its 262,144-token vocabulary one
+field part at a time) and transformers' GGUF tokenizer converter take ~15 s each on 2 cores, in
+every run. Their results depend only on the file and the library's version, so they are made once
+per machine and kept under the pyml cache beside the models (PYML_CACHE or ~/.cache/pyml): the
+oracle is still gguf's or transformers' own output, only not recomputed. A changed file (size,
+mtime) or library version makes a new entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+
+def folder(kind: str, source: Path, library: str) -> Path:
+    """The entry for `kind` made from `source` by `library` (at its installed version)."""
+    stat = source.stat()
+    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{library}=={version(library)}"
+    root = os.environ.get("PYML_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pyml")
+    return Path(root) / "test-oracles" / kind / hashlib.sha1(key.encode()).hexdigest()[:20]
+
+
+def kept(kind: str, source: Path, library: str, make, save, load):
+    """load(folder) if the entry exists, else make(), saved with save(value, folder) and returned.
+    The entry appears whole or not at all (written aside, then renamed): workers may race."""
+    entry = folder(kind, source, library)
+    if entry.is_dir():
+        return load(entry)
+    value = make()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".new-", dir=entry.parent))
+    try:
+        save(value, scratch)
+        os.rename(scratch, entry)
+    except OSError:  # another worker's entry got there first, or a read-only cache
+        shutil.rmtree(scratch, ignore_errors=True)
+    return value
+
+
+def kept_pickle(kind: str, source: Path, library: str, make):
+    """kept() for a picklable value."""
+    def save(value, entry):
+        (entry / "value.pkl").write_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    return kept(kind, source, library, make, save, lambda entry: pickle.loads((entry / "value.pkl").read_bytes()))
