@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from pyml.core import perf
 from pyml.core.errors import PymlError
-from pyml.nlp.generator import GenerationResult, check_prompt
+from pyml.nlp.generator import GenerationResult, check_prompt, reusable_prefix
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
@@ -75,12 +75,6 @@ class BatchGenerator:
                stop_ids=(), reuse: bool = True) -> Request:
         """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
         start from a slot's cached tokens (False: its whole prompt is prefilled)."""
-        prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
-        if len(prompt_ids) > self.pool.max_len:
-            what = "the model's context window" if self.pool.max_len == self.model.max_positions else "the context size"
-            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse)[0]
 
     def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
@@ -92,10 +86,16 @@ class BatchGenerator:
             raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
         seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
-        return self._queue(check_prompt(self.model, prompt_ids, max_new_tokens), max_new_tokens, seeds, stop_ids,
-                           reuse)
+        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse)
 
     def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse) -> list[Request]:
+        """The checked prompt's requests (one per sampling), queued as one group."""
+        prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
+        if len(prompt_ids) > self.pool.max_len:
+            what = "the model's context window" if self.pool.max_len == self.model.max_positions else "the context size"
+            raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         requests = []
         for sampling in samplings:
             request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
@@ -189,11 +189,7 @@ class BatchGenerator:
         is run again: its logits choose the first new token)."""
         best, reused = self.free[0], 0
         for slot in self.free if r.reuse else ():
-            n = 0
-            for held, new in zip(self.held[slot], r.prompt[:-1]):
-                if held != new:
-                    break
-                n += 1
+            n = reusable_prefix(self.held[slot], r.prompt)
             if n > reused and self.pool.sequence(slot).resumable(n):
                 best, reused = slot, n
         self.free.remove(best)

@@ -78,6 +78,17 @@ class GenerationResult:
                 f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)")
 
 
+def reusable_prefix(held: list, prompt_ids: list) -> int:
+    """How many leading prompt tokens a cache holding `held` already has; at least the last prompt
+    token is run again: its logits choose the first new token."""
+    n = 0
+    for h, new in zip(held, prompt_ids[:-1]):
+        if h != new:
+            break
+        n += 1
+    return n
+
+
 class PromptCache:
     """A KV cache and the token ids whose keys and values it holds, in order."""
 
@@ -91,11 +102,7 @@ class PromptCache:
     def reusable(self, prompt_ids: list) -> int:
         """How many leading prompt tokens are already cached. At least the last prompt token is
         always run again: its logits choose the first new token."""
-        n = 0
-        for held, new in zip(self.tokens, prompt_ids[:-1]):
-            if held != new:
-                break
-            n += 1
+        n = reusable_prefix(self.tokens, prompt_ids)
         # a sliding-window ring may have overwritten the positions a prefill from n needs
         return n if n == 0 or self.kv.resumable(n) else 0
 
