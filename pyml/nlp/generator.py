@@ -17,6 +17,7 @@ from pyml.core import perf
 from pyml.core.errors import PymlError, check_text, was_interrupted
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
+from pyml.nlp.speculative import SpeculativeConfig, Speculator
 from pyml.nn import KVCache
 
 _perf = perf.get("pyml.nlp.generator")
@@ -34,6 +35,8 @@ class GenerationResult:
     stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted | cancelled
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
     context_shifts: int = 0                         # times the full cache dropped half its history
+    drafted: int = 0                                # speculative decoding: tokens proposed, and kept
+    accepted: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -69,13 +72,21 @@ class GenerationResult:
             "predicted_n": predicted_n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": self.decode_ms_per_token,
             "predicted_per_second": self.decode_tok_s,
+            **({"draft_n": self.drafted, "draft_n_accepted": self.accepted} if self.drafted else {}),
         }
+
+    @property
+    def acceptance(self) -> float:
+        """The share of speculative drafts the target kept."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (f"prompt {len(self.prompt_tokens)} tokens{cached}, generated {len(self.tokens)} tokens | "
                 f"prefill {self.prefill_s * 1e3:.1f} ms ({self.prefill_tok_s:.1f} tok/s) | "
-                f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)")
+                f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)"
+                + (f" | drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance:.0f}%)"
+                   if self.drafted else ""))
 
 
 def reusable_prefix(held: list, prompt_ids: list) -> int:
@@ -212,13 +223,15 @@ class Generator:
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                  stop_ids=(), on_token=None, cache: KVCache | PromptCache | None = None,
-                 result: GenerationResult | None = None) -> GenerationResult:
+                 result: GenerationResult | None = None,
+                 speculative: SpeculativeConfig | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` sees each token chosen.
 
         `result` may be passed in so a caller still holds the partial result after Ctrl-C.
         """
         result = result if result is not None else GenerationResult(list(prompt_ids))
-        for token in self.stream(prompt_ids, max_new_tokens, sampling, stop_ids, cache, result):
+        for token in self.stream(prompt_ids, max_new_tokens, sampling, stop_ids, cache, result,
+                                 speculative=speculative):
             if on_token is not None:
                 on_token(token)
         return result
@@ -226,7 +239,8 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
-               context_shift: bool = False, n_keep: int = 0, cancelled=None) -> Iterator[int]:
+               context_shift: bool = False, n_keep: int = 0, cancelled=None,
+               speculative: SpeculativeConfig | None = None) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
         Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
@@ -236,6 +250,8 @@ class Generator:
         window). The prompt is checked here, before the first token is asked for. Closing the
         iterator ends the generation; so does `cancelled()` turning true, checked before each
         decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
+        `speculative`: draft and verify several tokens a step (nlp/speculative.py); the same tokens
+        when greedy, the same distribution when sampling.
         """
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
@@ -257,9 +273,12 @@ class Generator:
         res.prompt_tokens = prompt_ids
         res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
         shift = n_keep if context_shift else None
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift, cancelled)
+        kv = prompt_cache.kv if prompt_cache is not None else cache
+        speculator = Speculator(self.model, speculative, kv.max_len, res) if speculative is not None else None
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift, cancelled,
+                         speculator)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, speculator=None):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
         if max_new_tokens == 0:
@@ -281,8 +300,9 @@ class Generator:
                     token = sampler(logits, history)
             made = drained() - d0
             res.prefill_s, res.prefill_log_s = perf.clock() - t0 - made, res.prefill_log_s + made
-            step = 0
+            step, chosen = 0, [token]  # a speculative step chooses several
             while True:
+                token = chosen.pop(0)
                 res.tokens.append(token)
                 history.append(token)
                 yield token
@@ -292,6 +312,8 @@ class Generator:
                 if len(res.tokens) >= max_new_tokens:
                     res.stop_reason = "max_tokens"
                     break
+                if chosen:  # already chosen, its time already counted
+                    continue
                 if cancelled is not None and cancelled():
                     res.stop_reason = "cancelled"
                     break
@@ -306,13 +328,16 @@ class Generator:
                 pos = len(cached)
                 with perf.context(phase="decode", step=step), \
                         _perf.debug("generator::decode_step", "token={}", pos, op="generator") as span:
-                    with span.part("model"):
-                        logits = self.model.forward([token], kv, pos=pos)
-                        cached.append(token)
-                    with span.part("sample"):
-                        token = sampler(logits, history)
+                    if speculator is not None:
+                        chosen = speculator.step(token, kv, cached, history, sampler, max_new_tokens - len(res.tokens))
+                    else:
+                        with span.part("model"):
+                            logits = self.model.forward([token], kv, pos=pos)
+                            cached.append(token)
+                        with span.part("sample"):
+                            chosen = [sampler(logits, history)]
                 made = drained() - d0
-                res.decode_s.append(perf.clock() - t0 - made)
+                res.decode_s += [(perf.clock() - t0 - made) / len(chosen)] * len(chosen)  # per token chosen
                 res.decode_log_s += made
         except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
             if was_interrupted(e):
