@@ -6,8 +6,9 @@ import json
 import sys
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import (add_model_options, add_prompt_options, add_sampling_options, model_options,
-                              profiling, read_prompt, sampling_options)
+from pyml.cli.options import (add_model_options, add_prompt_options, add_sampling_options, add_speculative_options,
+                              check_speculative, model_options, profiling, read_prompt, sampling_options,
+                              speculative_options)
 from pyml.core import perf
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
@@ -20,6 +21,7 @@ def build_parser() -> Parser:
     add_prompt_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_options(p, max_tokens=32)
+    add_speculative_options(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stop reason, timings) instead of the text")
     p.add_argument("--lm-head-quant", choices=["q8_0", "q4_0"], default=None,
@@ -36,6 +38,7 @@ def build_parser() -> Parser:
 def run(args) -> int:
     perf.configure(args.log)
     options = sampling_options(args)
+    check_speculative(args)
     prompt = read_prompt(args)
     ctx = profiling(args.profile)
     with ctx as prof:
@@ -52,6 +55,7 @@ def _generate(args, prompt: str, options: dict, prof) -> int:
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = lm.chat_prompt(system + [{"role": "user", "content": prompt}])
+    options = dict(options, **speculative_options(args, lm))
     ids = lm.encode(prompt)
     result = GenerationResult(ids)
     out = sys.stdout

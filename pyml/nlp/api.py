@@ -26,6 +26,7 @@ from pyml.nlp.loaders.safetensors import load_tensors, read_config
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.sampling import SamplingConfig
+from pyml.nlp.speculative import SpeculativeConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, check_kv_type
@@ -115,25 +116,36 @@ class LanguageModel:
 
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
-               n_keep: int = 0, cancelled=None, **sampling) -> Iterator[StreamEvent]:
+               n_keep: int = 0, cancelled=None, speculative: SpeculativeConfig | None = None,
+               **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
         `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
         whose tokens the prompt may start with; `ctx_size`: positions of the cache made when none
         is given; `context_shift`: a full cache keeps its first `n_keep` tokens and drops the oldest
         half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
-        ends the generation (stop reason "cancelled"); `sampling`: SamplingConfig's fields (temperature,
+        ends the generation (stop reason "cancelled"); `speculative`: draft and verify several tokens
+        a step (nlp/speculative.py; a draft model must tokenize as this one does); `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if speculative is not None and isinstance(speculative.draft_model, LanguageModel):
+            self._check_draft(speculative.draft_model)
         self._before_forward(2 if context_shift else len(ids))  # a shift re-prefills what it keeps
         result = result if result is not None else GenerationResult(ids)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
-                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled)
+                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
+                                              speculative=speculative)
         return self._text_events(tokens, result, eos, StopStrings(stop))
+
+    def _check_draft(self, draft: "LanguageModel") -> None:
+        """One line when a draft model's tokens are not this model's (ids mean other text)."""
+        sample = "Speculative decoding: the draft's ids must mean the same text, 123 + 4 = 127.\n\t<b>é</b>"
+        if self.tokenizer is not None and draft.tokenizer is not None and draft.encode(sample) != self.encode(sample):
+            raise PymlError("the draft model's tokenizer is not the target's: it splits text into other tokens")
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
         text_out = TextOut(self.tokenizer, result, eos, stops)
@@ -173,6 +185,8 @@ class LanguageModel:
         Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
+        if "speculative" in sampling or any("speculative" in o for o in options or ()):
+            raise UnsupportedError("speculative decoding is not done for batched generation (stream_batch)")
         if options is not None and len(options) != len(prompts):
             raise PymlError(f"{len(options)} option sets for {len(prompts)} prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
