@@ -20,6 +20,8 @@ matmul(x, raw, qtype, n_cols) for x [T, n_cols]:
                         models use them for T > 1 only;
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction;
+                        2 .. FEW_TOKENS tokens take interleaved_few.py (the GEMV's loop over
+                        every token, each row the bits of its GEMV; not Q4_K);
                         models pack their Linears at load.
 Why pyml's own kernels and not BLAS at T > 1: docs/performance.md, "No BLAS in a forward pass".
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 
 from pyml.core.isa import BF16 as BF16_AVAILABLE
@@ -54,6 +57,7 @@ from pyml.quant.bf16_gemm import BF16Packed
 from pyml.quant.floats import to_f32
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
+from pyml.quant.interleaved_few import FEW_TOKENS, chunks_for, few_token_gemm, serves
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, row_bytes, traits_of
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
@@ -243,6 +247,10 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
         t.interleaved.gemv(p.groups, x[0], out[0])
         if p.tail.shape[0]:
             t.kernels.gemv(p.tail, x[0], out[0, head:])
+    elif serves(p.kind, T):  # a few tokens: each row the bits of its GEMV (interleaved_few.py)
+        few_token_gemm(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
+        for i in range(T if p.tail.shape[0] else 0):
+            t.kernels.gemv(p.tail, x[i], out[i, head:])
     else:
         t.interleaved.gemm(p.groups, x, out)
         if p.tail.shape[0]:
@@ -311,6 +319,7 @@ def _warm_type(qtype) -> None:
     rng = np.random.default_rng(0)
     n_cols = 256
     x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
+    x_many = rng.standard_normal((FEW_TOKENS + 1, n_cols), np.float32)  # past interleaved_few: the GEMM
     t = traits_of(qtype)
     if t.is_float:
         stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
@@ -324,6 +333,7 @@ def _warm_type(qtype) -> None:
                 if weights is not None:
                     matmul(x1, weights, qtype, n_cols, exact=exact)
                     matmul(x3, weights, qtype, n_cols, exact=exact)
+                    matmul(x_many, weights, qtype, n_cols, exact=exact)
         dequantize(w, qtype, n_cols)
         dequantize_rows(w, qtype, n_cols, [1])
     if t.quantize is not None and not t.is_float:
