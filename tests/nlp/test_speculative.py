@@ -221,7 +221,7 @@ def test_real_models_greedy_lookup_is_token_identical(which, smollm2_gguf, gemma
     assert drafted > 0
 
 
-@REAL_DRIFT
+@pytest.mark.xfail(strict=False, reason="drifted at token 29 in one run of two: the same rounding gap")
 def test_real_draft_model_is_token_identical(smollm2_gguf, requantized):
     """SmolLM2 Q4_1 drafting for its own Q8_0 requantization: the same vocabulary, other weights."""
     target = load_model(gguf=str(requantized("q8_0")), threads=2)
