@@ -25,6 +25,7 @@ from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
+from pyml.nlp.constrained import Constraint
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
@@ -109,30 +110,39 @@ class LanguageModel:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer().decode([int(i) for i in ids], skip_special_tokens)
 
-    def chat_prompt(self, messages: list) -> str:
-        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template."""
-        return self._tokenizer().apply_chat_template(messages, template=self.chat_template)
+    def chat_prompt(self, messages: list, tools: list | None = None) -> str:
+        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template;
+        `tools` (OpenAI's function specs) reach the template as its `tools`."""
+        return self._tokenizer().apply_chat_template(messages, template=self.chat_template, tools=tools)
 
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
-               n_keep: int = 0, cancelled=None, **sampling) -> Iterator[StreamEvent]:
+               n_keep: int = 0, cancelled=None, json_schema=None, grammar: str | None = None,
+               constraint: Constraint | None = None, **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
         `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
         whose tokens the prompt may start with; `ctx_size`: positions of the cache made when none
         is given; `context_shift`: a full cache keeps its first `n_keep` tokens and drops the oldest
         half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
-        ends the generation (stop reason "cancelled"); `sampling`: SamplingConfig's fields (temperature,
+        ends the generation (stop reason "cancelled"); `json_schema` (a dict or its JSON text) or
+        `grammar` (GBNF or Lark text): the text generated must match it (constrained.py), as must
+        a prebuilt `constraint`'s; `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if json_schema is not None or grammar is not None:
+            if constraint is not None:
+                raise PymlError("give a constraint, or a JSON schema or grammar to build one, not both")
+            constraint = Constraint.from_options(self._tokenizer(), json_schema, grammar)
         self._before_forward(2 if context_shift else len(ids))  # a shift re-prefills what it keeps
         result = result if result is not None else GenerationResult(ids)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
-                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled)
+                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
+                                              constraint=constraint)
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
