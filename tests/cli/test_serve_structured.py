@@ -188,3 +188,20 @@ def test_bad_shapes_are_400s_naming_the_field(served, body, param):
     status, data = served.request("POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
     assert status == 400, data
     assert json.loads(data)["error"]["param"] == param, data
+
+
+def test_parallel_choices_each_follow_the_schema(smollm2_gguf):
+    """--parallel: the batched path, each of n choices walking the grammar on its own."""
+    with serving(smollm2_gguf, "-c", "512", "--parallel", "2") as s:
+        client = openai.OpenAI(base_url=s.base + "/v1", api_key="none", timeout=120, max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=ASK, temperature=1.0, seed=7, max_tokens=80,
+                                               n=2, response_format=_schema_format(PERSON))
+        assert len(reply.choices) == 2
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+        call = client.chat.completions.create(model="tiny", messages=WEATHER_ASK, temperature=1.0, seed=8,
+                                              max_tokens=40, tools=[WEATHER], tool_choice="required")
+        assert call.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.choices[0].message.tool_calls[0].function.arguments),
+                            WEATHER["function"]["parameters"])
