@@ -219,6 +219,9 @@ def _messages(body: dict) -> list:
                 raise RequestError(f"messages[{i}].tool_calls must be an assistant's list of "
                                    "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}", "messages")
             message["tool_calls"] = tool_calls
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI's rule too
+            raise RequestError(f"messages[{i}] is a tool result: it needs the 'tool_call_id' of the call it answers",
+                               "messages")
         if m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise RequestError(f"messages[{i}].tool_call_id must be a string", "messages")
