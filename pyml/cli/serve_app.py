@@ -357,12 +357,12 @@ class _Answer:
         held = [[] for _ in range(n)] if tools is not None and not named else None  # a call is told once whole
         finish = {}  # choice -> its finish reason, where the text decides it
         if self.chat:
-            first = {"role": "assistant", "content": ""}
-            if named:
-                first = {"role": "assistant", "content": None, "tool_calls": [
+            def first():  # each choice's call has its own id
+                return {"role": "assistant", "content": None, "tool_calls": [
                     {"index": 0, "id": call_id(), "type": "function",
-                     "function": {"name": tools.tool_name, "arguments": ""}}]}
-            yield _sse(self._envelope([{"index": i, "delta": first, "finish_reason": None, "logprobs": None}
+                     "function": {"name": tools.tool_name, "arguments": ""}}]} if named else \
+                    {"role": "assistant", "content": ""}
+            yield _sse(self._envelope([{"index": i, "delta": first(), "finish_reason": None, "logprobs": None}
                                        for i in range(n)], delta=True))
         async for kind, value in self.events():
             if kind == "text" and held is not None:
