@@ -179,8 +179,8 @@ class LanguageModel:
         (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
         as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
         for every prompt, or per prompt in `options` (a dict each: max_tokens, stop and sampling
-        fields that replace the shared ones); with a `seed`, prompt i samples from seed + i.
-        Every prompt and option is checked before the first step."""
+        fields that replace the shared ones, and `json_schema` or `grammar` as `stream`'s); with a
+        `seed`, prompt i samples from seed + i. Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
         if options is not None and len(options) != len(prompts):
@@ -196,11 +196,14 @@ class LanguageModel:
         gen = BatchGenerator(self.model, slots, max_len)
         requests, stops = [], []
         for i, (prompt, ask) in enumerate(zip(ids, asks)):
-            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop")})
+            shape = {k: ask.get(k) for k in ("json_schema", "grammar")}
+            constraint = Constraint.from_options(self._tokenizer(), **shape) if any(
+                v is not None for v in shape.values()) else None
+            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop", *shape)})
             if config.seed is not None and options is None:
                 config = dataclasses.replace(config, seed=config.seed + i)
             stops.append(StopStrings(ask["stop"]))
-            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos))
+            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos, constraint=constraint))
         return self._batch_events(gen, requests, eos, stops)
 
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):

@@ -95,3 +95,15 @@ def test_a_constraint_forbids_padding_rows_past_the_vocabulary(smollm2):
     out = c.apply(logits)
     assert np.isneginf(out[smollm2.tokenizer.vocab_size:]).all() and np.isfinite(out).any()
     assert logits.max() == 0  # the caller's logits are left as they were
+
+
+def test_a_batch_takes_a_schema_per_prompt(smollm2):
+    """generate_batch: each prompt's own constraint (or none), stepping together."""
+    prompts = [smollm2.chat_prompt([{"role": "user", "content": f"Trip {i} as JSON."}]) for i in range(2)]
+    results = smollm2.generate_batch(prompts + ["Pick:"], 60, temperature=1.0, seed=5,
+                                     options=[{"json_schema": SCHEMA}, {"json_schema": SCHEMA},
+                                              {"grammar": 'root ::= "up" | "down"', "max_tokens": 4}])
+    for r in results[:2]:
+        assert r.stop_reason == "eos", r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert results[2].text in ("up", "down")
