@@ -117,6 +117,10 @@ class Constraint:
         self.n_vocab = tokenizer.vocab_size
         self.eos_ids = np.asarray(sorted(tokenizer.eos_ids), dtype=np.int64)
         self.bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        # the first step's mask now: a grammar past the parser's limits is refused here, before a
+        # request queues, not in the middle of a batched step
+        self._fill()
+        self._first_ready = True
 
     @classmethod
     def from_options(cls, tokenizer: Tokenizer, json_schema=None, grammar: str | None = None) -> Constraint | None:
@@ -135,13 +139,21 @@ class Constraint:
         twin.__dict__.update(self.__dict__)
         twin.matcher = llguidance.LLMatcher(self.vocab, self.grammar, log_level=0, limits=LIMITS)
         twin.bits = np.zeros_like(self.bits)
+        twin._fill()
+        twin._first_ready = True
         return twin
+
+    def _fill(self) -> None:
+        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)  # drops the GIL
+        self._check()
 
     def allowed(self) -> np.ndarray:
         """[n_vocab] bool: the tokens the grammar allows next."""
         with _perf.debug("constrained::mask", "vocab={}", self.n_vocab, op="constrained"):
-            self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)  # drops the GIL
-            self._check()
+            if self._first_ready:
+                self._first_ready = False
+            else:
+                self._fill()
             return np.unpackbits(self.bits.view(np.uint8), bitorder="little", count=self.n_vocab).view(bool)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:

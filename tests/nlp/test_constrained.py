@@ -107,3 +107,9 @@ def test_a_batch_takes_a_schema_per_prompt(smollm2):
         assert r.stop_reason == "eos", r.text
         jsonschema.validate(json.loads(r.text), SCHEMA)
     assert results[2].text in ("up", "down")
+
+
+def test_a_grammar_past_the_parsers_limits_is_refused_when_built(smollm2):
+    """One clear error before generation starts (a request is refused before it queues), in bounded time."""
+    with pytest.raises(PymlError, match="Too many items"):
+        Constraint(smollm2.tokenizer, text_grammar("root ::= " + " ".join(['("a"|"b")?'] * 3000)))
