@@ -30,8 +30,8 @@ from starlette.routing import Route
 from pyml.cli.main import one_line
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_requests import Request, RequestError, parse
-from pyml.cli.serve_structured import (Structured, call_id, parse_structured, reply_calls, template_messages,
-                                       tool_call_objects, tool_prompt)
+from pyml.cli.serve_structured import (HeldCalls, Structured, call_id, parse_structured, reply_calls,
+                                       template_messages, tool_call_objects, tool_prompt)
 from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
 from pyml.core.errors import PymlError
 from pyml.core.runtime import cpu_count
@@ -354,7 +354,9 @@ class _Answer:
     async def sse(self):
         tools, n = self._tools, self.job.request.n
         named = tools is not None and tools.tool_choice == "function"  # its arguments stream as they come
-        held = [[] for _ in range(n)] if tools is not None and not named else None  # a call is told once whole
+        # auto: text streams until a call may begin; required: all is held (a call is told once whole)
+        held = [HeldCalls(hold_all=tools.tool_choice == "required") for _ in range(n)] \
+            if tools is not None and not named else None
         finish = {}  # choice -> its finish reason, where the text decides it
         if self.chat:
             def first():  # each choice's call has its own id
@@ -366,7 +368,8 @@ class _Answer:
                                        for i in range(n)], delta=True))
         async for kind, value in self.events():
             if kind == "text" and held is not None:
-                held[value[0]].append(value[1])
+                if now := held[value[0]].push(value[1]):
+                    yield _sse(self._envelope([self._choice(now, None, True, value[0])], delta=True))
             elif kind == "text" and named:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": value[1]}}]}
                 yield _sse(self._envelope([{"index": value[0], "delta": delta, "finish_reason": None,
@@ -379,8 +382,10 @@ class _Answer:
             elif kind == "done":
                 for i, result in enumerate(value):
                     if held is not None:
-                        choice, finish[i] = self._held_delta("".join(held[i]), result, i)
-                        yield _sse(self._envelope([choice], delta=True))
+                        rest = held[i].end()
+                        if rest:
+                            choice, finish[i] = self._held_delta(rest, result, i)
+                            yield _sse(self._envelope([choice], delta=True))
                     elif named and result.stop_reason == "eos":
                         finish[i] = "tool_calls"
                 for i, result in enumerate(value[:-1]):  # every choice's end; the last one's carries usage

@@ -199,6 +199,48 @@ def reply_calls(structured: Structured, text: str, complete: bool) -> tuple[str,
     return content, calls
 
 
+CALL_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")  # how a reply that is a call begins
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]")  # where a call may begin after some text
+
+
+class HeldCalls:
+    """tool_choice auto, streamed: the text that cannot be part of a tool call goes out as it
+    comes; from where a call may begin (a reply opening like one, or a family's call marker
+    after some text) it is held until the reply ends and can be read whole. `hold_all`
+    (tool_choice required: the reply is a call) holds everything."""
+
+    def __init__(self, hold_all: bool = False):
+        self.held, self.holding, self.told = "", hold_all, False
+
+    def push(self, text: str) -> str:
+        """What of `text` can be sent now as content."""
+        if self.holding:
+            self.held += text
+            return ""
+        text, self.held = self.held + text, ""
+        if not self.told:  # the reply's start decides whether it may be a call
+            start = text.lstrip()
+            if not start or any(o.startswith(start) for o in CALL_OPENERS):
+                self.held = text  # too short to tell
+                return ""
+            if start.startswith(CALL_OPENERS):
+                self.held, self.holding = text, True
+                return ""
+            self.told = True
+        found = [i for i in (text.find(m) for m in CALL_MARKERS) if i >= 0]
+        if found:
+            self.held, self.holding = text[min(found):], True
+            return text[:min(found)]
+        keep = max((k for m in CALL_MARKERS for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def end(self) -> str:
+        """The text held at the reply's end: maybe calls, maybe the content's last piece."""
+        held, self.held = self.held, ""
+        return held
+
+
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

@@ -8,12 +8,14 @@ deep-tier; test_json_schema_replies_validate_at_temperature_1 covers its path wi
 """
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
 import pydantic
 import pytest
 
+from pyml.cli.serve_structured import HeldCalls
 from tests.cli.test_serve import serving
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -80,8 +82,8 @@ def test_json_object_mode_gives_an_object(client):
 
 
 class Pet(pydantic.BaseModel):
-    kind: str
-    legs: int
+    kind: Literal["cat", "dog", "bird"]
+    legs: int = pydantic.Field(ge=0, le=8)
 
 
 class Person(pydantic.BaseModel):
@@ -205,3 +207,34 @@ def test_parallel_choices_each_follow_the_schema(smollm2_gguf):
         assert call.choices[0].finish_reason == "tool_calls"
         jsonschema.validate(json.loads(call.choices[0].message.tool_calls[0].function.arguments),
                             WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("pieces, shown, held", [
+    (["The weather ", "is fine."], "The weather is fine.", ""),
+    (["Let me check.\n<tool", "_call>\n{\"name\": ", "\"get_time\", \"arguments\": {}}</tool_call>"],
+     "Let me check.\n", '<tool_call>\n{"name": "get_time", "arguments": {}}</tool_call>'),
+    (["  {\"na", "me\": \"get_time\", \"parameters\": {}}"], "", '  {"name": "get_time", "parameters": {}}'),
+    (["[TOOL", "_CALLS]get_time[ARGS]{}"], "", "[TOOL_CALLS]get_time[ARGS]{}"),
+    (["a <", "b"], "a <b", ""),
+])
+def test_auto_streaming_holds_only_what_may_be_a_call(pieces, shown, held):
+    h = HeldCalls()
+    out = "".join(h.push(p) for p in pieces)
+    assert (out, h.end()) == (shown, held)
+
+
+def test_auto_streamed_and_whole_agree(client):
+    """tool_choice auto at temperature 0: the stream's content pieces and calls add up to the whole reply."""
+    ask = dict(model="tiny", messages=WEATHER_ASK, temperature=0, max_tokens=40, tools=[WEATHER, CLOCK],
+               extra_body={"cache_prompt": False})  # a cached prefix's numerics may differ in the last bits
+    whole = client.chat.completions.create(**ask).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                calls[call.index] = (call.function.name, call.function.arguments)
+            finish = choice.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert content == (whole.message.content or "")
+    assert list(calls.values()) == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]

@@ -42,3 +42,4 @@ def test_each_familys_format_is_read(text, content, calls):
 ])
 def test_text_that_is_not_a_call_stays_text(text):
     assert parse_tool_calls(text, NAMES) == (text, [])
+
