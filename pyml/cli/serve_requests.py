@@ -11,7 +11,7 @@ from pyml.cli.main import one_line
 from pyml.core.errors import PymlError
 from pyml.nlp.sampling import SamplingConfig
 
-ROLES = {"system", "developer", "user", "assistant"}  # OpenAI's "developer" is a system message
+ROLES = {"system", "developer", "user", "assistant", "tool"}  # OpenAI's "developer" is a system message
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 400  # per stop string: text that could begin one is held back, so it bounds that too
 MAX_SEED = 2**64 - 1  # plenty; numpy would take any size (and hash a huge one slowly)
@@ -20,14 +20,15 @@ SAMPLING = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "rep
             "frequency_penalty", "presence_penalty", "seed"}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options", "n",
           "cache_prompt", "pyml"} | SAMPLING
-HONOURED = {True: COMMON | {"messages"}, False: COMMON | {"prompt"}}  # chat, completions
+SHAPES = {"response_format", "grammar", "json_schema"}  # structured output (serve_structured.py)
+TOOLS = {"tools", "tool_choice", "parallel_tool_calls"}
+HONOURED = {True: COMMON | SHAPES | TOOLS | {"messages"}, False: COMMON | SHAPES | {"prompt"}}  # chat, completions
 # OpenAI fields that change nothing pyml does: accepted and ignored (docs/serving.md says why each)
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 # fields pyml does not implement, accepted only at the value that asks for what pyml does anyway
 AS_DEFAULT = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-              "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-              "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,)}
-MESSAGE_FIELDS = {"role", "content"}
+              "functions": ([],), "function_call": ("none",)}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id"}  # the template renders them
 
 
 class RequestError(Exception):
@@ -55,6 +56,8 @@ class Request:
     cache_prompt: bool = True
     include_usage: bool = False
     n: int = 1                      # completions of the prompt (choices), run together (--parallel)
+    structured: object = None       # serve_structured.Structured: the reply's shape (JSON, tool calls)
+    constraint: object = None       # constrained.Constraint the tokens must match (None: free text)
 
 
 MAX_CHOICES = 16  # `n`: a request's completions at most (each takes a sequence of the batch)
@@ -83,8 +86,8 @@ def check_fields(body: dict, chat: bool) -> None:
         if key in AS_DEFAULT:
             if value is None or any(value == v and type(value) is type(v) for v in AS_DEFAULT[key]):
                 continue
-            raise unsupported(key, "pyml generates free text only (no logprobs, tools, structured output, "
-                                   "echo or best_of)")
+            raise unsupported(key, "pyml has no logprobs, echo, best_of or the legacy functions here "
+                                   "(tools and tool_choice replace them)")
         if key in HONOURED[not chat]:
             raise unsupported(key, f"it belongs to /v1/{'completions' if chat else 'chat/completions'}")
         raise unsupported(_sendable(key)[:64], "no such field here")
@@ -190,7 +193,8 @@ def _messages(body: dict) -> list:
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         if extra := [k for k in m if k not in MESSAGE_FIELDS and m[k] is not None]:
             raise unsupported(f"messages[{i}].{_sendable(str(extra[0]))[:64]}",
-                              "a message has only a role and a text content here (no names, tool calls or audio)")
+                              "a message has a role, a text content, an assistant's tool calls or a tool result's id "
+                              "(no names or audio)")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise RequestError(f"messages[{i}].role {_name(role)} is not one of {', '.join(sorted(ROLES))}",
@@ -201,8 +205,32 @@ def _messages(body: dict) -> list:
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages",
                                    code="unsupported_parameter")
             content = "".join(p["text"] for p in content)
+        tool_calls = m.get("tool_calls")
+        if content is None and role == "assistant" and tool_calls:
+            content = ""  # a turn that only called tools
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
         _text(content, "messages", f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if tool_calls is not None:
+            if role != "assistant":
+                raise unsupported(f"messages[{i}].tool_calls", "only an assistant's message carries tool calls")
+            if not _are_tool_calls(tool_calls):
+                raise RequestError(f"messages[{i}].tool_calls must be an assistant's list of "
+                                   "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}", "messages")
+            message["tool_calls"] = tool_calls
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI's rule too
+            raise RequestError(f"messages[{i}] is a tool result: it needs the 'tool_call_id' of the call it answers",
+                               "messages")
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise RequestError(f"messages[{i}].tool_call_id must be a string", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _are_tool_calls(calls) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)

@@ -207,7 +207,8 @@ class Worker:
         records = []
         with recording(records, req.profile):
             stream = self.lm.stream(job.ids, req.max_tokens, stop=req.stop, cache=self.cache, result=result,
-                                    cancelled=lambda: job.cancelled is not None, **req.sampling)
+                                    cancelled=lambda: job.cancelled is not None, constraint=req.constraint,
+                                    **req.sampling)
             job.put("started")
             for event in stream:
                 if job.cancelled:
@@ -301,7 +302,7 @@ class BatchWorker(Worker):
         try:
             requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
                                           stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
-                                          reuse=req.cache_prompt)
+                                          reuse=req.cache_prompt, constraint=req.constraint)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return

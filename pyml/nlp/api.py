@@ -25,6 +25,7 @@ from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
+from pyml.nlp.constrained import Constraint
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
@@ -109,30 +110,39 @@ class LanguageModel:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer().decode([int(i) for i in ids], skip_special_tokens)
 
-    def chat_prompt(self, messages: list) -> str:
-        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template."""
-        return self._tokenizer().apply_chat_template(messages, template=self.chat_template)
+    def chat_prompt(self, messages: list, tools: list | None = None) -> str:
+        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template;
+        `tools` (OpenAI's function specs) reach the template as its `tools`."""
+        return self._tokenizer().apply_chat_template(messages, template=self.chat_template, tools=tools)
 
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
-               n_keep: int = 0, cancelled=None, **sampling) -> Iterator[StreamEvent]:
+               n_keep: int = 0, cancelled=None, json_schema=None, grammar: str | None = None,
+               constraint: Constraint | None = None, **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
         `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
         whose tokens the prompt may start with; `ctx_size`: positions of the cache made when none
         is given; `context_shift`: a full cache keeps its first `n_keep` tokens and drops the oldest
         half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
-        ends the generation (stop reason "cancelled"); `sampling`: SamplingConfig's fields (temperature,
+        ends the generation (stop reason "cancelled"); `json_schema` (a dict or its JSON text) or
+        `grammar` (GBNF or Lark text): the text generated must match it (constrained.py), as must
+        a prebuilt `constraint`'s; `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if json_schema is not None or grammar is not None:
+            if constraint is not None:
+                raise PymlError("give a constraint, or a JSON schema or grammar to build one, not both")
+            constraint = Constraint.from_options(self._tokenizer(), json_schema, grammar)
         self._before_forward(2 if context_shift else len(ids))  # a shift re-prefills what it keeps
         result = result if result is not None else GenerationResult(ids)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
-                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled)
+                                              context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
+                                              constraint=constraint)
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
@@ -169,8 +179,8 @@ class LanguageModel:
         (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
         as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
         for every prompt, or per prompt in `options` (a dict each: max_tokens, stop and sampling
-        fields that replace the shared ones); with a `seed`, prompt i samples from seed + i.
-        Every prompt and option is checked before the first step."""
+        fields that replace the shared ones, and `json_schema` or `grammar` as `stream`'s); with a
+        `seed`, prompt i samples from seed + i. Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
         if options is not None and len(options) != len(prompts):
@@ -186,11 +196,14 @@ class LanguageModel:
         gen = BatchGenerator(self.model, slots, max_len)
         requests, stops = [], []
         for i, (prompt, ask) in enumerate(zip(ids, asks)):
-            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop")})
+            shape = {k: ask.get(k) for k in ("json_schema", "grammar")}
+            constraint = Constraint.from_options(self._tokenizer(), **shape) if any(
+                v is not None for v in shape.values()) else None
+            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop", *shape)})
             if config.seed is not None and options is None:
                 config = dataclasses.replace(config, seed=config.seed + i)
             stops.append(StopStrings(ask["stop"]))
-            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos))
+            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos, constraint=constraint))
         return self._batch_events(gen, requests, eos, stops)
 
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):

@@ -35,9 +35,10 @@ PREFILL_CHUNK = 256  # prompt tokens a step takes over all joining sequences
 class Request:
     """One sequence of a BatchGenerator: its prompt, limits, sampler and result."""
 
-    def __init__(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingConfig, stop_ids, index: int):
+    def __init__(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingConfig, stop_ids, index: int,
+                 constraint=None):
         self.prompt, self.max_new_tokens, self.stop_ids = prompt_ids, max_new_tokens, set(stop_ids)
-        self.sampler, self.index = Sampler(sampling), index
+        self.sampler, self.index = Sampler(sampling, constraint), index
         self.result = GenerationResult(list(prompt_ids))
         self.history = list(prompt_ids)  # what the sampler's penalties see
         self.slot = None
@@ -72,13 +73,14 @@ class BatchGenerator:
         self._submitted = 0
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_ids=(), reuse: bool = True) -> Request:
+               stop_ids=(), reuse: bool = True, constraint=None) -> Request:
         """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
-        start from a slot's cached tokens (False: its whole prompt is prefilled)."""
-        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse)[0]
+        start from a slot's cached tokens (False: its whole prompt is prefilled); `constraint`
+        (constrained.py's): the grammar its tokens must match."""
+        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint)[0]
 
     def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
-                       stop_ids=(), reuse: bool = True) -> list[Request]:
+                       stop_ids=(), reuse: bool = True, constraint=None) -> list[Request]:
         """n completions of one prompt (OpenAI's `n`): the prompt prefilled once, its cache copied to
         the other n - 1 sequences (KVPool.copy), each then sampling on its own - with a seed, choice i
         from seed + i. The n join together, when n slots are free."""
@@ -86,9 +88,9 @@ class BatchGenerator:
             raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
         seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
-        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse)
+        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint)
 
-    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse) -> list[Request]:
+    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse, constraint=None) -> list[Request]:
         """The checked prompt's requests (one per sampling), queued as one group."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
@@ -97,8 +99,10 @@ class BatchGenerator:
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         requests = []
-        for sampling in samplings:
-            request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
+        for i, sampling in enumerate(samplings):
+            # each choice walks the grammar on its own
+            own = constraint if i == 0 or constraint is None else constraint.fresh()
+            request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted, own)
             request.reuse = reuse
             self._submitted += 1
             requests.append(request)

@@ -226,7 +226,7 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
-               context_shift: bool = False, n_keep: int = 0, cancelled=None) -> Iterator[int]:
+               context_shift: bool = False, n_keep: int = 0, cancelled=None, constraint=None) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
         Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
@@ -236,6 +236,7 @@ class Generator:
         window). The prompt is checked here, before the first token is asked for. Closing the
         iterator ends the generation; so does `cancelled()` turning true, checked before each
         decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
+        `constraint` (constrained.py's Constraint): the tokens must match its grammar.
         """
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
@@ -257,7 +258,7 @@ class Generator:
         res.prompt_tokens = prompt_ids
         res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
         shift = n_keep if context_shift else None
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift, cancelled)
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling, constraint), set(stop_ids), cache, res, shift, cancelled)
 
     def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled):
         prompt_cache = cache if isinstance(cache, PromptCache) else None

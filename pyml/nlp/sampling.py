@@ -45,11 +45,21 @@ class SamplingConfig:
 
 
 class Sampler:
-    def __init__(self, config: SamplingConfig):
-        self.config = config
+    """`constraint` (constrained.py's, or None): forbids tokens before any other filter sees the
+    logits, and advances on the token chosen."""
+
+    def __init__(self, config: SamplingConfig, constraint=None):
+        self.config, self.constraint = config, constraint
         self.rng = np.random.default_rng(config.seed)
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
+        if self.constraint is None:
+            return self._choose(logits, history)
+        token = self._choose(self.constraint.apply(logits), history)
+        self.constraint.accept(token)
+        return token
+
+    def _choose(self, logits: np.ndarray, history) -> int:
         c = self.config
         if c.repetition_penalty != 1.0 and len(history):
             logits = logits.copy()
