@@ -113,6 +113,7 @@ def chunk_logits(lm, chunks: np.ndarray, seqs: int = 1) -> Iterator[tuple]:
     pool = model.new_pool(seqs, n_ctx)  # one sequence: forward_batch runs it as its own pass
     for c0 in range(0, n_chunk, seqs):
         group = [chunk_inputs(chunks[c], bos) for c in range(c0, min(c0 + seqs, n_chunk))]
+        # a top-level span a pass (its lines printed as each ends): the forward passes and the scoring
         with _perf.debug("perplexity::chunk", "chunks={}..{} n_ctx={}", c0, c0 + len(group) - 1, n_ctx,
                          op="perplexity"):
             for s in range(len(group)):
@@ -147,18 +148,17 @@ def perplexity(lm, text: str | None = None, n_ctx: int = 512, n_chunks: int | No
     nll = np.empty((n_chunk, per_chunk), np.float64)
     done = np.zeros(n_chunk, np.int64)
     running = []
-    with _perf.debug("perplexity::run", "chunks={} n_ctx={}", n_chunk, n_ctx, op="perplexity"):
-        for c, a, logits in chunk_logits(lm, chunks, seqs):
-            targets = chunks[c, a + 1:a + 1 + len(logits)]
-            row = a - first_scored(n_ctx)
-            nll[c, row:row + len(logits)] = token_nll(logits, targets)
-            if on_rows is not None:
-                on_rows(c, logits, targets)
-            done[c] += len(logits)
-            while len(running) < n_chunk and done[len(running)] == per_chunk:
-                running.append(estimate(nll[:len(running) + 1].ravel()))
-                if on_chunk is not None:
-                    on_chunk(len(running) - 1, running[-1])
+    for c, a, logits in chunk_logits(lm, chunks, seqs):
+        targets = chunks[c, a + 1:a + 1 + len(logits)]
+        row = a - first_scored(n_ctx)
+        nll[c, row:row + len(logits)] = token_nll(logits, targets)
+        if on_rows is not None:
+            on_rows(c, logits, targets)
+        done[c] += len(logits)
+        while len(running) < n_chunk and done[len(running)] == per_chunk:
+            running.append(estimate(nll[:len(running) + 1].ravel()))
+            if on_chunk is not None:
+                on_chunk(len(running) - 1, running[-1])
     return PerplexityResult(running[-1], n_ctx, n_chunk, running, nll.ravel())
 
 
