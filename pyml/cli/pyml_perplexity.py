@@ -28,6 +28,7 @@ from pyml.nlp.api import load_model
 from pyml.report import plots
 
 DEFAULT_CTX = 512  # llama-perplexity's
+DEFAULT_BATCH = 2048  # llama-perplexity's n_batch: 4 chunks of 512 a pass (docs/perplexity.md: the speed-up)
 
 
 def build_parser() -> Parser:
@@ -39,8 +40,8 @@ def build_parser() -> Parser:
                    help=f"tokens per chunk (default {DEFAULT_CTX}, as llama-perplexity)")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="score only the first N chunks")
     p.add_argument("-b", "--batch-size", type=int, default=None, metavar="N",
-                   help="tokens a pass: N / ctx chunks go through one batched forward pass (a multiple of -c; "
-                        "default -c: one chunk a pass)")
+                   help=f"tokens a pass: N / ctx chunks go through one batched forward pass (a multiple of -c; "
+                        f"default {DEFAULT_BATCH} or the multiple of -c below it, as llama-perplexity's n_batch)")
     p.add_argument("--kl-divergence-base", metavar="FILE",
                    help="without --kl-divergence: save the model's top-K log-probabilities here; with it: read them")
     p.add_argument("--kl-divergence", action="store_true",
@@ -55,7 +56,7 @@ def build_parser() -> Parser:
 
 
 def check_args(args) -> int:
-    """Flags that cannot work together, refused by name; returns the chunks a pass."""
+    """Flags that cannot work together, refused by name; returns the tokens a pass (-b)."""
     if args.kl_divergence and not args.kl_divergence_base:
         raise PymlError("--kl-divergence needs --kl-divergence-base FILE (the reference's, saved by a run without "
                         "--kl-divergence)")
@@ -65,14 +66,14 @@ def check_args(args) -> int:
         raise PymlError("give the text with -f FILE")
     if args.ctx_size < 4:
         raise PymlError(f"-c must be at least 4, got {args.ctx_size}")
-    b = args.batch_size if args.batch_size is not None else args.ctx_size
+    b = args.batch_size if args.batch_size is not None else max(1, DEFAULT_BATCH // args.ctx_size) * args.ctx_size
     if b < 1 or (b > args.ctx_size and b % args.ctx_size):
         raise PymlError(f"-b {b} must be a multiple of -c {args.ctx_size} (or at most it)")
-    return max(1, b // args.ctx_size)
+    return b
 
 
 def run(args) -> int:
-    seqs = check_args(args)
+    batch = check_args(args)
     base = kld.Base.load(args.kl_divergence_base) if args.kl_divergence else None
     text = read_prompt(args) if args.file is not None else None
     lm = load_model(**model_options(args))
@@ -87,6 +88,7 @@ def run(args) -> int:
     if n_ctx > lm.model.max_positions:
         raise PymlError(f"-c {n_ctx} is longer than the model's {lm.model.max_positions} positions")
     n_chunks = ppl.chunk_tokens(tokens, n_ctx, args.chunks).shape[0] if base is None else base.n_chunks
+    seqs = max(1, batch // n_ctx)  # a base file's context may differ from -c: llama-perplexity's n_seq
     if not args.json:
         say(f"perplexity: calculating perplexity over {n_chunks} chunks, n_ctx={n_ctx}, "
             f"batch_size={seqs * n_ctx}, n_seq={seqs}")

@@ -9,7 +9,7 @@ n_ctx/2 tokens of context. The estimate after each chunk is exp(mean NLL), and i
 llama.cpp's: ppl x sqrt((mean(nll^2) - mean(nll)^2) / (count - 1)).
 
 A chunk's first half is run without the head; its second half's logits come in pieces of at most
-`LOGIT_FLOATS` floats (Gemma 3's 262K-token vocabulary: 64 rows), each turned into its rows'
+`LOGIT_FLOATS` floats over the pass's chunks (Gemma 3's 262K-token vocabulary: 64 rows), each turned into its rows'
 scores and dropped. With `seqs` > 1 several chunks go through one pass (DecoderModel.forward_batch):
 each projection a product over all their rows, as llama-perplexity's n_seq = n_batch / n_ctx.
 """
@@ -107,9 +107,9 @@ def chunk_logits(lm, chunks: np.ndarray, seqs: int = 1) -> Iterator[tuple]:
     if n_ctx > model.max_positions:
         raise PymlError(f"the context (-c {n_ctx}) is longer than the model's {model.max_positions} positions")
     bos = lm.tokenizer.bos_id if lm.tokenizer is not None and lm.tokenizer.add_bos else None
-    piece = max(1, min(n_ctx - 1 - first, LOGIT_FLOATS // model.config.vocab_size))
-    lm.warm_up(prefill=True)
     seqs = max(1, min(seqs, n_chunk))
+    piece = max(1, min(n_ctx - 1 - first, LOGIT_FLOATS // (model.config.vocab_size * seqs)))
+    lm.warm_up(prefill=True)
     pool = model.new_pool(seqs, n_ctx)  # one sequence: forward_batch runs it as its own pass
     for c0 in range(0, n_chunk, seqs):
         group = [chunk_inputs(chunks[c], bos) for c in range(c0, min(c0 + seqs, n_chunk))]
