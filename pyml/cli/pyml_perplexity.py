@@ -51,7 +51,10 @@ def build_parser() -> Parser:
                         "the rest is kept as one sum: docs/perplexity.md for the error)")
     p.add_argument("--plot", metavar="PNG", help="with --kl-divergence: a histogram of the per-position KLD")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the text report")
-    p.set_defaults(prompt=None)  # options.read_prompt's -p: the text comes from -f only
+    # f32 by default: a quantization's cost measured with llama.cpp's float attention, not with the bf16
+    # prefill attention `auto` picks for quantized weights on AVX-512 BF16 (SmolLM2 Q8_0: +0.5% ppl;
+    # docs/perplexity.md); --float-compute auto measures pyml's fast path
+    p.set_defaults(prompt=None, float_compute="f32")  # prompt: options.read_prompt's -p; the text is -f only
     return p
 
 

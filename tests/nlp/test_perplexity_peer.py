@@ -43,29 +43,35 @@ def llama_estimate(path, text, n_ctx=N_CTX, n_chunks=N_CHUNKS):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
-def test_smollm2_perplexity_matches_llama_cpp(kind, smollm2_gguf, requantized, text):
+def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text):
     path = smollm2_gguf if kind == "q4_1" else requantized(kind)
-    lm = load_model(gguf=str(path))
+    lm = load_model(gguf=str(path), float_compute="f32")  # as pyml-perplexity: f32 attention
     tokens, ref = llama_estimate(path, text)
     assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
     got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
+    say(f"perplexity SmolLM2 {kind} -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
+        f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
     assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
 
 
-def test_gemma3_perplexity_matches_llama_cpp(gemma3_gguf, text):
-    lm = load_model(gguf=str(gemma3_gguf))
+def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text):
+    lm = load_model(gguf=str(gemma3_gguf), float_compute="f32")
     tokens, ref = llama_estimate(gemma3_gguf, text)
     assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
     got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
+    say(f"perplexity Gemma 3 Q4_K_M -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
+        f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
     assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
 
 
-def test_q4_0_kld_from_f32_matches_llama_cpp(requantized, text, tmp_path):
+def test_q4_0_kld_from_f32_matches_llama_cpp(say, requantized, text, tmp_path):
     f32, q4 = requantized("f32"), requantized("q4_0")
     base = tmp_path / "base.npz"
-    kld.save_base(load_model(gguf=str(f32)), text, N_CTX, N_CHUNKS, base)
-    ours = kld.kl_divergence(load_model(gguf=str(q4)), kld.Base.load(base)).kld.mean()
+    kld.save_base(load_model(gguf=str(f32), float_compute="f32"), text, N_CTX, N_CHUNKS, base)
+    ours = kld.kl_divergence(load_model(gguf=str(q4), float_compute="f32"), kld.Base.load(base)).kld.mean()
     _, _, lp = llama_chunk_logp(f32, lambda llm: llm.tokenize(text.encode(), add_bos=True), N_CTX, N_CHUNKS)
     _, _, lq = llama_chunk_logp(q4, lambda llm: llm.tokenize(text.encode(), add_bos=True), N_CTX, N_CHUNKS)
     theirs = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    say(f"KLD SmolLM2 Q4_0 vs F32 -c {N_CTX} x{N_CHUNKS}: pyml {ours:.5f}, llama.cpp {theirs:.5f} "
+        f"({100 * (ours / theirs - 1):+.2f}%)")
     assert math.isfinite(theirs) and ours == pytest.approx(theirs, rel=5e-2)
