@@ -42,26 +42,23 @@ def llama_estimate(path, text, n_ctx=N_CTX, n_chunks=N_CHUNKS):
     return tokens, ppl.estimate(-logp[np.arange(len(targets)), targets])
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
-def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text):
-    path = smollm2_gguf if kind == "q4_1" else requantized(kind)
+def check_against_llama(say, path, text, label):
     lm = load_model(gguf=str(path), float_compute="f32")  # as pyml-perplexity: f32 attention
     tokens, ref = llama_estimate(path, text)
     assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
     got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
-    say(f"perplexity SmolLM2 {kind} -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
+    say(f"perplexity {label} -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
         f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
     assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text):
+    check_against_llama(say, smollm2_gguf if kind == "q4_1" else requantized(kind), text, f"SmolLM2 {kind}")
 
 
 def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text):
-    lm = load_model(gguf=str(gemma3_gguf), float_compute="f32")
-    tokens, ref = llama_estimate(gemma3_gguf, text)
-    assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
-    got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
-    say(f"perplexity Gemma 3 Q4_K_M -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
-        f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
-    assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
+    check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M")
 
 
 def test_q4_0_kld_from_f32_matches_llama_cpp(say, requantized, text, tmp_path):
