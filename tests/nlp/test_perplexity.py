@@ -176,3 +176,16 @@ def test_a_damaged_base_file_is_one_error(tmp_path):
         zf.writestr("nll.npy", header.getvalue() + b"\0" * 64)
     with pytest.raises(PymlError, match="declares more than it holds"):
         kld.Base.load(liar)
+
+
+def test_forward_batch_gives_every_rows_logits_in_the_given_order(smollm2):
+    """forward_batch(all_logits=True), which several chunks a pass use: each row's logits as that
+    sequence's own pass gives them, rows given longest first (the pass puts one-token rows first)."""
+    model = smollm2.model
+    prompts = [[5, 9, 2, 77, 31, 64], [12], [8, 90, 1]]
+    pool = model.new_pool(3, 16)
+    got = model.forward_batch(pool, [(s, p, 0) for s, p in enumerate(prompts)], all_logits=True)
+    for p, logits in zip(prompts, got):
+        ref = model.forward(p, model.new_cache(16), 0, all_logits=True)
+        assert logits.shape == (len(p), model.config.vocab_size)
+        np.testing.assert_allclose(logits, ref, atol=2e-3 * np.abs(ref).max())
