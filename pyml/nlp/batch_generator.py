@@ -98,6 +98,7 @@ class BatchGenerator:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
         requests = []
         for sampling in samplings:
+            sampling.check_vocab(self.model.config.vocab_size)
             request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
             request.reuse = reuse
             self._submitted += 1

@@ -252,6 +252,7 @@ class Generator:
             raise PymlError(f"--keep must be >= 0, got {n_keep}")
         if logprobs is not None:
             check_top(logprobs)
+        sampling.check_vocab(self.model.config.vocab_size)
         if cache is not None:
             window, what = cache.max_len, "the context size"
         elif ctx_size is not None:
