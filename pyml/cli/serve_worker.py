@@ -78,6 +78,15 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
+def send_logprobs(job: Job, index: int, result: GenerationResult, sent: int) -> int:
+    """Hand the request choice `index`'s log-probabilities made since `sent`; how many are sent now.
+    Sent before the text their tokens made, so a stream's chunk carries its own tokens'."""
+    if result.logprobs is not None and len(result.logprobs) > sent:
+        job.put("logprobs", (index, result.logprobs[sent:]))
+        return len(result.logprobs)
+    return sent
+
+
 class QueueFull(Exception):
     pass
 
@@ -208,13 +217,19 @@ class Worker:
         with recording(records, req.profile):
             stream = self.lm.stream(job.ids, req.max_tokens, stop=req.stop, cache=self.cache, result=result,
                                     cancelled=lambda: job.cancelled is not None, constraint=req.constraint,
+                                    logprobs=req.logprobs, echo=req.echo and req.logprobs is not None,
                                     **req.sampling)
             job.put("started")
+            sent, first = 0, True  # the result's logprobs sent so far
             for event in stream:
                 if job.cancelled:
                     stream.close()  # frees the model now: the next job starts before the next step
                     result.stop_reason = "cancelled"
                     break
+                if first and req.echo:  # the prefill is done: the prompt (and its logprobs) first
+                    job.put("prompt", (0, result.prompt_logprobs))
+                first = False
+                sent = send_logprobs(job, 0, result, sent)
                 if event.text:
                     job.put("text", (0, event.text))
         if req.profile:
@@ -249,6 +264,7 @@ class BatchWorker(Worker):
         self.parallel, self.ctx_size = parallel, ctx_size
         self.active: dict = {}  # Request -> (Job, TextOut, choice index)
         self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
+        self.sent: dict = {}  # Request -> its result's logprobs sent so far
 
     def stop(self, timeout: float = 3.0) -> None:
         for job, _, _ in list(self.active.values()):
@@ -286,6 +302,7 @@ class BatchWorker(Worker):
                     if self.choices.pop(id(job), None) is not None:
                         job.put("error", error)
                 self.active.clear()
+                self.sent.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
         self.current = None
         self.metrics.busy.set(0)
@@ -302,7 +319,7 @@ class BatchWorker(Worker):
         try:
             requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
                                           stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
-                                          reuse=req.cache_prompt, constraint=req.constraint)
+                                          reuse=req.cache_prompt, constraint=req.constraint, logprobs=req.logprobs)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return
@@ -311,6 +328,8 @@ class BatchWorker(Worker):
             self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
                                                  StopStrings(req.stop)), i)
         job.put("started")
+        for i in range(len(requests) if req.echo else 0):
+            job.put("prompt", (i, None))
         for request in requests:
             if request.done:  # max_tokens 0
                 self._end(request)
@@ -322,6 +341,7 @@ class BatchWorker(Worker):
         for request, token in gen.step():
             job, text_out, index = self.active[request]
             text = text_out.push(token)
+            self.sent[request] = send_logprobs(job, index, request.result, self.sent.get(request, 0))
             if text:
                 job.put("text", (index, text))
             if text_out.stopped:
@@ -333,6 +353,7 @@ class BatchWorker(Worker):
     def _end(self, request) -> None:
         """One choice has ended; the job's answer goes once all its choices have."""
         job, text_out, index = self.active.pop(request)
+        self.sent.pop(request, None)
         if not text_out.stopped and not job.cancelled:
             text = text_out.end()
             if text:

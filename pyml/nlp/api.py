@@ -19,10 +19,11 @@ from pyml.core import compiles, derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.batch_generator import BatchGenerator
-from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
+from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings, check_prompt
 from pyml.nlp.loaders import hub, packed_cache
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
+from pyml.nlp.logprobs import Score, check_top, prompt_logprobs
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.constrained import Constraint
@@ -118,7 +119,8 @@ class LanguageModel:
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
                n_keep: int = 0, cancelled=None, json_schema=None, grammar: str | None = None,
-               constraint: Constraint | None = None, **sampling) -> Iterator[StreamEvent]:
+               constraint: Constraint | None = None, logprobs: int | None = None, echo: bool = False,
+               **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
         `stop`: strings that end the text (never shown, not even in part); `cache`: a PromptCache
@@ -129,6 +131,8 @@ class LanguageModel:
         `grammar` (GBNF or Lark text): the text generated must match it (constrained.py), as must
         a prebuilt `constraint`'s; `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
+        `logprobs`: each generated token's log-probability, with that many likeliest tokens, in
+        `result.logprobs` (as each token's event comes); `echo`: the prompt's in `result.prompt_logprobs`.
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -142,7 +146,7 @@ class LanguageModel:
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
                                               context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
-                                              constraint=constraint)
+                                              constraint=constraint, logprobs=logprobs, echo=echo)
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
@@ -165,12 +169,32 @@ class LanguageModel:
 
     def generate(self, prompt: str | list, max_tokens: int = 64, *, on_text=None, stop=(),
                  cache: PromptCache | None = None, result: GenerationResult | None = None,
-                 **sampling) -> GenerationResult:
+                 logprobs: int | None = None, echo: bool = False, **sampling) -> GenerationResult:
         """`stream`, collected: the GenerationResult; `on_text(str)` sees each piece of text."""
-        for event in self.stream(prompt, max_tokens, stop=stop, cache=cache, result=result, **sampling):
+        for event in self.stream(prompt, max_tokens, stop=stop, cache=cache, result=result, logprobs=logprobs,
+                                 echo=echo, **sampling):
             if event.text and on_text is not None:
                 on_text(event.text)
         return event.result
+
+    def score(self, text: str | list, continuation: str | list | None = None, *, top_logprobs: int = 1) -> Score:
+        """Each token's log-probability given the ones before it, for `text` (text or ids), or for
+        `continuation` after the context `text` (`Score.logprob`: its log-likelihood; `is_greedy`).
+        Text is encoded as `encode` does; a continuation without special tokens (no second BOS)."""
+        context = self.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        if continuation is None:
+            more = []
+        else:
+            more = (self._tokenizer().encode(continuation, add_special_tokens=False)
+                    if isinstance(continuation, str) else [int(t) for t in continuation])
+        ids = check_prompt(self.model, context + more, 0)
+        if len(ids) > self.model.max_positions:
+            raise PymlError(f"the text is {len(ids)} tokens, longer than the model's context window of "
+                            f"{self.model.max_positions}")
+        top = max(1, check_top(top_logprobs))  # at least the likeliest: is_greedy reads it
+        self._before_forward(len(ids))
+        logprobs, _ = prompt_logprobs(self.model, ids, self.new_cache(len(ids)), top)
+        return Score(ids, logprobs, len(context) if more else 0)
 
     def stream_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
                      ctx_size: int | None = None, options: list | None = None,

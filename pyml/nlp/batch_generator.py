@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.nlp.generator import GenerationResult, check_prompt, reusable_prefix
+from pyml.nlp.logprobs import check_top, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
@@ -45,6 +46,7 @@ class Request:
         self.fed = 0  # positions of the sequence in its cache
         self.followers = []  # n > 1: the other choices, which start from this one's prefill
         self.reuse = True
+        self.top = None  # None, or each chosen token's log-probability is kept with this many likeliest
         self.done = False
         self._cancel = False
 
@@ -73,14 +75,15 @@ class BatchGenerator:
         self._submitted = 0
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_ids=(), reuse: bool = True, constraint=None) -> Request:
+               stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> Request:
         """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
         start from a slot's cached tokens (False: its whole prompt is prefilled); `constraint`
-        (constrained.py's): the grammar its tokens must match."""
-        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint)[0]
+        (constrained.py's): the grammar its tokens must match; `logprobs`: as Generator.stream's, into
+        the request's result."""
+        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint, logprobs)[0]
 
     def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
-                       stop_ids=(), reuse: bool = True, constraint=None) -> list[Request]:
+                       stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> list[Request]:
         """n completions of one prompt (OpenAI's `n`): the prompt prefilled once, its cache copied to
         the other n - 1 sequences (KVPool.copy), each then sampling on its own - with a seed, choice i
         from seed + i. The n join together, when n slots are free."""
@@ -88,9 +91,10 @@ class BatchGenerator:
             raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
         seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
-        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint)
+        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint, logprobs)
 
-    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse, constraint=None) -> list[Request]:
+    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse, constraint=None,
+               logprobs=None) -> list[Request]:
         """The checked prompt's requests (one per sampling), queued as one group."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
@@ -98,12 +102,17 @@ class BatchGenerator:
             raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
+        if logprobs is not None:
+            check_top(logprobs)
         requests = []
         for i, sampling in enumerate(samplings):
+            sampling.check_vocab(self.model.config.vocab_size)
             # each choice walks the grammar on its own
             own = constraint if i == 0 or constraint is None else constraint.fresh()
             request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted, own)
             request.reuse = reuse
+            if logprobs is not None:
+                request.top, request.result.logprobs = logprobs, []
             self._submitted += 1
             requests.append(request)
         if max_new_tokens == 0:
@@ -173,6 +182,8 @@ class BatchGenerator:
                 if choice is not r:  # the leader's prompt is cached: a copy of it, the same logits
                     self._follow(r, choice)
                 token = choice.sampler(row, choice.history)
+                if choice.top is not None:
+                    choice.result.logprobs.append(token_logprob(row, token, choice.top))
                 choice.result.tokens.append(token)
                 choice.history.append(token)
                 chosen.append((choice, token))

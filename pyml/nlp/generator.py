@@ -15,6 +15,7 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.core.errors import PymlError, check_text, was_interrupted
+from pyml.nlp.logprobs import check_top, prompt_logprobs, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 from pyml.nn import KVCache
@@ -34,6 +35,8 @@ class GenerationResult:
     stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted | cancelled
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
     context_shifts: int = 0                         # times the full cache dropped half its history
+    logprobs: list | None = None                    # TokenLogprob per generated token, when asked for
+    prompt_logprobs: list | None = None             # TokenLogprob per prompt token after the first (echo)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -226,7 +229,8 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
-               context_shift: bool = False, n_keep: int = 0, cancelled=None, constraint=None) -> Iterator[int]:
+               context_shift: bool = False, n_keep: int = 0, cancelled=None, constraint=None,
+               logprobs: int | None = None, echo: bool = False) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
         Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
@@ -237,12 +241,19 @@ class Generator:
         iterator ends the generation; so does `cancelled()` turning true, checked before each
         decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
         `constraint` (constrained.py's Constraint): the tokens must match its grammar.
+        `logprobs`: None, or how many top log-probabilities go with each generated token's own in
+        `result.logprobs` (0: its own only; nlp/logprobs.py). `echo`: `result.prompt_logprobs` holds
+        the prompt's tokens' log-probabilities (with `logprobs`' top); the whole prompt is prefilled
+        then, none of it taken from a PromptCache: a cached position has no logits.
         """
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
             raise PymlError(f"--ctx-size must be >= 1, got {ctx_size}")
         if n_keep < 0:
             raise PymlError(f"--keep must be >= 0, got {n_keep}")
+        if logprobs is not None:
+            check_top(logprobs)
+        sampling.check_vocab(self.model.config.vocab_size)
         if cache is not None:
             window, what = cache.max_len, "the context size"
         elif ctx_size is not None:
@@ -256,14 +267,16 @@ class Generator:
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         res = result if result is not None else GenerationResult(prompt_ids)
         res.prompt_tokens = prompt_ids
-        res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
+        res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None and not echo else 0
+        res.logprobs = [] if logprobs is not None else None
         shift = n_keep if context_shift else None
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling, constraint), set(stop_ids), cache, res, shift, cancelled)
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling, constraint), set(stop_ids), cache, res, shift,
+                         cancelled, logprobs, echo)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, top, echo):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
-        if max_new_tokens == 0:
+        if max_new_tokens == 0 and not echo:
             res.stop_reason = "max_tokens"
             return
         history = list(prompt_ids)  # every token so far: what the sampler's penalties see
@@ -276,10 +289,19 @@ class Generator:
             t0, d0 = perf.clock(), drained()
             with perf.context(phase="prefill", step=0), \
                     _perf.debug("generator::prefill", "tokens={}", len(prompt_ids) - start, op="generator") as span:
-                logits = self.model.forward(prompt_ids[start:], kv, pos=start)
+                if echo:  # every position's logits, a chunk at a time
+                    res.prompt_logprobs, logits = prompt_logprobs(self.model, prompt_ids, kv, top or 0)
+                else:
+                    logits = self.model.forward(prompt_ids[start:], kv, pos=start)
                 cached = list(prompt_ids)
+                if max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+                    res.stop_reason = "max_tokens"
+                    return
                 with span.part("sample"):
                     token = sampler(logits, history)
+                if top is not None:
+                    with span.part("logprobs"):
+                        res.logprobs.append(token_logprob(logits, token, top))
             made = drained() - d0
             res.prefill_s, res.prefill_log_s = perf.clock() - t0 - made, res.prefill_log_s + made
             step = 0
@@ -312,6 +334,9 @@ class Generator:
                         cached.append(token)
                     with span.part("sample"):
                         token = sampler(logits, history)
+                    if top is not None:
+                        with span.part("logprobs"):
+                            res.logprobs.append(token_logprob(logits, token, top))
                 made = drained() - d0
                 res.decode_s.append(perf.clock() - t0 - made)
                 res.decode_log_s += made

@@ -46,13 +46,12 @@ def error_of(status_and_data):
 # --- refused by name --------------------------------------------------------------------------
 REFUSED = [  # (endpoint body, field, value): what OpenAI's API would honour and pyml does not
     (COMPLETION, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3),
-    (CHAT, "logit_bias", {"50": 10}), (CHAT, "n", 2), (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "echo", True), (CHAT, "n", 2), (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", "auto"), (CHAT, "modalities", ["audio"]),
     (CHAT, "prediction", {"type": "content", "content": "x"}), (CHAT, "reasoning_effort", "low"),
     (CHAT, "made_up_field", 1), (CHAT, "prompt", "a completions field"),
-    (COMPLETION, "echo", True), (COMPLETION, "best_of", 3), (COMPLETION, "suffix", "x"),
-    (COMPLETION, "logprobs", 2), (COMPLETION, "logit_bias", {"50": -100}), (COMPLETION, "messages", []),
+    (COMPLETION, "best_of", 3), (COMPLETION, "suffix", "x"), (COMPLETION, "top_logprobs", 2),
+    (COMPLETION, "messages", []),
 ]
 
 
