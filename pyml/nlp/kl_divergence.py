@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyml.core.errors import PymlError
-from pyml.nlp.perplexity import Estimate, PerplexityResult, log_softmax, mean_and_uncertainty, perplexity
+from pyml.nlp.logprobs import log_softmax
+from pyml.nlp.perplexity import Estimate, PerplexityResult, mean_and_uncertainty, perplexity
 
 FORMAT = "pyml-kld-base-1"
 DEFAULT_TOP_K = 4096  # SmolLM2 Q4_0 and Q8_0 vs F32: KLD low by 0.6% (docs/perplexity.md)

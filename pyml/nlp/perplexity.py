@@ -91,13 +91,6 @@ def chunk_inputs(chunk: np.ndarray, bos_id: int | None) -> np.ndarray:
     return inputs
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:  # [rows, vocab] -> [rows, vocab] float64
-    # float64: a float32 sum of exp over 262K terms loses the digits a KL divergence of 1e-4 needs
-    x = np.asarray(logits, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 def chunk_logits(lm, chunks: np.ndarray, seqs: int = 1) -> Iterator[tuple]:
     """(chunk index, row of the first scored position, logits [rows, vocab]) for every chunk's scored
     positions n_ctx/2 .. n_ctx-2, chunk after chunk, in pieces; `seqs` chunks a pass."""

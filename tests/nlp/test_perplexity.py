@@ -16,6 +16,7 @@ from pyml.core.errors import PymlError
 from pyml.nlp import kl_divergence as kld
 from pyml.nlp import perplexity as ppl
 from pyml.nlp.api import load_model
+from pyml.nlp.logprobs import log_softmax
 from tests.conftest import hf_gguf_model
 
 # A long English text every CPython install carries (its history and licences): ~3,800 SmolLM2 tokens.
@@ -102,8 +103,8 @@ def test_several_chunks_a_pass_score_as_one_at_a_time(smollm2, text):
 def test_top_k_kld_is_low_by_the_rests_own_divergence():
     """The bound of kl_divergence.py's docstring, checked with its terms computed directly."""
     rng = np.random.default_rng(0)
-    lp = ppl.log_softmax(rng.standard_normal((6, 300)) * 3)
-    lq = ppl.log_softmax(np.log(np.exp(lp) + 0.01 * rng.random((6, 300))))
+    lp = log_softmax(rng.standard_normal((6, 300)) * 3)
+    lq = log_softmax(np.log(np.exp(lp) + 0.01 * rng.random((6, 300))))
     exact = (np.exp(lp) * (lp - lq)).sum(-1)
     ids, vals, rest = kld.top_k(lp, 20)
     est = kld.kld_rows(lq, ids, vals, rest)
@@ -127,7 +128,7 @@ def test_kl_divergence_against_the_full_logits(smollm2, requantized, text, tmp_p
     full = {}
     for name, lm in (("base", smollm2), ("q", q8)):
         rows = []
-        ppl.perplexity(lm, text, 64, 3, on_rows=lambda c, logits, t: rows.append((c, ppl.log_softmax(logits), t)))
+        ppl.perplexity(lm, text, 64, 3, on_rows=lambda c, logits, t: rows.append((c, log_softmax(logits), t)))
         full[name] = rows
     lp = np.concatenate([r[1] for r in full["base"]])
     lq = np.concatenate([r[1] for r in full["q"]])

@@ -10,6 +10,7 @@ import pytest
 from pyml.nlp import kl_divergence as kld
 from pyml.nlp import perplexity as ppl
 from pyml.nlp.api import load_model
+from pyml.nlp.logprobs import log_softmax
 from tests.nlp.test_perplexity import text  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.peer
@@ -31,7 +32,7 @@ def llama_chunk_logp(path, tokens_of, n_ctx: int, n_chunks: int):
     for chunk in chunks:
         llm.reset()
         llm.eval(ppl.chunk_inputs(chunk, bos).tolist())
-        rows.append(ppl.log_softmax(np.array(llm.scores[first:n_ctx - 1])))
+        rows.append(log_softmax(np.array(llm.scores[first:n_ctx - 1])))
     return tokens, chunks, np.concatenate(rows)
 
 
