@@ -25,8 +25,8 @@ TEXT_FILE = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.v
 
 @pytest.fixture(scope="module")
 def text():
-    if not TEXT_FILE.exists():  # a Python built without its LICENSE.txt: any long English text would do
-        pytest.skip(f"{TEXT_FILE} is missing")
+    if not TEXT_FILE.exists():  # a Python built without its LICENSE.txt: any long English text does
+        return "\n".join(p.read_text() for p in sorted((Path(__file__).parents[2] / "docs").glob("*.md")))
     return TEXT_FILE.read_text()
 
 
