@@ -60,20 +60,18 @@ class LlamaBatched:
         if not self.ctx:
             raise PymlError(f"llama.cpp could not make a context of {n_ctx} tokens for {B} sequences")
         self.size = (B, n_ctx)
+        self.batch = self.ll.llama_batch_init(n_ctx, 0, 1)  # one for the context's life, as llama-batched-bench
 
     def _decode(self, rows) -> None:
         """One llama_decode of rows (sequence, token, position, wants logits)."""
-        batch = self.ll.llama_batch_init(len(rows), 0, 1)
-        try:
-            for i, (seq, token, pos, logits) in enumerate(rows):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-                batch.seq_id[i][0], batch.logits[i] = seq, logits
-            batch.n_tokens = len(rows)
-            if self.ll.llama_decode(self.ctx, batch) != 0:
-                raise PymlError("llama.cpp's llama_decode failed")
-            self.ll.llama_synchronize(self.ctx)
-        finally:
-            self.ll.llama_batch_free(batch)
+        batch = self.batch
+        for i, (seq, token, pos, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        batch.n_tokens = len(rows)
+        if self.ll.llama_decode(self.ctx, batch) != 0:
+            raise PymlError("llama.cpp's llama_decode failed")
+        self.ll.llama_synchronize(self.ctx)
 
     def one(self, B: int, n_prompt: int, n_gen: int, rng) -> tuple[float, float]:
         """(prefill seconds, decode seconds), as _one measures pyml's."""
@@ -88,6 +86,7 @@ class LlamaBatched:
 
     def close_context(self):
         if self.ctx is not None:
+            self.ll.llama_batch_free(self.batch)
             self.ll.llama_free(self.ctx)
         self.ctx, self.size = None, None
 
