@@ -23,7 +23,7 @@ import numba
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pyml.cli.main import one_line
-from pyml.cli.request_profile import profile_summary, recording
+from pyml.cli.request_profile import batched_profile, profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -265,6 +265,7 @@ class BatchWorker(Worker):
         self.active: dict = {}  # Request -> (Job, TextOut, choice index)
         self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
         self.sent: dict = {}  # Request -> its result's logprobs sent so far
+        self.profiles: dict = {}  # id(Job) -> (perf records, sequences per step) while a profiled job runs
 
     def stop(self, timeout: float = 3.0) -> None:
         for job, _, _ in list(self.active.values()):
@@ -303,6 +304,7 @@ class BatchWorker(Worker):
                         job.put("error", error)
                 self.active.clear()
                 self.sent.clear()
+                self.profiles.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
         self.current = None
         self.metrics.busy.set(0)
@@ -311,11 +313,6 @@ class BatchWorker(Worker):
         if job.cancelled:
             return
         req = job.request
-        if req.profile:  # a per-request profile needs the model to itself: perf records are per process
-            job.put("error", RequestError("pyml.profile is not available when the server runs requests in "
-                                          "parallel (--parallel > 1)", param="pyml.profile",
-                                          code="unsupported_parameter"))
-            return
         try:
             requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
                                           stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
@@ -324,6 +321,8 @@ class BatchWorker(Worker):
             job.put("error", RequestError(one_line(e)))
             return
         self.choices[id(job)] = [None] * len(requests)
+        if req.profile:
+            self.profiles[id(job)] = ([], [])  # the perf records of the steps it ran in; sequences per step
         for i, request in enumerate(requests):
             self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
                                                  StopStrings(req.stop)), i)
@@ -338,7 +337,16 @@ class BatchWorker(Worker):
         for request, (job, _, _) in self.active.items():
             if job.cancelled:
                 request.cancel()
-        for request, token in gen.step():
+        # a profiled job's records: the steps where one of its sequences decodes (as alone, its decode steps)
+        decoding = {id(job) for request, (job, _, _) in self.active.items()
+                    if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt)}
+        records = []
+        with recording(records, bool(self.profiles)):  # trace-level records only while a job asks for them
+            chosen = gen.step()
+        for job_id in decoding:
+            self.profiles[job_id][0].extend(records)
+            self.profiles[job_id][1].append(gen.last_sequences)
+        for request, token in chosen:
             job, text_out, index = self.active[request]
             text = text_out.push(token)
             self.sent[request] = send_logprobs(job, index, request.result, self.sent.get(request, 0))
@@ -365,4 +373,6 @@ class BatchWorker(Worker):
         results[index] = request.result
         if all(r is not None for r in results):
             del self.choices[id(job)]
+            if id(job) in self.profiles:
+                job.profile = batched_profile(*self.profiles.pop(id(job)))
             self._finish(job, results)

@@ -73,6 +73,8 @@ class BatchGenerator:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self._submitted = 0
+        self.steps = 0  # batched forwards so far: the `step` stamped on their perf records
+        self.last_sequences = 0  # how many sequences the last forward ran
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> Request:
@@ -148,6 +150,7 @@ class BatchGenerator:
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
+            self.last_sequences = 0
             return []
         rows, budget = [], self.prefill_chunk
         for r in self.running:
@@ -159,9 +162,14 @@ class BatchGenerator:
                 rows.append((r, r.prompt[r.fed:r.fed + n]))
             else:
                 rows.append((r, [r.result.tokens[-1]]))
+        # a step where any sequence decodes is a decode step to that sequence (its time per token);
+        # only a step of prompt chunks alone is prefill
+        phase = "decode" if any(r.fed >= len(r.prompt) for r, _ in rows) else "prefill"
+        self.steps, self.last_sequences = self.steps + 1, len(rows)
         t0, d0 = perf.clock(), perf.drain_seconds()
-        with _perf.debug("generator::batch_step", "rows={} seqs={}", sum(len(t) for _, t in rows), len(rows),
-                         op="generator"):
+        with perf.context(phase=phase, step=self.steps), \
+                _perf.debug("generator::batch_step", "rows={} seqs={}", sum(len(t) for _, t in rows), len(rows),
+                            op="generator"):
             logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows])
         made = perf.drain_seconds() - d0
         elapsed = perf.clock() - t0 - made
