@@ -507,6 +507,14 @@ class _PerfHandler(logging.StreamHandler):
     def stream(self, value):
         self._stream = value
 
+    def setStream(self, stream):
+        """As logging's, but returns what was set (None: sys.stderr at each write), so that setting it
+        back restores the following of sys.stderr rather than pinning today's."""
+        with self.lock:
+            self.flush()
+            old, self._stream = self._stream, stream
+        return old
+
     def write_pending(self):
         with self.lock:
             if self.pending:
