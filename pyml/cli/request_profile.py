@@ -8,9 +8,8 @@ import contextlib
 
 from pyml.core import perf
 from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
-from pyml.report.records import normalize
+from pyml.report.records import STEP_EVENTS, normalize
 
-STEP_EVENTS = ("generator::decode_step", "generator::batch_step")  # one sequence's step; a batched one
 SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
 
 

@@ -164,12 +164,12 @@ class BatchGenerator:
                 rows.append((r, [r.result.tokens[-1]]))
         # a step where any sequence decodes is a decode step to that sequence (its time per token);
         # only a step of prompt chunks alone is prefill
-        phase = "decode" if any(r.fed >= len(r.prompt) for r, _ in rows) else "prefill"
+        decoding = sum(1 for r, _ in rows if r.fed >= len(r.prompt))
         self.steps, self.last_sequences = self.steps + 1, len(rows)
         t0, d0 = perf.clock(), perf.drain_seconds()
-        with perf.context(phase=phase, step=self.steps), \
-                _perf.debug("generator::batch_step", "rows={} seqs={}", sum(len(t) for _, t in rows), len(rows),
-                            op="generator"):
+        with perf.context(phase="decode" if decoding else "prefill", step=self.steps), \
+                _perf.debug("generator::batch_step", "rows={} seqs={} decoding={}", sum(len(t) for _, t in rows),
+                            len(rows), decoding, op="generator"):
             logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows])
         made = perf.drain_seconds() - d0
         elapsed = perf.clock() - t0 - made
