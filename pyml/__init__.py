@@ -4,6 +4,7 @@ that tells you where the time goes.
     import pyml
     lm = pyml.load_model(gguf="smollm2-135m")
     print(lm.generate("The capital of France is", max_tokens=16).text)
+    print(pyml.perplexity(lm, open("wiki.test.raw").read(), n_ctx=512).estimate.final_line())
 
     with pyml.profile("prof/", report=True) as prof:   # every perf event, then the reports
         ...
@@ -14,8 +15,9 @@ import importlib
 from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
+from pyml.nlp.perplexity import perplexity
 
-__all__ = ["load_model", "LanguageModel", "profile", "Profile", "PymlError", "__version__"]
+__all__ = ["load_model", "LanguageModel", "perplexity", "profile", "Profile", "PymlError", "__version__"]
 
 
 def __getattr__(name):

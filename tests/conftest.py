@@ -8,16 +8,20 @@ import resource
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numba.core import event
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def pytest_configure(config):
+    if os.environ.get("PYML_COMPILED_LIST"):
+        event.register("numba:compile", _TimedCompiles())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles never reach for a hub
     # every load writes a packed-weights cache file: the suite's go to a folder of its own, not the user's
     if "PYML_PACKED_CACHE" not in os.environ:
@@ -49,6 +53,24 @@ def say(record_property):
 
 
 _COMPILED = {}  # worker id -> (kernels, seconds, [(kernel, argument types)], (CPU s, its commands' CPU s))
+_TIMED = []  # with PYML_COMPILED_LIST: (kernel, argument types, seconds including its callees, depth)
+
+
+class _TimedCompiles(event.Listener):
+    """Times every compile (inner ones too), so PYML_COMPILED_LIST can say which kernels cost most."""
+
+    def __init__(self):
+        self.open = []
+
+    def on_start(self, ev):
+        self.open.append(time.perf_counter())
+
+    def on_end(self, ev):
+        started = self.open.pop()
+        data = ev.data if isinstance(ev.data, dict) else {}
+        func = getattr(data.get("dispatcher"), "py_func", None)
+        name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}" if func is not None else "?"
+        _TIMED.append((name, str(data.get("args", "")), time.perf_counter() - started, len(self.open)))
 
 
 def pytest_sessionfinish(session):
@@ -57,7 +79,7 @@ def pytest_sessionfinish(session):
     from pyml.core import compiles
     own, started = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (own.ru_utime + own.ru_stime, started.ru_utime + started.ru_stime)  # this process, the commands it ran
-    stats = (compiles.kernels(), compiles.seconds(), compiles.compiled(), cpu)
+    stats = (compiles.kernels(), compiles.seconds(), compiles.compiled(), cpu, _TIMED)
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["pyml_compiled"] = stats
@@ -78,7 +100,7 @@ def pytest_terminal_summary(terminalreporter):
         distinct = len({c for v in _COMPILED.values() for c in v[2]})
         if os.environ.get("PYML_COMPILED_LIST"):  # every compile, to see which kernels specialise most
             Path(os.environ["PYML_COMPILED_LIST"]).write_text(json.dumps(
-                {k: [list(c) for c in v[2]] for k, v in _COMPILED.items()}, indent=0))
+                {k: {"compiled": [list(c) for c in v[2]], "timed": v[4]} for k, v in _COMPILED.items()}, indent=0))
         terminalreporter.write_line(
             f"kernels compiled in the test processes: {kernels} in {secs:.0f} s, {distinct} distinct ("
             + ", ".join(f"{k} {v[0]} in {v[1]:.0f} s" for k, v in sorted(_COMPILED.items())) + ")")

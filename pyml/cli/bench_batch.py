@@ -5,7 +5,9 @@ For each batch size B: B prompts of `n_prompt` tokens prefilled in one batched p
 B = 1 is the one-sequence path a single generation takes). Reported: prefill tokens/s over all
 sequences, decode tokens/s over all sequences and per sequence, and the aggregate decode against
 B = 1's. The batch sizes take turns within each repetition (the machine is shared and noisy); the
-table gives medians.
+table gives medians. With `--peers llama.cpp`, llama.cpp's batched decode runs the same test beside
+each size, turn about with pyml: llama-batched-bench's method through llama-cpp-python's `llama_batch`
+(a context of n_seq_max = B sequences, one batch of B x n_prompt tokens, then n_gen batches of B).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import numpy as np
 
+from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 
 
@@ -31,27 +34,104 @@ def _one(model, B: int, n_prompt: int, n_gen: int, rng) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+class LlamaBatched:
+    """llama.cpp's batched decode (llama-batched-bench's loop) through llama-cpp-python's C API."""
+
+    def __init__(self, path: str, threads: int):
+        import llama_cpp  # a bench extra, imported only when it is a peer
+        self.ll, self.threads, self.ctx, self.size = llama_cpp, threads, None, None
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise PymlError(f"llama.cpp could not load {path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    def _context(self, B: int, n_ctx: int):
+        if self.size == (B, n_ctx):
+            self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx), True)
+            return
+        self.close_context()
+        p = self.ll.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, max(512, n_ctx), 512, B
+        p.n_threads = p.n_threads_batch = self.threads
+        p.kv_unified = True  # llama-server's default (one buffer over the sequences)
+        self.ctx = self.ll.llama_init_from_model(self.model, p)
+        if not self.ctx:
+            raise PymlError(f"llama.cpp could not make a context of {n_ctx} tokens for {B} sequences")
+        self.size = (B, n_ctx)
+        self.batch = self.ll.llama_batch_init(n_ctx, 0, 1)  # one for the context's life, as llama-batched-bench
+
+    def _decode(self, rows) -> None:
+        """One llama_decode of rows (sequence, token, position, wants logits)."""
+        batch = self.batch
+        for i, (seq, token, pos, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        batch.n_tokens = len(rows)
+        if self.ll.llama_decode(self.ctx, batch) != 0:
+            raise PymlError("llama.cpp's llama_decode failed")
+        self.ll.llama_synchronize(self.ctx)
+
+    def one(self, B: int, n_prompt: int, n_gen: int, rng) -> tuple[float, float]:
+        """(prefill seconds, decode seconds), as _one measures pyml's."""
+        self._context(B, B * (n_prompt + n_gen + 1))
+        prompts = rng.integers(3, self.n_vocab, (B, n_prompt))
+        t0 = time.perf_counter()
+        self._decode([(s, int(prompts[s, i]), i, i == n_prompt - 1) for s in range(B) for i in range(n_prompt)])
+        t1 = time.perf_counter()
+        for step in range(n_gen):  # llama-batched-bench feeds a token per sequence without sampling
+            self._decode([(s, int(prompts[s, 0]), n_prompt + step, True) for s in range(B)])
+        return t1 - t0, time.perf_counter() - t1
+
+    def close_context(self):
+        if self.ctx is not None:
+            self.ll.llama_batch_free(self.batch)
+            self.ll.llama_free(self.ctx)
+        self.ctx, self.size = None, None
+
+    def close(self):
+        self.close_context()
+        self.ll.llama_model_free(self.model)
+
+
 def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt: int, n_gen: int,
-                reps: int) -> str:
+                reps: int, peers: tuple = ()) -> str:
+    llama = "llama.cpp" in peers
     lines = [f"pyml-bench --batch: {threads} threads, PP {n_prompt} tokens a sequence, TG {n_gen} steps "
-             f"(medians of {reps})", "",
-             "| model | B | PP t/s (all sequences) | TG t/s (all sequences) | TG t/s (a sequence) | TG vs B=1 |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"(medians of {reps}{'; llama.cpp in turn with pyml' if llama else ''})", "",
+             "| model | B | PP t/s (all sequences) | TG t/s (all sequences) | TG t/s (a sequence) | TG vs B=1 |"
+             + (" llama.cpp PP t/s | llama.cpp TG t/s | pyml/llama.cpp TG |" if llama else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else "")]
     for name in names:
         model = models[name]
-        lm = load_model(threads=threads, **{model.kind: str(model.locate())})
+        path = str(model.locate())
+        lm = load_model(threads=threads, **{model.kind: path})
+        peer = LlamaBatched(path, threads) if llama else None
+        engines = {"pyml": lambda B, n, rng: _one(lm.model, B, n_prompt, n, rng)}
+        if peer:
+            engines["llama.cpp"] = lambda B, n, rng: peer.one(B, n_prompt, n, rng)
         rng = np.random.default_rng(0)
         for B in batches:  # warm: each size's kernels and first calls
-            _one(lm.model, B, n_prompt, 2, rng)
-        times = {B: [] for B in batches}
+            for run in engines.values():
+                run(B, 2, rng)
+        times = {(e, B): [] for e in engines for B in batches}
         for r in range(reps):
             for B in batches[r % len(batches):] + batches[:r % len(batches)]:
-                times[B].append(_one(lm.model, B, n_prompt, n_gen, rng))
+                for e in (list(engines) if r % 2 == 0 else list(engines)[::-1]):  # engines alternate
+                    times[e, B].append(engines[e](B, n_gen, rng))
+        if peer:
+            peer.close()
         base = None
         for B in batches:
-            pp = statistics.median(B * n_prompt / p for p, _ in times[B])
-            tg = statistics.median(B * n_gen / d for _, d in times[B])
+            rate = {e: (statistics.median(B * n_prompt / p for p, _ in times[e, B]),
+                        statistics.median(B * n_gen / d for _, d in times[e, B])) for e in engines}
+            pp, tg = rate["pyml"]
             base = tg if B == 1 else base
             vs = f"{tg / base:.2f}x" if base else "-"
-            lines.append(f"| {name} | {B} | {pp:.1f} | {tg:.1f} | {tg / B:.1f} | {vs} |")
+            line = f"| {name} | {B} | {pp:.1f} | {tg:.1f} | {tg / B:.1f} | {vs} |"
+            if peer:
+                lpp, ltg = rate["llama.cpp"]
+                line += f" {lpp:.1f} | {ltg:.1f} | {tg / ltg:.2f}x |"
+            lines.append(line)
     return "\n".join(lines) + "\n"

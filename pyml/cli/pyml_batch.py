@@ -85,8 +85,6 @@ def run(args) -> int:
         raise PymlError(f"--workers must be at least 1, got {args.workers}")
     if args.batch < 1:
         raise PymlError(f"--batch must be at least 1, got {args.batch}")
-    if args.batch > 1 and args.ray:
-        raise PymlError("--batch with --ray is not implemented yet: Ray's workers take one prompt at a time")
     jobs, errors = read_jobs(args.input, sampling_options(args), args.chat, args.system)
     # Ray is reached (or found missing) before the output file is touched
     with _ray_runner().session(args.address) if args.ray else nullcontext():
@@ -132,7 +130,8 @@ def _run_on_ray(args, jobs, writer, tally, prof) -> str:
     pool = None
     try:
         threads = args.threads or ray_runner.default_threads(args.workers)
-        pool = ray_runner.WorkerPool(args.workers, threads, model_options(args), profile=prof is not None)
+        pool = ray_runner.WorkerPool(args.workers, threads, model_options(args), profile=prof is not None,
+                                     batch=args.batch)
         infos = pool.start()
         here = ray_runner.wall_offset()
         if prof is not None:
@@ -148,8 +147,9 @@ def _run_on_ray(args, jobs, writer, tally, prof) -> str:
             if prof is not None and reply.get("records"):
                 prof.add_records(reply["records"], w + 1, reply["clock"] - here)
         nodes = len({i["node"] for i in infos})
+        batched = f", {args.batch} sequences a step each" if args.batch > 1 else ""
         return (f"Ray: {args.workers} workers x {threads} threads on {nodes} node{'s' if nodes > 1 else ''}"
-                f" ({', '.join(str(n) for n in pool.done)} prompts each)")
+                f"{batched} ({', '.join(str(n) for n in pool.done)} prompts each)")
     finally:
         if pool is not None:
             pool.close()

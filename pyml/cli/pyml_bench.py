@@ -540,10 +540,11 @@ def run_bench(args) -> int:
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.batch is not None:
-        if peers:
-            raise PymlError("--peers with --batch is not implemented yet: the table is pyml's own batch sizes")
+        if set(peers) - {"llama.cpp"}:
+            raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
+                            "implemented: its batched peer is llama.cpp")
         table = batch_table(MODELS, models, threads[0], _int_list(args.batch, "--batch", 1), n_prompts[0],
-                            n_gens[0], reps)
+                            n_gens[0], reps, tuple(peers))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.md").write_text(table)

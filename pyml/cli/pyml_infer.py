@@ -10,8 +10,10 @@ from pyml.cli.options import (add_model_options, add_prompt_options, add_samplin
                               check_speculative, model_options, profiling, read_prompt, sampling_options,
                               speculative_options)
 from pyml.core import perf
+from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
+from pyml.nlp.constrained import MAX_GRAMMAR_CHARS, Constraint, schema_grammar, text_grammar
 from pyml.nlp.generator import GenerationResult
 
 
@@ -22,6 +24,11 @@ def build_parser() -> Parser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_options(p, max_tokens=32)
     add_speculative_options(p)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="the output must be JSON valid against this JSON schema (docs/structured-output.md)")
+    shape.add_argument("--grammar", metavar="FILE", default=None,
+                       help="the output must match this grammar (llama.cpp's GBNF, or Lark)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stop reason, timings) instead of the text")
     p.add_argument("--lm-head-quant", choices=["q8_0", "q4_0"], default=None,
@@ -40,15 +47,30 @@ def run(args) -> int:
     options = sampling_options(args)
     check_speculative(args)
     prompt = read_prompt(args)
+    grammar = read_grammar(args)  # a bad file is refused before the model loads
     ctx = profiling(args.profile)
     with ctx as prof:
-        code = _generate(args, prompt, options, prof)
+        code = _generate(args, prompt, options, prof, grammar)
     if prof is not None:
         say(f"pyml-infer: {prof.outcome()}")
     return code
 
 
-def _generate(args, prompt: str, options: dict, prof) -> int:
+def read_grammar(args) -> tuple[str, str] | None:
+    """--json-schema / --grammar FILE: (llguidance's grammar, what to call it in errors), or None."""
+    flag, path = ("--json-schema", args.json_schema) if args.json_schema is not None else ("--grammar", args.grammar)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_GRAMMAR_CHARS + 1)  # a huge file is refused without reading it all
+    except (OSError, UnicodeDecodeError) as e:
+        raise PymlError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    what = f"{flag} {path}"
+    return (schema_grammar(text, what) if flag == "--json-schema" else text_grammar(text, what)), what
+
+
+def _generate(args, prompt: str, options: dict, prof, grammar: tuple[str, str] | None = None) -> int:
     lm = load_model(**model_options(args), warmup=not args.no_warmup, lm_head_quant=args.lm_head_quant)
     if prof is not None:
         prof.set_model(lm)
@@ -57,6 +79,8 @@ def _generate(args, prompt: str, options: dict, prof) -> int:
         prompt = lm.chat_prompt(system + [{"role": "user", "content": prompt}])
     options = dict(options, **speculative_options(args, lm))
     ids = lm.encode(prompt)
+    if grammar is not None:
+        options["constraint"] = Constraint(lm.tokenizer, *grammar)
     result = GenerationResult(ids)
     out = sys.stdout
     interrupted = False

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 
-from pyml.cli.batch_jobs import Job, error_line, run_job
+from pyml.cli.batch_jobs import Job, error_line, run_job, run_jobs_batched
 from pyml.cli.request_profile import recording
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -36,7 +36,8 @@ except ImportError:  # the `ray` extra is not installed: --ray says so in one li
 
 RAY_MISSING = 'Ray is not installed: pip install "pyml[ray]" (or pip install ray) to use --ray'
 WORKER_ENV = ("NUMBA_CACHE_DIR", "PYML_LOG", "LOG", "PYML_ISA", "PYML_HOME", "HF_HOME", "HF_HUB_OFFLINE")
-IN_FLIGHT = 2       # jobs queued on each worker, so it never waits for the driver between two
+IN_FLIGHT = 2       # calls queued on each worker, so it never waits for the driver between two
+UNIT_STEPS = 4      # --batch B: jobs per call to a worker, in multiples of B
 MAX_ATTEMPTS = 3    # a prompt whose worker died this many times is reported, not retried again
 
 
@@ -138,6 +139,14 @@ class BatchWorker:
             out = run_job(self.lm, job)
         return {"out": out, "records": self._ship(raws), "clock": wall_offset()}
 
+    def run_batch(self, jobs: list, batch: int) -> dict:
+        """Jobs `batch` sequences a step (pyml-batch --batch on this worker): their output lines in
+        the order given."""
+        raws = []
+        with recording(raws, self.profile):
+            outs = {job.line: out for job, out in run_jobs_batched(self.lm, jobs, batch)}
+        return {"outs": [outs[job.line] for job in jobs], "records": self._ship(raws), "clock": wall_offset()}
+
     def _ship(self, raws) -> list:
         """The records as events.jsonl lines (this worker's thread numbering)."""
         if not raws:
@@ -154,7 +163,7 @@ class WorkerPool:
     it becomes an error line.
     """
 
-    def __init__(self, workers: int, threads: int, load_options: dict, profile: bool = False):
+    def __init__(self, workers: int, threads: int, load_options: dict, profile: bool = False, batch: int = 1):
         if workers < 1:
             raise PymlError(f"--workers must be at least 1, got {workers}")
         cpus = min(float(threads), cluster_cpus() / workers, node_cpus())
@@ -163,6 +172,9 @@ class WorkerPool:
         self.actors = [actor.remote(dict(load_options, threads=threads), profile) for _ in range(workers)]
         self.done = [0] * workers   # jobs finished per worker
         self.infos: list[dict] = []
+        # --batch B: a call takes UNIT_STEPS x B jobs, so that slots freed by short replies refill from
+        # the same call and the batch stays full until the call's last few
+        self.batch, self.unit = batch, 1 if batch == 1 else UNIT_STEPS * batch
 
     def start(self) -> list[dict]:
         """Load the model on every worker; their descriptions (node, pid, threads, load time)."""
@@ -182,38 +194,47 @@ class WorkerPool:
         in_flight: dict = {}
         attempts: dict[int, int] = {}
 
-        def feed():  # the next job to the worker holding the fewest, so a short batch is shared too
+        def feed():  # the next unit to the worker holding the fewest, so a short batch is shared too
             while queue and alive:
                 w = min(alive, key=held.get)
                 if held[w] >= IN_FLIGHT:
                     return
-                job = queue.popleft()
-                in_flight[self.actors[w].run.remote(job)] = (w, job)
+                unit = [queue.popleft() for _ in range(min(self.unit, len(queue)))]
+                actor = self.actors[w]
+                ref = actor.run.remote(unit[0]) if self.batch == 1 else actor.run_batch.remote(unit, self.batch)
+                in_flight[ref] = (w, unit)
                 held[w] += 1
 
         feed()
         while in_flight:
             (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-            w, job = in_flight.pop(ref)
+            w, unit = in_flight.pop(ref)
             held[w] -= 1
             try:
                 reply = ray.get(ref)
+                replies = ([reply] if self.batch == 1 else
+                           [dict(reply, out=out) if i == 0 else {"out": out} for i, out in enumerate(reply["outs"])])
             except RayActorError as e:
                 if w in alive:
                     alive.remove(w)
-                attempts[job.line] = attempts.get(job.line, 0) + 1
-                if attempts[job.line] < MAX_ATTEMPTS or not alive:
-                    queue.appendleft(job)  # with no worker left, it is counted among those not run
-                    feed()
-                    continue
-                reply = {"out": error_line(job.line, f"the Ray worker died running this prompt "
-                                                     f"({attempts[job.line]} times): {_first_line(e)}", job.id)}
+                replies, again = [], []
+                for job in unit:
+                    attempts[job.line] = attempts.get(job.line, 0) + 1
+                    if attempts[job.line] < MAX_ATTEMPTS or not alive:
+                        again.append(job)  # with no worker left, it is counted among those not run
+                    else:
+                        replies.append({"out": error_line(job.line, f"the Ray worker died running this prompt "
+                                                                    f"({attempts[job.line]} times): {_first_line(e)}",
+                                                          job.id)})
+                queue.extendleft(reversed(again))
+                unit = [job for job in unit if job not in again]
             except RayTaskError as e:  # run_job turns every failure into a line: this is Ray's own
-                reply = {"out": error_line(job.line, f"Ray: {_first_line(cause(e))}", job.id)}
-            self.done[w] += 1
-            self._received(w, reply)
+                replies = [{"out": error_line(job.line, f"Ray: {_first_line(cause(e))}", job.id)} for job in unit]
+            for job, reply in zip(unit, replies):
+                self.done[w] += 1
+                self._received(w, reply)
+                yield w, job, reply
             feed()
-            yield w, job, reply
         if queue:
             raise PymlError(f"every Ray worker died; {len(queue)} prompts were not run (rerun with the same "
                             f"--out to finish them)")

@@ -8,7 +8,7 @@ import contextlib
 
 from pyml.core import perf
 from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
-from pyml.report.records import normalize
+from pyml.report.records import STEP_EVENTS, normalize
 
 SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
 
@@ -31,7 +31,7 @@ def profile_summary(raw_records: list, top: int = 10) -> dict:
     records, _ = normalize(raw_records)
     categories = category_table(records, phases=("decode",))
     total = sum(categories.values())
-    steps = sum(1 for r in records if r.name == "generator::decode_step")
+    steps = sum(1 for r in records if r.name in STEP_EVENTS and r.phase == "decode")
 
     def share(ms):
         return {"ms": round(ms, 3), "pct": round(100 * ms / total, 1) if total else 0.0}
@@ -44,6 +44,17 @@ def profile_summary(raw_records: list, top: int = 10) -> dict:
             "categories": {c: share(ms) for c, ms in sorted(categories.items(), key=lambda kv: -kv[1])},
             "top_ops": [{"op": label, "category": row["category"], "calls": row["calls"], **share(row["ms"])}
                         for label, row in labels]}
+
+
+def batched_profile(raw_records: list, sequences_per_step: list) -> dict:
+    """A request's summary under --parallel: its steps were batched forwards shared with other
+    sequences, so the times are whole steps'; `batch` says with how many sequences on average."""
+    summary = profile_summary(raw_records)
+    n = len(sequences_per_step)
+    summary["batch"] = {"steps": n, "mean_sequences": round(sum(sequences_per_step) / n, 2) if n else 0.0,
+                        "max_sequences": max(sequences_per_step, default=0),
+                        "note": "times are whole batched steps, shared by every sequence in them"}
+    return summary
 
 
 def split_line(summary: dict) -> str:

@@ -29,12 +29,17 @@ from starlette.routing import Route
 
 from pyml.cli.main import one_line
 from pyml.cli.serve_guard import Guard, read_body
+from pyml.cli.serve_logprobs import Replies
 from pyml.cli.serve_requests import Request, RequestError, parse
+from pyml.cli.serve_structured import (HeldCalls, Structured, call_id, parse_structured, reply_calls,
+                                       template_messages, tool_call_objects, tool_prompt)
 from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
 from pyml.core.errors import PymlError
 from pyml.core.runtime import cpu_count
 from pyml.nlp.api import LanguageModel
-from pyml.nlp.generator import GenerationResult
+from pyml.nlp.constrained import Constraint
+from pyml.nlp.generator import GenerationResult, check_prompt
+from pyml.nlp.sampling import SamplingConfig
 
 FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length", "cancelled": "stop"}
 
@@ -179,24 +184,42 @@ class Server:
             raise RequestError("the body's JSON nests too deep") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
+        structured = parse_structured(body, chat) if isinstance(body, dict) else Structured()
         try:
-            req = parse(body, chat, self.model_id, self._chat_prompt)
+            req = parse(body, chat, self.model_id, lambda messages: self._chat_prompt(messages, structured))
             self._check_chars(len(req.prompt))
-            ids = self.lm.encode(req.prompt)
+            ids = self.lm.encode(req.prompt) if req.prompt_ids is None else check_prompt(self.lm.model, req.prompt_ids, 0)
+            SamplingConfig(**req.sampling).check_vocab(self.lm.config.vocab_size)  # logit_bias's ids
+            if req.echo and req.prompt_ids is not None:
+                req.prompt = self.lm.decode(ids)
         except PymlError as e:  # the tokenizer's or a template's refusal: the request's fault
             raise RequestError(one_line(e)) from None
+        req.structured = structured
+        if structured.grammar is not None:
+            try:
+                req.constraint = Constraint(self.lm.tokenizer, structured.grammar, f"'{structured.param}'")
+            except PymlError as e:
+                raise RequestError(one_line(e), structured.param) from None
         self._check_length(ids, req)
         if req.n > self.limits.parallel:
             raise RequestError(f"'n'={req.n} completions run together and need --parallel {req.n} or more: this "
                                f"server runs {self.limits.parallel} at once", "n", code="unsupported_parameter")
+        if req.echo and req.logprobs is not None and self.limits.parallel > 1:  # a batched pass keeps last rows' logits
+            raise RequestError("'echo' with 'logprobs' (the prompt's log-probabilities) is not available when the "
+                               "server runs requests in parallel (--parallel > 1)", "echo", code="unsupported_parameter")
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
         return req, ids
 
-    def _chat_prompt(self, messages):
+    def _chat_prompt(self, messages, structured: Structured):
         self._check_chars(sum(len(m["content"]) for m in messages))  # before rendering
+        tools = structured.tools if structured.calls_tools else None
         try:
-            return self.lm.chat_prompt(messages)
+            messages = template_messages(messages)
+            prompt = self.lm.chat_prompt(messages, tools)
+            if tools and prompt == self.lm.chat_prompt(messages):  # a template that does not render tools
+                prompt = self.lm.chat_prompt(tool_prompt(messages, tools))
+            return prompt
         except PymlError as e:  # the template refused the conversation (e.g. roles out of order)
             raise RequestError(one_line(e), "messages") from None
 
@@ -235,6 +258,7 @@ class _Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.first_token = None
+        self.logprobs = Replies(server.lm.tokenizer, job.request, chat, job.ids)
 
     async def events(self):
         """(kind, value) from the worker until "done" or "error". Running over --timeout ends in
@@ -280,12 +304,38 @@ class _Answer:
             out["pyml"] = {"profile": self.job.profile}
         return out
 
-    def _choice(self, text: str | None, finish: str | None, delta: bool, index: int = 0) -> dict:
+    def _choice(self, text: str | None, finish: str | None, delta: bool, index: int = 0, logprobs=None) -> dict:
         if self.chat:
             content = {"delta": {} if text is None else {"content": text}} if delta else \
                 {"message": {"role": "assistant", "content": text}}
-            return {"index": index, **content, "finish_reason": finish, "logprobs": None}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": index, **content, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+
+    @property
+    def _tools(self) -> Structured | None:
+        """The request's tool offer when the reply may call one (chat only), else None."""
+        structured = self.job.request.structured
+        return structured if self.chat and structured is not None and structured.calls_tools else None
+
+    def _ended(self, text: str, result: GenerationResult, index: int, logprobs=None) -> dict:
+        """A whole reply's choice: its text, or the tool calls found in it (finish "tool_calls")."""
+        if self._tools is not None:
+            content, calls = reply_calls(self._tools, text, result.stop_reason == "eos")
+            if calls:
+                return {"index": index, "message": {"role": "assistant", "content": content or None,
+                                                    "tool_calls": tool_call_objects(calls, streamed=False)},
+                        "finish_reason": "tool_calls", "logprobs": logprobs}
+        return self._choice(text, FINISH.get(result.stop_reason, "stop"), False, index, logprobs)
+
+    def _held_delta(self, text: str, result: GenerationResult, index: int):
+        """A streamed reply whose text was held (tool_choice auto or required): its tool calls as one
+        delta, or its text; and the finish reason."""
+        content, calls = reply_calls(self._tools, text, result.stop_reason == "eos")
+        if calls:
+            delta = {"content": content} if content else {}
+            delta["tool_calls"] = tool_call_objects(calls, streamed=True)
+            return {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}, "tool_calls"
+        return self._choice(text, None, True, index), FINISH.get(result.stop_reason, "stop")
 
     def _envelope(self, choices, delta: bool) -> dict:
         kind = ("chat.completion.chunk" if delta else "chat.completion") if self.chat else "text_completion"
@@ -302,7 +352,8 @@ class _Answer:
                 elif kind == "error":
                     return JSONResponse(value.body(), status_code=value.status)
                 elif kind == "done":
-                    body = self._envelope([self._choice("".join(p), FINISH.get(r.stop_reason, "stop"), False, i)
+                    echo = self.job.request.prompt if self.job.request.echo else ""
+                    body = self._envelope([self._ended(echo + "".join(p), r, i, self.logprobs.whole(r))
                                            for i, (p, r) in enumerate(zip(pieces, value))], delta=False)
                     body.update(self._final(value))
                     return JSONResponse(body)
@@ -311,21 +362,56 @@ class _Answer:
         return Response(status_code=499)  # the client left: nobody reads this
 
     async def sse(self):
+        tools, n = self._tools, self.job.request.n
+        named = tools is not None and tools.tool_choice == "function"  # its arguments stream as they come
+        # auto: text streams until a call may begin; required: all is held (a call is told once whole)
+        held = [HeldCalls(hold_all=tools.tool_choice == "required") for _ in range(n)] \
+            if tools is not None and not named else None
+        finish = {}  # choice -> its finish reason, where the text decides it
         if self.chat:
-            yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None, "logprobs": None} for i in range(self.job.request.n)],
-                                      delta=True))
+            def first():  # each choice's call has its own id
+                return {"role": "assistant", "content": None, "tool_calls": [
+                    {"index": 0, "id": call_id(), "type": "function",
+                     "function": {"name": tools.tool_name, "arguments": ""}}]} if named else \
+                    {"role": "assistant", "content": ""}
+            yield _sse(self._envelope([{"index": i, "delta": first(), "finish_reason": None, "logprobs": None}
+                                       for i in range(n)], delta=True))
         async for kind, value in self.events():
-            if kind == "text":
-                yield _sse(self._envelope([self._choice(value[1], None, True, value[0])], delta=True))
+            if kind == "prompt":  # echo: the prompt is the choice's first text
+                yield _sse(self._envelope([self._choice(self.job.request.prompt, None, True, value[0],
+                                                        self.logprobs.prompt(*value))], delta=True))
+            elif kind == "logprobs":
+                self.logprobs.add(*value)
+            elif kind == "text" and held is not None:
+                if now := held[value[0]].push(value[1]):
+                    yield _sse(self._envelope([self._choice(now, None, True, value[0], self.logprobs.take(value[0]))],
+                                              delta=True))
+            elif kind == "text" and named:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": value[1]}}]}
+                yield _sse(self._envelope([{"index": value[0], "delta": delta, "finish_reason": None,
+                                            "logprobs": self.logprobs.take(value[0])}], delta=True))
+            elif kind == "text":
+                yield _sse(self._envelope([self._choice(value[1], None, True, value[0], self.logprobs.take(value[0]))],
+                                          delta=True))
             elif kind == "error":  # headers are sent: the error travels as an event, as OpenAI's does
                 self.http.scope.setdefault("state", {})["pyml_status"] = str(value.status)  # for Guard's count
                 yield _sse(value.body())
             elif kind == "done":
+                for i, result in enumerate(value):
+                    if held is not None:
+                        rest = held[i].end()
+                        if rest:
+                            choice, finish[i] = self._held_delta(rest, result, i)
+                            yield _sse(self._envelope([choice], delta=True))
+                    elif named and result.stop_reason == "eos":
+                        finish[i] = "tool_calls"
+                for i in self.logprobs.waiting():  # tokens that added no text (the end token): their logprobs
+                    yield _sse(self._envelope([self._choice("" if not self.chat else None, None, True, i,
+                                                            self.logprobs.take(i))], delta=True))
                 for i, result in enumerate(value[:-1]):  # every choice's end; the last one's carries usage
-                    yield _sse(self._envelope([self._choice(None, FINISH.get(result.stop_reason, "stop"), True, i)],
+                    yield _sse(self._envelope([self._choice(None, self._finish(finish, i, result), True, i)],
                                               delta=True))
-                last = self._envelope([self._choice(None, FINISH.get(value[-1].stop_reason, "stop"), True,
+                last = self._envelope([self._choice(None, self._finish(finish, len(value) - 1, value[-1]), True,
                                                     len(value) - 1)], delta=True)
                 last.update(self._final(value))
                 if not self.job.request.include_usage:
@@ -333,6 +419,10 @@ class _Answer:
                     last["timings"] = value[0].timings()
                 yield _sse(last)
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _finish(decided: dict, index: int, result: GenerationResult) -> str:
+        return decided.get(index) or FINISH.get(result.stop_reason, "stop")
 
 
 def _sse(obj: dict) -> str:

@@ -11,23 +11,26 @@ from pyml.cli.main import one_line
 from pyml.core.errors import PymlError
 from pyml.nlp.sampling import SamplingConfig
 
-ROLES = {"system", "developer", "user", "assistant"}  # OpenAI's "developer" is a system message
+ROLES = {"system", "developer", "user", "assistant", "tool"}  # OpenAI's "developer" is a system message
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 400  # per stop string: text that could begin one is held back, so it bounds that too
 MAX_SEED = 2**64 - 1  # plenty; numpy would take any size (and hash a huge one slowly)
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs: OpenAI's limits
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias (OpenAI's own limit is lower: 300)
 
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_penalty",
             "frequency_penalty", "presence_penalty", "seed"}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options", "n",
-          "cache_prompt", "pyml"} | SAMPLING
-HONOURED = {True: COMMON | {"messages"}, False: COMMON | {"prompt"}}  # chat, completions
+          "cache_prompt", "pyml", "logit_bias", "logprobs"} | SAMPLING
+SHAPES = {"response_format", "grammar", "json_schema"}  # structured output (serve_structured.py)
+TOOLS = {"tools", "tool_choice", "parallel_tool_calls"}
+HONOURED = {True: COMMON | SHAPES | TOOLS | {"messages", "top_logprobs"},
+            False: COMMON | SHAPES | {"prompt", "echo"}}  # chat, completions
 # OpenAI fields that change nothing pyml does: accepted and ignored (docs/serving.md says why each)
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 # fields pyml does not implement, accepted only at the value that asks for what pyml does anyway
-AS_DEFAULT = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-              "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-              "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,)}
-MESSAGE_FIELDS = {"role", "content"}
+AS_DEFAULT = {"best_of": (1,), "functions": ([],), "function_call": ("none",)}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id"}  # the template renders them
 
 
 class RequestError(Exception):
@@ -55,6 +58,11 @@ class Request:
     cache_prompt: bool = True
     include_usage: bool = False
     n: int = 1                      # completions of the prompt (choices), run together (--parallel)
+    structured: object = None       # serve_structured.Structured: the reply's shape (JSON, tool calls)
+    constraint: object = None       # constrained.Constraint the tokens must match (None: free text)
+    prompt_ids: list | None = None  # completions: a prompt given as token ids (then `prompt` is its text)
+    logprobs: int | None = None     # None: none asked; else each token's, with this many likeliest
+    echo: bool = False              # completions: the prompt goes first in the text (and its logprobs)
 
 
 MAX_CHOICES = 16  # `n`: a request's completions at most (each takes a sequence of the batch)
@@ -83,8 +91,8 @@ def check_fields(body: dict, chat: bool) -> None:
         if key in AS_DEFAULT:
             if value is None or any(value == v and type(value) is type(v) for v in AS_DEFAULT[key]):
                 continue
-            raise unsupported(key, "pyml generates free text only (no logprobs, tools, structured output, "
-                                   "echo or best_of)")
+            raise unsupported(key, "pyml has no best_of or the legacy functions here "
+                                   "(tools and tool_choice replace them)")
         if key in HONOURED[not chat]:
             raise unsupported(key, f"it belongs to /v1/{'completions' if chat else 'chat/completions'}")
         raise unsupported(_sendable(key)[:64], "no such field here")
@@ -129,15 +137,13 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
                            "model", status=404, code="model_not_found")
     if chat:
         prompt = chat_prompt(_messages(body))
+        prompt_ids = None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError("'prompt' must be a non-empty string", "prompt")
-        prompt = _text(prompt, "prompt", "'prompt'")
+        prompt, prompt_ids = _prompt(body.get("prompt"))
+    logprobs, echo = _logprobs(body, chat), _get(body, "echo", bool, False, what="a boolean")
+    least = 0 if echo else 1  # echo with max_tokens 0: the prompt scored, nothing generated (OpenAI's too)
     max_tokens = _get(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                      int, None, lambda n: n >= 1, "an integer >= 1")
+                      int, None, lambda n: n >= least, f"an integer >= {least}")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
@@ -158,7 +164,8 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
                                         "a number in [-2, 2]")),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, lambda f: -2 <= f <= 2,
                                        "a number in [-2, 2]")),
-        seed=_get(body, "seed", int, None, lambda n: 0 <= n <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"))
+        seed=_get(body, "seed", int, None, lambda n: 0 <= n <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
+        logit_bias=_logit_bias(body))
     if "repeat_penalty" in body:  # llama-server's name
         sampling["repetition_penalty"] = float(_number(body, "repeat_penalty", 1.0, lambda r: 0 < r <= 10,
                                                        "a number in (0, 10]"))
@@ -177,7 +184,54 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
                    stream=_get(body, "stream", bool, False, what="a boolean"),
                    profile=_get(options, "profile", bool, False, what="a boolean"),
                    cache_prompt=_get(body, "cache_prompt", bool, True, what="a boolean"),
-                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n)
+                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n,
+                   prompt_ids=prompt_ids, logprobs=logprobs, echo=echo)
+
+
+def _prompt(prompt) -> tuple[str, list | None]:
+    """The completions prompt: text, or token ids (as lm-evaluation-harness sends it); one prompt a
+    request, given as a string, [string], [ids] or [[ids]]. Ids give ("", ids): the server decodes them."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "", prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", "one prompt per request (a list of several prompts is not served)")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+    return _text(prompt, "prompt", "'prompt'"), None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens go with each token's log-probability; None when none are asked.
+    Chat: `logprobs` true, `top_logprobs` 0..20; completions: `logprobs` 0..5 (OpenAI's legacy API)."""
+    limit = MAX_TOP_LOGPROBS[chat]
+    if not chat:
+        return _get(body, "logprobs", int, None, lambda n: 0 <= n <= limit, f"an integer in [0, {limit}]")
+    top = _get(body, "top_logprobs", int, None, lambda n: 0 <= n <= limit, f"an integer in [0, {limit}]")
+    if not _get(body, "logprobs", bool, False, what="a boolean"):
+        if top:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _logit_bias(body: dict) -> dict | None:
+    """{token id: bias} from OpenAI's {"id as a string": number}; the values' range is SamplingConfig's
+    to check, the ids' range the server's (it knows the vocabulary)."""
+    given = _get(body, "logit_bias", dict, None, what="an object")
+    if not given:
+        return None
+    if len(given) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' has {len(given)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    bias = {}
+    for key, value in given.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise RequestError(f"'logit_bias' key {_name(key)} is not a token id (a decimal integer)", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(f"'logit_bias' value for {key} must be a number in [-100, 100]", "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def _messages(body: dict) -> list:
@@ -190,7 +244,8 @@ def _messages(body: dict) -> list:
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         if extra := [k for k in m if k not in MESSAGE_FIELDS and m[k] is not None]:
             raise unsupported(f"messages[{i}].{_sendable(str(extra[0]))[:64]}",
-                              "a message has only a role and a text content here (no names, tool calls or audio)")
+                              "a message has a role, a text content, an assistant's tool calls or a tool result's id "
+                              "(no names or audio)")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise RequestError(f"messages[{i}].role {_name(role)} is not one of {', '.join(sorted(ROLES))}",
@@ -201,8 +256,32 @@ def _messages(body: dict) -> list:
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages",
                                    code="unsupported_parameter")
             content = "".join(p["text"] for p in content)
+        tool_calls = m.get("tool_calls")
+        if content is None and role == "assistant" and tool_calls:
+            content = ""  # a turn that only called tools
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
         _text(content, "messages", f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if tool_calls is not None:
+            if role != "assistant":
+                raise unsupported(f"messages[{i}].tool_calls", "only an assistant's message carries tool calls")
+            if not _are_tool_calls(tool_calls):
+                raise RequestError(f"messages[{i}].tool_calls must be an assistant's list of "
+                                   "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}", "messages")
+            message["tool_calls"] = tool_calls
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI's rule too
+            raise RequestError(f"messages[{i}] is a tool result: it needs the 'tool_call_id' of the call it answers",
+                               "messages")
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise RequestError(f"messages[{i}].tool_call_id must be a string", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _are_tool_calls(calls) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)

@@ -23,7 +23,7 @@ import numba
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pyml.cli.main import one_line
-from pyml.cli.request_profile import profile_summary, recording
+from pyml.cli.request_profile import batched_profile, profile_summary, recording
 from pyml.cli.serve_requests import Request, RequestError
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -76,6 +76,15 @@ class Job:
 
     def put(self, kind: str, value=None):
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+def send_logprobs(job: Job, index: int, result: GenerationResult, sent: int) -> int:
+    """Hand the request choice `index`'s log-probabilities made since `sent`; how many are sent now.
+    Sent before the text their tokens made, so a stream's chunk carries its own tokens'."""
+    if result.logprobs is not None and len(result.logprobs) > sent:
+        job.put("logprobs", (index, result.logprobs[sent:]))
+        return len(result.logprobs)
+    return sent
 
 
 class QueueFull(Exception):
@@ -207,13 +216,20 @@ class Worker:
         records = []
         with recording(records, req.profile):
             stream = self.lm.stream(job.ids, req.max_tokens, stop=req.stop, cache=self.cache, result=result,
-                                    cancelled=lambda: job.cancelled is not None, **req.sampling)
+                                    cancelled=lambda: job.cancelled is not None, constraint=req.constraint,
+                                    logprobs=req.logprobs, echo=req.echo and req.logprobs is not None,
+                                    **req.sampling)
             job.put("started")
+            sent, first = 0, True  # the result's logprobs sent so far
             for event in stream:
                 if job.cancelled:
                     stream.close()  # frees the model now: the next job starts before the next step
                     result.stop_reason = "cancelled"
                     break
+                if first and req.echo:  # the prefill is done: the prompt (and its logprobs) first
+                    job.put("prompt", (0, result.prompt_logprobs))
+                first = False
+                sent = send_logprobs(job, 0, result, sent)
                 if event.text:
                     job.put("text", (0, event.text))
         if req.profile:
@@ -248,6 +264,8 @@ class BatchWorker(Worker):
         self.parallel, self.ctx_size = parallel, ctx_size
         self.active: dict = {}  # Request -> (Job, TextOut, choice index)
         self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
+        self.sent: dict = {}  # Request -> its result's logprobs sent so far
+        self.profiles: dict = {}  # id(Job) -> (perf records, sequences per step) while a profiled job runs
 
     def stop(self, timeout: float = 3.0) -> None:
         for job, _, _ in list(self.active.values()):
@@ -285,6 +303,8 @@ class BatchWorker(Worker):
                     if self.choices.pop(id(job), None) is not None:
                         job.put("error", error)
                 self.active.clear()
+                self.sent.clear()
+                self.profiles.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
         self.current = None
         self.metrics.busy.set(0)
@@ -293,23 +313,22 @@ class BatchWorker(Worker):
         if job.cancelled:
             return
         req = job.request
-        if req.profile:  # a per-request profile needs the model to itself: perf records are per process
-            job.put("error", RequestError("pyml.profile is not available when the server runs requests in "
-                                          "parallel (--parallel > 1)", param="pyml.profile",
-                                          code="unsupported_parameter"))
-            return
         try:
             requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
                                           stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
-                                          reuse=req.cache_prompt)
+                                          reuse=req.cache_prompt, constraint=req.constraint, logprobs=req.logprobs)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return
         self.choices[id(job)] = [None] * len(requests)
+        if req.profile:
+            self.profiles[id(job)] = ([], [])  # the perf records of the steps it ran in; sequences per step
         for i, request in enumerate(requests):
             self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
                                                  StopStrings(req.stop)), i)
         job.put("started")
+        for i in range(len(requests) if req.echo else 0):
+            job.put("prompt", (i, None))
         for request in requests:
             if request.done:  # max_tokens 0
                 self._end(request)
@@ -318,9 +337,19 @@ class BatchWorker(Worker):
         for request, (job, _, _) in self.active.items():
             if job.cancelled:
                 request.cancel()
-        for request, token in gen.step():
+        # a profiled job's records: the steps where one of its sequences decodes (as alone, its decode steps)
+        decoding = {id(job) for request, (job, _, _) in self.active.items()
+                    if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt)}
+        records = []
+        with recording(records, bool(self.profiles)):  # trace-level records only while a job asks for them
+            chosen = gen.step()
+        for job_id in decoding:
+            self.profiles[job_id][0].extend(records)
+            self.profiles[job_id][1].append(gen.last_sequences)
+        for request, token in chosen:
             job, text_out, index = self.active[request]
             text = text_out.push(token)
+            self.sent[request] = send_logprobs(job, index, request.result, self.sent.get(request, 0))
             if text:
                 job.put("text", (index, text))
             if text_out.stopped:
@@ -332,6 +361,7 @@ class BatchWorker(Worker):
     def _end(self, request) -> None:
         """One choice has ended; the job's answer goes once all its choices have."""
         job, text_out, index = self.active.pop(request)
+        self.sent.pop(request, None)
         if not text_out.stopped and not job.cancelled:
             text = text_out.end()
             if text:
@@ -343,4 +373,6 @@ class BatchWorker(Worker):
         results[index] = request.result
         if all(r is not None for r in results):
             del self.choices[id(job)]
+            if id(job) in self.profiles:
+                job.profile = batched_profile(*self.profiles.pop(id(job)))
             self._finish(job, results)

@@ -491,10 +491,29 @@ class _PerfHandler(logging.StreamHandler):
 
     _pyml = True
 
-    def __init__(self, stream):
-        super().__init__(stream)
+    def __init__(self, stream=None):
+        super().__init__()
+        self._stream = stream  # None: whatever sys.stderr is at each write, not the one at configure time
         self.pending: list[str] = []
         self.setFormatter(_LineFormatter())
+
+    # pytest's capture and contextlib.redirect_stderr swap sys.stderr and close the old one: a
+    # handler holding the stderr of the first configure() would write to a closed file ever after
+    @property
+    def stream(self):
+        return sys.stderr if self._stream is None else self._stream
+
+    @stream.setter
+    def stream(self, value):
+        self._stream = value
+
+    def setStream(self, stream):
+        """As logging's, but returns what was set (None: sys.stderr at each write), so that setting it
+        back restores the following of sys.stderr rather than pinning today's."""
+        with self.lock:
+            self.flush()
+            old, self._stream = self._stream, stream
+        return old
 
     def write_pending(self):
         with self.lock:
@@ -619,7 +638,7 @@ def configure(spec: str | None = None, stream=None):
     _drain(final=True)  # what ended under the old levels is reported under them
     root = logging.getLogger("pyml")
     if not any(getattr(h, "_pyml", False) for h in root.handlers):
-        root.addHandler(_PerfHandler(stream or sys.stderr))
+        root.addHandler(_PerfHandler(stream))
         root.propagate = False
     root.setLevel(logging.WARNING)
     if spec is None and not os.environ.get("PYML_LOG") and os.environ.get("LOG"):

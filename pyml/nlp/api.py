@@ -19,12 +19,14 @@ from pyml.core import compiles, derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
 from pyml.nlp.batch_generator import BatchGenerator
-from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings
+from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings, check_prompt
 from pyml.nlp.loaders import hub, packed_cache
 from pyml.nlp.loaders.gguf import GGUFFile, check_hyperparameters
 from pyml.nlp.loaders.safetensors import load_tensors, read_config
+from pyml.nlp.logprobs import Score, check_top, prompt_logprobs
 from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
+from pyml.nlp.constrained import Constraint
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.speculative import SpeculativeConfig
 from pyml.nlp.tokenizer import Tokenizer
@@ -110,13 +112,16 @@ class LanguageModel:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer().decode([int(i) for i in ids], skip_special_tokens)
 
-    def chat_prompt(self, messages: list) -> str:
-        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template."""
-        return self._tokenizer().apply_chat_template(messages, template=self.chat_template)
+    def chat_prompt(self, messages: list, tools: list | None = None) -> str:
+        """The prompt text of `messages` ({"role", "content"} dicts) in the model's chat template;
+        `tools` (OpenAI's function specs) reach the template as its `tools`."""
+        return self._tokenizer().apply_chat_template(messages, template=self.chat_template, tools=tools)
 
     def stream(self, prompt: str | list, max_tokens: int = 64, *, stop=(), cache: PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
-               n_keep: int = 0, cancelled=None, speculative: SpeculativeConfig | None = None,
+               n_keep: int = 0, cancelled=None, json_schema=None, grammar: str | None = None,
+               constraint: Constraint | None = None, logprobs: int | None = None, echo: bool = False,
+               speculative: SpeculativeConfig | None = None,
                **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
@@ -124,20 +129,29 @@ class LanguageModel:
         whose tokens the prompt may start with; `ctx_size`: positions of the cache made when none
         is given; `context_shift`: a full cache keeps its first `n_keep` tokens and drops the oldest
         half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
-        ends the generation (stop reason "cancelled"); `speculative`: draft and verify several tokens
-        a step (nlp/speculative.py; a draft model must tokenize as this one does); `sampling`: SamplingConfig's fields (temperature,
+        ends the generation (stop reason "cancelled"); `json_schema` (a dict or its JSON text) or
+        `grammar` (GBNF or Lark text): the text generated must match it (constrained.py), as must
+        a prebuilt `constraint`'s; `speculative`: draft and verify several tokens a step
+        (nlp/speculative.py; a draft model must tokenize as this one does); `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
+        `logprobs`: each generated token's log-probability, with that many likeliest tokens, in
+        `result.logprobs` (as each token's event comes); `echo`: the prompt's in `result.prompt_logprobs`.
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if speculative is not None and isinstance(speculative.draft_model, LanguageModel):
             self._check_draft(speculative.draft_model)
+        if json_schema is not None or grammar is not None:
+            if constraint is not None:
+                raise PymlError("give a constraint, or a JSON schema or grammar to build one, not both")
+            constraint = Constraint.from_options(self._tokenizer(), json_schema, grammar)
         self._before_forward(2 if context_shift else len(ids))  # a shift re-prefills what it keeps
         result = result if result is not None else GenerationResult(ids)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
                                               context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
+                                              constraint=constraint, logprobs=logprobs, echo=echo,
                                               speculative=speculative)
         return self._text_events(tokens, result, eos, StopStrings(stop))
 
@@ -167,12 +181,32 @@ class LanguageModel:
 
     def generate(self, prompt: str | list, max_tokens: int = 64, *, on_text=None, stop=(),
                  cache: PromptCache | None = None, result: GenerationResult | None = None,
-                 **sampling) -> GenerationResult:
+                 logprobs: int | None = None, echo: bool = False, **sampling) -> GenerationResult:
         """`stream`, collected: the GenerationResult; `on_text(str)` sees each piece of text."""
-        for event in self.stream(prompt, max_tokens, stop=stop, cache=cache, result=result, **sampling):
+        for event in self.stream(prompt, max_tokens, stop=stop, cache=cache, result=result, logprobs=logprobs,
+                                 echo=echo, **sampling):
             if event.text and on_text is not None:
                 on_text(event.text)
         return event.result
+
+    def score(self, text: str | list, continuation: str | list | None = None, *, top_logprobs: int = 1) -> Score:
+        """Each token's log-probability given the ones before it, for `text` (text or ids), or for
+        `continuation` after the context `text` (`Score.logprob`: its log-likelihood; `is_greedy`).
+        Text is encoded as `encode` does; a continuation without special tokens (no second BOS)."""
+        context = self.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        if continuation is None:
+            more = []
+        else:
+            more = (self._tokenizer().encode(continuation, add_special_tokens=False)
+                    if isinstance(continuation, str) else [int(t) for t in continuation])
+        ids = check_prompt(self.model, context + more, 0)
+        if len(ids) > self.model.max_positions:
+            raise PymlError(f"the text is {len(ids)} tokens, longer than the model's context window of "
+                            f"{self.model.max_positions}")
+        top = max(1, check_top(top_logprobs))  # at least the likeliest: is_greedy reads it
+        self._before_forward(len(ids))
+        logprobs, _ = prompt_logprobs(self.model, ids, self.new_cache(len(ids)), top)
+        return Score(ids, logprobs, len(context) if more else 0)
 
     def stream_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
                      ctx_size: int | None = None, options: list | None = None,
@@ -181,8 +215,8 @@ class LanguageModel:
         (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
         as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
         for every prompt, or per prompt in `options` (a dict each: max_tokens, stop and sampling
-        fields that replace the shared ones); with a `seed`, prompt i samples from seed + i.
-        Every prompt and option is checked before the first step."""
+        fields that replace the shared ones, and `json_schema` or `grammar` as `stream`'s); with a
+        `seed`, prompt i samples from seed + i. Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
         if "speculative" in sampling or any("speculative" in o for o in options or ()):
@@ -200,11 +234,14 @@ class LanguageModel:
         gen = BatchGenerator(self.model, slots, max_len)
         requests, stops = [], []
         for i, (prompt, ask) in enumerate(zip(ids, asks)):
-            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop")})
+            shape = {k: ask.get(k) for k in ("json_schema", "grammar")}
+            constraint = Constraint.from_options(self._tokenizer(), **shape) if any(
+                v is not None for v in shape.values()) else None
+            config = SamplingConfig(**{k: v for k, v in ask.items() if k not in ("max_tokens", "stop", *shape)})
             if config.seed is not None and options is None:
                 config = dataclasses.replace(config, seed=config.seed + i)
             stops.append(StopStrings(ask["stop"]))
-            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos))
+            requests.append(gen.submit(prompt, ask["max_tokens"], config, stop_ids=eos, constraint=constraint))
         return self._batch_events(gen, requests, eos, stops)
 
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.nlp.generator import GenerationResult, check_prompt, reusable_prefix
+from pyml.nlp.logprobs import check_top, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
@@ -35,15 +36,17 @@ PREFILL_CHUNK = 256  # prompt tokens a step takes over all joining sequences
 class Request:
     """One sequence of a BatchGenerator: its prompt, limits, sampler and result."""
 
-    def __init__(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingConfig, stop_ids, index: int):
+    def __init__(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingConfig, stop_ids, index: int,
+                 constraint=None):
         self.prompt, self.max_new_tokens, self.stop_ids = prompt_ids, max_new_tokens, set(stop_ids)
-        self.sampler, self.index = Sampler(sampling), index
+        self.sampler, self.index = Sampler(sampling, constraint), index
         self.result = GenerationResult(list(prompt_ids))
         self.history = list(prompt_ids)  # what the sampler's penalties see
         self.slot = None
         self.fed = 0  # positions of the sequence in its cache
         self.followers = []  # n > 1: the other choices, which start from this one's prefill
         self.reuse = True
+        self.top = None  # None, or each chosen token's log-probability is kept with this many likeliest
         self.done = False
         self._cancel = False
 
@@ -70,15 +73,19 @@ class BatchGenerator:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self._submitted = 0
+        self.steps = 0  # batched forwards so far: the `step` stamped on their perf records
+        self.last_sequences = 0  # how many sequences the last forward ran
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_ids=(), reuse: bool = True) -> Request:
+               stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> Request:
         """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
-        start from a slot's cached tokens (False: its whole prompt is prefilled)."""
-        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse)[0]
+        start from a slot's cached tokens (False: its whole prompt is prefilled); `constraint`
+        (constrained.py's): the grammar its tokens must match; `logprobs`: as Generator.stream's, into
+        the request's result."""
+        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint, logprobs)[0]
 
     def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
-                       stop_ids=(), reuse: bool = True) -> list[Request]:
+                       stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> list[Request]:
         """n completions of one prompt (OpenAI's `n`): the prompt prefilled once, its cache copied to
         the other n - 1 sequences (KVPool.copy), each then sampling on its own - with a seed, choice i
         from seed + i. The n join together, when n slots are free."""
@@ -86,9 +93,10 @@ class BatchGenerator:
             raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
         seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
-        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse)
+        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint, logprobs)
 
-    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse) -> list[Request]:
+    def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse, constraint=None,
+               logprobs=None) -> list[Request]:
         """The checked prompt's requests (one per sampling), queued as one group."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
@@ -96,10 +104,17 @@ class BatchGenerator:
             raise PymlError(f"the prompt is {len(prompt_ids)} tokens, longer than {what} of {self.pool.max_len}")
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             raise PymlError(f"{len(self.waiting)} requests are already waiting for a slot (the limit)")
+        if logprobs is not None:
+            check_top(logprobs)
         requests = []
-        for sampling in samplings:
-            request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted)
+        for i, sampling in enumerate(samplings):
+            sampling.check_vocab(self.model.config.vocab_size)
+            # each choice walks the grammar on its own
+            own = constraint if i == 0 or constraint is None else constraint.fresh()
+            request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted, own)
             request.reuse = reuse
+            if logprobs is not None:
+                request.top, request.result.logprobs = logprobs, []
             self._submitted += 1
             requests.append(request)
         if max_new_tokens == 0:
@@ -135,6 +150,7 @@ class BatchGenerator:
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
+            self.last_sequences = 0
             return []
         rows, budget = [], self.prefill_chunk
         for r in self.running:
@@ -146,9 +162,14 @@ class BatchGenerator:
                 rows.append((r, r.prompt[r.fed:r.fed + n]))
             else:
                 rows.append((r, [r.result.tokens[-1]]))
+        # a step where any sequence decodes is a decode step to that sequence (its time per token);
+        # only a step of prompt chunks alone is prefill
+        decoding = sum(1 for r, _ in rows if r.fed >= len(r.prompt))
+        self.steps, self.last_sequences = self.steps + 1, len(rows)
         t0, d0 = perf.clock(), perf.drain_seconds()
-        with _perf.debug("generator::batch_step", "rows={} seqs={}", sum(len(t) for _, t in rows), len(rows),
-                         op="generator"):
+        with perf.context(phase="decode" if decoding else "prefill", step=self.steps), \
+                _perf.debug("generator::batch_step", "rows={} seqs={} decoding={}", sum(len(t) for _, t in rows),
+                            len(rows), decoding, op="generator"):
             logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows])
         made = perf.drain_seconds() - d0
         elapsed = perf.clock() - t0 - made
@@ -169,6 +190,8 @@ class BatchGenerator:
                 if choice is not r:  # the leader's prompt is cached: a copy of it, the same logits
                     self._follow(r, choice)
                 token = choice.sampler(row, choice.history)
+                if choice.top is not None:
+                    choice.result.logprobs.append(token_logprob(row, token, choice.top))
                 choice.result.tokens.append(token)
                 choice.history.append(token)
                 chosen.append((choice, token))

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyml.core import perf
-from pyml.core.errors import PymlError, check_text, was_interrupted
+from pyml.core.errors import PymlError, UnsupportedError, check_text, was_interrupted
+from pyml.nlp.logprobs import check_top, prompt_logprobs, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 from pyml.nlp.speculative import SpeculativeConfig, Speculator
@@ -37,6 +38,8 @@ class GenerationResult:
     context_shifts: int = 0                         # times the full cache dropped half its history
     drafted: int = 0                                # speculative decoding: tokens proposed, and kept
     accepted: int = 0
+    logprobs: list | None = None                    # TokenLogprob per generated token, when asked for
+    prompt_logprobs: list | None = None             # TokenLogprob per prompt token after the first (echo)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -239,7 +242,8 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
-               context_shift: bool = False, n_keep: int = 0, cancelled=None,
+               context_shift: bool = False, n_keep: int = 0, cancelled=None, constraint=None,
+               logprobs: int | None = None, echo: bool = False,
                speculative: SpeculativeConfig | None = None) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
@@ -250,14 +254,23 @@ class Generator:
         window). The prompt is checked here, before the first token is asked for. Closing the
         iterator ends the generation; so does `cancelled()` turning true, checked before each
         decode step (stop reason "cancelled"): a server's request whose client left or ran out of time.
+        `constraint` (constrained.py's Constraint): the tokens must match its grammar.
+        `logprobs`: None, or how many top log-probabilities go with each generated token's own in
+        `result.logprobs` (0: its own only; nlp/logprobs.py). `echo`: `result.prompt_logprobs` holds
+        the prompt's tokens' log-probabilities (with `logprobs`' top); the whole prompt is prefilled
+        then, none of it taken from a PromptCache: a cached position has no logits.
         `speculative`: draft and verify several tokens a step (nlp/speculative.py); the same tokens
-        when greedy, the same distribution when sampling.
+        when greedy, the same distribution when sampling (not with a constraint, logprobs or echo:
+        refused by name).
         """
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
             raise PymlError(f"--ctx-size must be >= 1, got {ctx_size}")
         if n_keep < 0:
             raise PymlError(f"--keep must be >= 0, got {n_keep}")
+        if logprobs is not None:
+            check_top(logprobs)
+        sampling.check_vocab(self.model.config.vocab_size)
         if cache is not None:
             window, what = cache.max_len, "the context size"
         elif ctx_size is not None:
@@ -271,17 +284,23 @@ class Generator:
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         res = result if result is not None else GenerationResult(prompt_ids)
         res.prompt_tokens = prompt_ids
-        res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
+        res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None and not echo else 0
+        res.logprobs = [] if logprobs is not None else None
         shift = n_keep if context_shift else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
-        speculator = Speculator(self.model, speculative, kv.max_len, res) if speculative is not None else None
-        return self._run(prompt_ids, max_new_tokens, Sampler(sampling), set(stop_ids), cache, res, shift, cancelled,
-                         speculator)
+        speculator = None
+        if speculative is not None:
+            if constraint is not None or logprobs is not None or echo:
+                raise UnsupportedError("speculative decoding is not done with a grammar/JSON schema or logprobs/echo")
+            speculator = Speculator(self.model, speculative, kv.max_len, res)
+        return self._run(prompt_ids, max_new_tokens, Sampler(sampling, constraint), set(stop_ids), cache, res, shift,
+                         cancelled, logprobs, echo, speculator)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, speculator=None):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, top, echo,
+             speculator=None):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
-        if max_new_tokens == 0:
+        if max_new_tokens == 0 and not echo:
             res.stop_reason = "max_tokens"
             return
         history = list(prompt_ids)  # every token so far: what the sampler's penalties see
@@ -294,10 +313,19 @@ class Generator:
             t0, d0 = perf.clock(), drained()
             with perf.context(phase="prefill", step=0), \
                     _perf.debug("generator::prefill", "tokens={}", len(prompt_ids) - start, op="generator") as span:
-                logits = self.model.forward(prompt_ids[start:], kv, pos=start)
+                if echo:  # every position's logits, a chunk at a time
+                    res.prompt_logprobs, logits = prompt_logprobs(self.model, prompt_ids, kv, top or 0)
+                else:
+                    logits = self.model.forward(prompt_ids[start:], kv, pos=start)
                 cached = list(prompt_ids)
+                if max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+                    res.stop_reason = "max_tokens"
+                    return
                 with span.part("sample"):
                     token = sampler(logits, history)
+                if top is not None:
+                    with span.part("logprobs"):
+                        res.logprobs.append(token_logprob(logits, token, top))
             made = drained() - d0
             res.prefill_s, res.prefill_log_s = perf.clock() - t0 - made, res.prefill_log_s + made
             step, chosen = 0, [token]  # a speculative step chooses several
@@ -336,6 +364,9 @@ class Generator:
                             cached.append(token)
                         with span.part("sample"):
                             chosen = [sampler(logits, history)]
+                        if top is not None:
+                            with span.part("logprobs"):
+                                res.logprobs.append(token_logprob(logits, chosen[0], top))
                 made = drained() - d0
                 res.decode_s += [(perf.clock() - t0 - made) / len(chosen)] * len(chosen)  # per token chosen
                 res.decode_log_s += made

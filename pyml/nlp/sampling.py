@@ -1,5 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, and the
-repetition, frequency and presence penalties.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, the
+repetition, frequency and presence penalties, and OpenAI's logit_bias.
 
 Nothing here sorts the whole vocabulary: greedy is an argmax, top-k an
 argpartition, and top-p widens a partial sort until the kept mass reaches p —
@@ -25,6 +25,7 @@ class SamplingConfig:
     min_p: float = 0.0            # 0 = off; else drop tokens less likely than min_p x the likeliest
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency x count, over the tokens seen so far
     presence_penalty: float = 0.0   # logit -= presence once a token has been seen
+    logit_bias: dict | None = None  # token id -> added to its logit first, in [-100, 100]; -100 bans it
 
     def __post_init__(self):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
@@ -42,14 +43,40 @@ class SamplingConfig:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:  # OpenAI's range
                 raise PymlError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+                raise PymlError(f"logit_bias: {token!r} is not a token id (an integer >= 0)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise PymlError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+
+    def check_vocab(self, vocab: int) -> None:
+        """One clear error if logit_bias names a token outside a vocabulary of `vocab` ids."""
+        if bad := sorted(t for t in (self.logit_bias or {}) if t >= vocab):
+            raise PymlError(f"logit_bias: token id {bad[0]} is outside the model's vocabulary of {vocab} tokens")
+        if sum(b <= -100 for b in (self.logit_bias or {}).values()) >= vocab:
+            raise PymlError("logit_bias bans every token of the vocabulary: nothing is left to choose")
 
 
 class Sampler:
-    def __init__(self, config: SamplingConfig):
-        self.config = config
+    """`constraint` (constrained.py's, or None): forbids tokens before any other filter sees the
+    logits, and advances on the token chosen."""
+
+    def __init__(self, config: SamplingConfig, constraint=None):
+        self.config, self.constraint = config, constraint
         self.rng = np.random.default_rng(config.seed)
+        bias = config.logit_bias or {}
+        self.bias_ids = np.fromiter(bias, np.int64, len(bias))
+        # -100 bans the token outright (OpenAI: "should result in a ban"), whatever its logit
+        self.bias = np.array([-np.inf if b <= -100 else b for b in bias.values()], np.float32)
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
+        if self.constraint is None:
+            return self._choose(logits, history)
+        token = self._choose(self.constraint.apply(logits), history)
+        self.constraint.accept(token)
+        return token
+
+    def _choose(self, logits: np.ndarray, history) -> int:
         logits = self.penalised(logits, history)
         if self.config.temperature == 0.0:
             return int(np.argmax(logits))
@@ -57,8 +84,11 @@ class Sampler:
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
     def penalised(self, logits: np.ndarray, history=()) -> np.ndarray:
-        """The logits after the repetition, frequency and presence penalties of `history`."""
+        """The logits after logit_bias and the repetition, frequency and presence penalties of `history`."""
         c = self.config
+        if len(self.bias_ids):  # first, as llama.cpp's sampler chain: the penalties see biased logits
+            logits = logits.astype(np.float32, copy=True)
+            logits[self.bias_ids] += self.bias
         if c.repetition_penalty != 1.0 and len(history):
             logits = logits.copy()
             seen = np.unique(np.asarray(history, dtype=np.int64))

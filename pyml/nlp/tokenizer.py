@@ -262,14 +262,15 @@ class Tokenizer:
 
     # --- chat ---
     def apply_chat_template(self, messages: list, template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` in this model's chat format (or `template`)."""
+                            add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The prompt text for `messages` in this model's chat format (or `template`); `tools`:
+        the function specs a template renders (None: none)."""
         own = template is None or template == self.chat_template
         source = ("the given chat template" if not own else f"the chat template of {self._model_name()}"
                   if self.chat_template else "the built-in ChatML template")
         return apply_chat_template(template or self.chat_template or CHATML_TEMPLATE, messages,
                                    bos_token=self.bos_token, eos_token=self.eos_token,
-                                   add_generation_prompt=add_generation_prompt, source=source)
+                                   add_generation_prompt=add_generation_prompt, source=source, tools=tools)
 
     def _model_name(self) -> str:
         """The model file's or folder's name (not its path: a server's 400 answer says it too)."""

@@ -191,7 +191,7 @@ PANEL_K = 256  # columns per pass over the tokens
 PANEL_MIN_T = 64
 
 
-@numba.njit
+@numba.njit(cache=True)
 def _pack_panel(kind, w, r0, r_hi, panel):
     """panel uint8 [64 Kp] <- rows r0 .. r0 + 15 of w as float32, column-major: column k's 16 floats
     at byte 64 k (rows from r_hi on, and columns past the row's end up to Kp = its length rounded
@@ -298,7 +298,7 @@ PANEL_ROWS, PANEL_TOKENS = (PANEL_Z, PANEL_TZ) if ZMM else (PANEL, PANEL_T)
 PANELS = ZMM or TILE == 3
 
 
-@numba.njit
+@numba.njit(cache=True)
 def gemm_panels(kind, w, x, out, r_lo, r_hi):
     """Rows r_lo..r_hi of out [T, R] from PANEL_ROWS-row panels (section doc)."""
     numba.literally(kind)

@@ -524,7 +524,7 @@ def _q6k_signed_block(q, buf, o, yd, acc):
     return fma(f, f32x8(yd), acc)
 
 
-@numba.njit
+@numba.njit(cache=True)
 def gemm_rows_q6k_triple(w, r0, y, xd, out):
     """out[:, r0 : r0 + 24] for rows r0.. of the Q6_K matrix w (section doc); y, xd as gemm_rows_q6k's."""
     T, nb = xd.shape

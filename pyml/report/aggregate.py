@@ -17,6 +17,8 @@ from collections import defaultdict
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pyml.report.records import STEP_EVENTS
+
 HEAD, FFN, ATTN_PROJ, ATTN_CORE = "output head", "FFN projections", "attention projections", "attention core"
 ACT, NORM, EMB, SAMPLE = "activations", "norms", "embedding", "sampling"
 GLUE, OTHER = "glue (Python/NumPy between ops)", "other ops"
@@ -174,11 +176,12 @@ def prefills(run) -> list:
 def decode_steps(run) -> list:
     """One dict per decode step: its total and components (debug-level parts), and its layers."""
     steps = []
-    for r in run.named("generator::decode_step"):
+    for r in run.decode_steps():
         fwd = _child(r, "model")
         parts = fwd.parts if fwd else {}
         blocks = sorted((c for c in fwd.children if c.op == "block"), key=lambda b: b.layer) if fwd else []
         s = {"step": r.step, "token": _int_detail(r, "token"), "total": r.dur_ms,
+             "tokens": _int_detail(r, "decoding") or 1,  # a batched step chooses one token per decoding sequence
              "model": r.parts.get("model", fwd.dur_ms if fwd else 0.0), "sample": r.parts.get("sample", 0.0)}
         for k in ("embedding", "layers", "norm", "projection"):
             s[k] = parts.get(k, 0.0)
@@ -202,7 +205,9 @@ def timeline(run) -> dict:
            "generations": len(pre), "prefill": pre[0] if pre else None,
            "decode_steps": len(steps), "decode_mean_ms": statistics.fmean(d) if d else None,
            "decode_median_ms": statistics.median(d) if d else None,
-           "decode_tok_s": 1e3 * len(d) / sum(d) if d else None,
+           "decode_tok_s": 1e3 * sum(s["tokens"] for s in steps) / sum(d) if d else None,
+           "decode_batched": any(s["tokens"] > 1 for s in steps),
+           "decode_mean_sequences": statistics.fmean(s["tokens"] for s in steps) if steps else None,
            "ttft_ms": pre[0]["ms"] if pre else None}
     if pre and pre[0]["tokens"]:
         out["prefill_ms_per_token"] = pre[0]["ms"] / pre[0]["tokens"]
@@ -222,7 +227,7 @@ def workers(run) -> list:
             row["generations"] += 1
             row["prompt_tokens"] += _int_detail(r, "tokens") or 0
             row["prefill_ms"] += r.dur_ms
-        elif r.name == "generator::decode_step":
+        elif r.name in STEP_EVENTS and r.phase == "decode":
             row["decode_steps"] += 1
             row["decode_ms"] += r.dur_ms
         elif r.name == "model::load":
@@ -451,7 +456,7 @@ def matmul_table(run, phase="decode") -> list:
 def spans_per_step(run, phase="decode", compiled: bool | None = None) -> float:
     """Spans per decode step (per phase); only those timed inside compiled code (compiled=True) or
     only the Python ones (False)."""
-    steps = len(run.named("generator::decode_step")) if phase == "decode" else 1
+    steps = len(run.decode_steps()) if phase == "decode" else 1
     n = sum(1 for r in run.records if r.phase == phase and (compiled is None or r.compiled == compiled))
     return n / steps if steps else 0.0
 
@@ -468,7 +473,7 @@ def _span_costs(timing: dict | None) -> tuple:
 def consistency(run, timing: dict | None) -> list:
     """Gaps between a span and what is timed inside it (decode, mean per step), next to the
     cost of the timing that sits in those gaps."""
-    steps = run.named("generator::decode_step")
+    steps = run.decode_steps()
     if not steps:
         return []
     outside, compiled = _span_costs(timing)
@@ -503,12 +508,12 @@ def consistency(run, timing: dict | None) -> list:
 def instrumentation_cost(run, timing: dict | None) -> dict | None:
     """Spans per decode step times the measured cost of one: a Python span's (two perf_counter
     reads and its bookkeeping), or, timed inside compiled code, two counter reads."""
-    if not timing or timing.get("span_overhead_us") is None or not run.named("generator::decode_step"):
+    if not timing or timing.get("span_overhead_us") is None or not run.decode_steps():
         return None
     per_span = timing["span_overhead_us"]  # lines are made after the steps (perf's drain): not in them
     per_compiled = _span_costs(timing)[1] * 1e3
     n, n_compiled = spans_per_step(run), spans_per_step(run, compiled=True)
-    step = statistics.fmean(s.dur_ms for s in run.named("generator::decode_step"))
+    step = statistics.fmean(s.dur_ms for s in run.decode_steps())
     ms = ((n - n_compiled) * per_span + n_compiled * per_compiled) / 1e3
     return {"spans_per_step": n, "compiled_per_step": n_compiled, "per_span_us": per_span,
             "per_compiled_us": per_compiled, "ms_per_step": ms, "pct": 100 * ms / step if step else 0}

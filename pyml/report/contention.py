@@ -43,7 +43,7 @@ def spikes(run) -> dict:
     if blocks:
         excess, of = _layer_spikes(run, blocks), len(blocks)
     else:
-        steps = [r for r in run.records if r.name == "generator::decode_step"]
+        steps = run.decode_steps()
         if steps:
             m = statistics.median(r.dur_ms for r in steps)
             excess = [(r.step, None, r.dur_ms - m) for r in steps if r.dur_ms - m >= max(SPIKE_MS, m)]
@@ -70,7 +70,7 @@ def assess(run) -> dict:
     dec = phases.get("decode") or {}
     cores = use.get("usable_cores") or (run.info.get("machine") or {}).get("usable_cores")
     threads = use.get("threads_used") or run.info.get("threads")
-    decode_ms = sum(r.dur_ms for r in run.records if r.name == "generator::decode_step")
+    decode_ms = sum(r.dur_ms for r in run.decode_steps())
     sp = spikes(run)
     hits, quiet = [], []
 
@@ -129,7 +129,7 @@ def assess(run) -> dict:
 
 def _prefill_vs_decode(run):
     pre = [r for r in run.records if r.name == "generator::prefill"]
-    dec = [r.dur_ms for r in run.records if r.name == "generator::decode_step"]
+    dec = [r.dur_ms for r in run.decode_steps()]
     if not pre or not dec:
         return None
     tokens = next((int(t.split("=")[1]) for t in pre[0].details.split() if t.startswith("tokens=")), 0)
@@ -149,7 +149,7 @@ def threads_to_try(a: dict) -> int:
 def attribute_steps(run) -> list:
     """Decode steps over their median by SPIKE_MS or more, each with what the record says was going
     on: involuntary context switches (contention), GC pauses, page faults, spiking layers."""
-    steps = [r for r in run.records if r.name == "generator::decode_step"]
+    steps = run.decode_steps()
     if len(steps) < 3:
         return []
     med = statistics.median(r.dur_ms for r in steps)
@@ -194,7 +194,7 @@ def _layer_spikes(run, blocks=None) -> list:
 def drains(run) -> dict | None:
     """The time between decode steps (perf's drain of records and lines, the generator's loop):
     outside every step's time, inside the run's."""
-    steps = sorted((r for r in run.records if r.name == "generator::decode_step"), key=lambda r: r.start)
+    steps = sorted(run.decode_steps(), key=lambda r: r.start)
     gaps = [(b.start - a.start) * 1e3 - a.dur_ms for a, b in zip(steps, steps[1:])]
     if not gaps:
         return None

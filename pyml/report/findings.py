@@ -116,7 +116,7 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
 
 def _core_per_step(run) -> list:
     out = []
-    for s in run.named("generator::decode_step"):
+    for s in run.decode_steps():
         ms = 0.0
         stack = [s]
         while stack:
@@ -128,7 +128,7 @@ def _core_per_step(run) -> list:
 
 
 def _detail(cat, run, f, labels) -> str:
-    n = len(run.named("generator::decode_step")) or 1
+    n = len(run.decode_steps()) or 1
     top = sorted(((lbl, v["ms"] / n) for lbl, v in labels.items() if v["category"] == cat), key=lambda x: -x[1])
     if cat == aggregate.HEAD and f["head"]:
         h = f["head"]

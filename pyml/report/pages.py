@@ -83,7 +83,11 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     if pre:
         rows.append([f"Prefill ({pre['tokens']} tokens)", ms(pre["ms"]),
                      f"{ms(tl.get('prefill_ms_per_token'))}/token ({num(tl.get('prefill_tok_s'))} tok/s)"])
-    if steps:
+    if steps and tl["decode_batched"]:
+        rows.append(["Decode (mean/batched step)", f"**{ms(tl['decode_mean_ms'])}**",
+                     f"{num(tl['decode_tok_s'])} tok/s in all over {len(steps)} steps of {tl['decode_mean_sequences']:.1f} "
+                     f"decoding sequences on average (median step {ms(tl['decode_median_ms'])})"])
+    elif steps:
         rows.append(["Decode (mean/token)", f"**{ms(tl['decode_mean_ms'])}**",
                      f"{num(tl['decode_tok_s'])} tok/s over {len(steps)} steps (median {ms(tl['decode_median_ms'])})"])
     if tl["ttft_ms"] is not None:
@@ -290,7 +294,7 @@ def _matmul_section(doc, run):
     rows = aggregate.matmul_table(run)
     if not rows:
         return
-    steps = len(run.named("generator::decode_step")) or 1
+    steps = len(run.decode_steps()) or 1
     doc.h("Matmuls in decode: time and memory bandwidth")
     doc.table(["Projection", "Shape (in→out)", "Type", "Calls/step", "Time/step", "Weights/step", "GB/s"],
               [[r["label"], f"{r['in']}→{r['out']}" if r["in"] else "—", r["dtype"] or "—",
@@ -314,7 +318,7 @@ def _methodology(doc, run, timing, timing_src):
           "(linear projections with shapes and weight type, attention, KV cache, norms, activations, embedding "
           f"lookups). This run was recorded at **{'trace' if traced else 'debug'}** level. With logging off a "
           "call site costs one attribute check: no clock read, no formatting.")
-    n_steps = len(run.named("generator::decode_step"))
+    n_steps = len(run.decode_steps())
     if n_steps:
         per_step = Counter(r.name for r in run.records if r.phase == "decode")
         rows = sorted(((k if not k.startswith("transformer[") else "transformer[i]::forward", v)
@@ -389,7 +393,7 @@ def modules_page(run, top: int = 30, ranking=None) -> Doc:
     doc.h("Per op kind and phase")
     tables = {p: aggregate.label_table(run.records, {p}) for p in aggregate.GENERATION}
     totals = {p: sum(v["ms"] for v in t.values()) or 1.0 for p, t in tables.items()}
-    n_dec = len(run.named("generator::decode_step")) or 1
+    n_dec = len(run.decode_steps()) or 1
     labels = sorted(set(tables["prefill"]) | set(tables["decode"]),
                     key=lambda lbl: (-tables["decode"].get(lbl, {}).get("ms", 0),
                                      -tables["prefill"].get(lbl, {}).get("ms", 0)))

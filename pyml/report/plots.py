@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
+
 from pyml.report import aggregate
 
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'pyml[plot]')"
@@ -97,6 +99,29 @@ def attention_share_plot(results: list, out_dir: Path) -> tuple:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, plt, Path(out_dir) / "attention_share.png", "attention and FFN shares by context length")
+
+
+def kld_plot(kld, path: Path, title: str) -> tuple:
+    """pyml-perplexity --plot: the per-position KL divergences as a histogram on a log axis (a
+    quantization's cost is in its tail), with the median and the 99th percentile marked."""
+    import matplotlib  # deferred: see write_plots
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kld = np.asarray(kld, np.float64)
+    positive = kld[kld > 0]
+    low = max(positive.min(), 1e-8) if len(positive) else 1e-8
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(np.clip(kld, low, None), bins=np.geomspace(low, max(kld.max(), low * 10), 60), color="C0")
+    for q, style in ((50, "--"), (99, ":")):
+        ax.axvline(np.percentile(kld, q), color="black", linestyle=style, linewidth=1, label=f"p{q}")
+    ax.set_xscale("log")
+    ax.set_xlabel("KL divergence at a position (nats)")
+    ax.set_ylabel("positions")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, plt, Path(path), "per-position KL divergence")
 
 
 def _save(fig, plt, path, what):

@@ -24,6 +24,8 @@ from pyml.core.errors import PymlError
 from pyml.report import old_logs
 
 
+STEP_EVENTS = ("generator::decode_step", "generator::batch_step")  # one sequence's decode step; a batched one
+
 class ReportInputError(PymlError):
     """A profile directory, events file or log that cannot be read."""
 
@@ -384,6 +386,11 @@ class Run:
     source: str
     kind: str                      # profile | events | log
     notes: list = field(default_factory=list)
+
+    def decode_steps(self) -> list:
+        """The decode steps' records: one sequence's (`generator::decode_step`) or a batched forward in
+        which some sequence decodes (`generator::batch_step` stamped phase=decode)."""
+        return [r for r in self.records if r.name in STEP_EVENTS and r.phase == "decode"]
 
     def named(self, name: str, phase: str | None = None) -> list:
         return [r for r in self.records if r.name == name and (phase is None or r.phase == phase)]

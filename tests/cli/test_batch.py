@@ -225,7 +225,6 @@ def test_an_unreachable_cluster_is_one_line_before_the_output_is_touched(tiny, t
 
 @pytest.mark.parametrize("flags, message", [
     (["--batch", "0"], "--batch must be at least 1, got 0"),
-    (["--batch", "2", "--ray"], "--batch with --ray is not implemented yet"),
     (["--batch", "2", "--context-shift"], "--context-shift is not available with --batch > 1"),
 ])
 def test_batch_flags_it_cannot_honour_are_refused_in_one_line(tiny, tmp_path, capsys, flags, message):

@@ -165,8 +165,8 @@ def test_ratio_is_the_median_of_the_repetitions_ratios():
 
 
 def test_batch_table(tmp_path, smollm2_gguf):
-    """--batch 1,2,4: a row per batch size, every rate positive, B = 1 the baseline; a --peers ask is
-    refused by name (llama.cpp's batched decode is not wired in yet)."""
+    """--batch 1,2,4: a row per batch size, every rate positive, B = 1 the baseline; a peer without a
+    batched mode (transformers) is refused by name."""
     r = run_bench("--batch", "1,2,4", "--models", "smollm2-135m-q4_1", "--reps", "2", "--n-prompt", "8",
                   "--n-gen", "4", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -175,5 +175,19 @@ def test_batch_table(tmp_path, smollm2_gguf):
     assert [row[1] for row in rows] == ["1", "2", "4"] and rows[0][5] == "1.00x"
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
     assert all(abs(float(row[4]) - float(row[3]) / int(row[1])) < 0.2 for row in rows)  # per sequence
-    refused = run_bench("--batch", "4", "--peers", "llama.cpp", "--out", str(tmp_path))
-    assert refused.returncode == 2 and "--peers with --batch is not implemented yet" in refused.stderr
+    refused = run_bench("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "--peers transformers with --batch is not implemented" in refused.stderr
+
+
+@pytest.mark.peer
+def test_batch_table_beside_llama_cpp(tmp_path, smollm2_gguf):
+    """--batch 1,4 --peers llama.cpp: llama.cpp's batched decode (llama_batch, n_seq_max = B) in three
+    more columns of each row, and pyml's ratio to it."""
+    r = run_bench("--batch", "1,4", "--models", "smollm2-135m-q4_1", "--peers", "llama.cpp", "--reps", "2",
+                  "--n-prompt", "8", "--n-gen", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert [row[1] for row in rows] == ["1", "4"] and all(len(row) == 9 for row in rows)
+    for row in rows:
+        assert float(row[6]) > 0 and float(row[7]) > 0
+        assert abs(float(row[8][:-1]) - float(row[3]) / float(row[7])) < 0.02 * float(row[8][:-1]) + 0.01

@@ -195,3 +195,38 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tiny, tmp_path):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"hi \xff there")
     one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", "-f", str(bad)), f"--file {bad}", "utf-8")
+
+
+def test_json_schema_and_grammar_files_shape_the_output(tmp_path, smollm2_gguf):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    proc = run_cli("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "--chat", "-n", "12", "-t", "1",
+                   "--temperature", "1", "--seed", "3", "--json-schema", str(tmp_path / "s.json"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(json.loads(proc.stdout)["text"]) in ({"ok": True}, {"ok": False})
+    (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"\n')
+    proc = run_cli("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "-n", "4", "-t", "1",
+                   "--grammar", str(tmp_path / "g.gbnf"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("flag, content, said", [
+    ("--json-schema", "{not json", "is not valid JSON"),
+    ("--json-schema", "[1, 2]", "must be a JSON object"),
+    ("--grammar", "root ::= (", "does not parse"),
+    ("--grammar", None, "No such file"),
+])
+def test_a_bad_schema_or_grammar_file_is_one_line_exit_2(tmp_path, flag, content, said):
+    path = tmp_path / "shape"
+    if content is not None:
+        path.write_text(content)
+    # refused before the model loads: the missing model is never reached
+    proc = run_cli("--gguf", str(tmp_path / "never-loaded.gguf"), "-p", "hi", flag, str(path))
+    one_line_error(proc, flag, said)
+
+
+def test_json_schema_and_grammar_exclude_each_other(tmp_path):
+    proc = run_cli("--json-schema", "a", "--grammar", "b", "-p", "hi")
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr

@@ -81,6 +81,18 @@ def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, b
     assert len(json.loads((prof / "run.json").read_text())["workers"]) == 2
 
 
+@pytest.mark.deep  # Ray; the batched jobs: tests/cli/test_batch.py's --batch 3 in-process
+def test_workers_that_batch_give_the_sequential_texts(local_ray, tiny, batch_in, sequential, tmp_path, capsys):
+    """--ray --batch 3: each worker runs its share three sequences a step; the lines and texts are
+    the one-process run's, in input order."""
+    out = tmp_path / "out.jsonl"
+    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray",
+                            "--workers", "2", "--batch", "3"]) == 0
+    assert without_timings(read_output(out)) == without_timings(sequential)
+    err = capsys.readouterr().err
+    assert "8 prompts done, 2 errors" in err and "Ray: 2 workers x 1 threads on 1 node, 3 sequences a step each" in err
+
+
 @pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batch_in, sequential, tmp_path,
                                                            monkeypatch, capsys):

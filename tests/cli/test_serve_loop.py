@@ -28,9 +28,9 @@ def slow_server(tmp_path_factory):
                     threads=1)
     render, encode = lm.chat_prompt, lm.encode
 
-    def slow_render(messages):
+    def slow_render(messages, tools=None):
         time.sleep(SLOW_S * len(messages))
-        return render(messages)
+        return render(messages, tools)
 
     def slow_encode(text):
         if "slow" in text:

@@ -3,17 +3,18 @@
 The same server process as test_serve.py's, started with --parallel 4 on the GPT-2 stand-in. The
 oracle is the same requests one at a time on the same server (greedy): continuous batching must
 not change a text. A client that leaves frees its slot, a request beyond the slots waits for one,
-malformed requests are still 4xx, and what the batch cannot honour (a per-request profile) is
-refused by name.
+malformed requests are still 4xx, and a per-request profile names the batched steps it shared.
 """
 
+import http.client
 import json
+import socket
 
 import openai
 import pytest
 
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
+from tests.cli.test_serve import (HOST, check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
                                   check_conversation_reuses_its_cached_prefix, malformed, start_server, stop_server)
 
 
@@ -55,11 +56,29 @@ def test_whole_streamed_stopped_and_seeded_replies_as_alone(client):
     assert a == b
 
 
-def test_a_per_request_profile_is_refused_by_name(server):
-    status, data = server.request("POST", "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "pyml": {"profile": True}})
-    err = json.loads(data)["error"]
-    assert status == 400 and err["param"] == "pyml.profile" and "--parallel" in err["message"]
+def test_a_per_request_profile_under_batching_names_the_steps_it_shared(server, client):
+    """A long stream runs while a profiled request decodes: every one of its steps is a batched
+    forward of both sequences, and its profile says so beside the usual split."""
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "tiny", "prompt": "Long story", "max_tokens": 200, "temperature": 0, "stream": True,
+         "logit_bias": {"511": -100}}),  # 511: the stand-in's EOS
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200
+        resp.fp.readline()
+        assert resp.fp.readline().startswith(b"data: ")  # the long one decodes
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           temperature=0, extra_body={"pyml": {"profile": True}})
+    finally:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    prof = r.model_extra["pyml"]["profile"]
+    assert prof["decode_steps"] == r.model_extra["timings"]["predicted_n"] == 5
+    assert set(prof["split"]) == {"attention", "ffn", "head", "sampling", "other"}
+    assert prof["split"]["attention"]["ms"] > 0 and prof["split"]["ffn"]["ms"] > 0
+    assert prof["batch"]["steps"] == 5 and prof["batch"]["mean_sequences"] == prof["batch"]["max_sequences"] == 2
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):

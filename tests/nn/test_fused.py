@@ -112,7 +112,20 @@ def close(got, ref):
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
 
 
-@pytest.mark.parametrize("qtype", sorted(TRAITS, key=int), ids=lambda q: QuantType(q).name)
+# Every weight type x the fused step is the deep tier's breadth: a type whose decode_layers step
+# (one block, FusedBlock) another default-tier test here already drives in the same layout runs
+# there only, since each case compiles a whole decode kernel of its own (~25 s of a core with an
+# empty kernel cache). Covered by:
+_FUSED_ELSEWHERE = {
+    QuantType.F32: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gpt2] (file layout)",
+    QuantType.Q4_0: "test_region_under_debug_gives_the_block_spans_of_decode_layers[llama] (x8, 'layers')",
+    QuantType.Q4_K: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gemma3] (x8)",
+    QuantType.Q6_K: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gemma3] (down_proj, file layout)",
+}
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(q, marks=pytest.mark.deep) if q in _FUSED_ELSEWHERE else q
+                                   for q in sorted(TRAITS, key=int)], ids=lambda q: QuantType(q).name)
 def test_fused_decode_equals_layer_by_layer_on_every_weight_type(qtype):
     block = make_block(qtype)
     packed = any(lin.pack() for lin in block.linears())  # the x8 layout where the type has one

@@ -111,15 +111,17 @@ class DecoderModel:
         return KVPool(n_seqs, len(self.blocks), self.n_kv_heads, self.head_dim, n, kv_type or self.kv_type,
                       windows=[block.attn.window for block in self.blocks])
 
-    def forward_batch(self, pool: KVPool, rows: list) -> np.ndarray:
+    def forward_batch(self, pool: KVPool, rows: list, all_logits: bool = False) -> np.ndarray | list:
         """Next-token logits [len(rows), vocab] of several sequences in one pass: rows are (sequence
         of `pool`, token ids, position of the first), each sequence at most once; one-token rows
         (decode) and longer ones (a prompt or a chunk of one) may be mixed. The projections run
-        over all the rows at once; each sequence attends to its own cache (nn/batch.py)."""
+        over all the rows at once; each sequence attends to its own cache (nn/batch.py).
+        With `all_logits`, a list: each row's logits of every one of its tokens [len(tokens), vocab]."""
         batch = Batch(pool, rows)
         if len(batch.segments) == 1:  # one sequence: its own pass (a decode step's fused path)
             seq, tokens, pos = rows[0]
-            return self.forward(tokens, pool.sequence(seq), pos)[None]
+            logits = self.forward(tokens, pool.sequence(seq), pos, all_logits)
+            return [logits] if all_logits else logits[None]
         n_layers = len(self.blocks)
         with runtime.kernel_lock(), _perf.debug("model::forward", "tokens={} batch={}", len(batch),
                                                  len(batch.segments), op="model", module="model") as span:
@@ -131,13 +133,19 @@ class DecoderModel:
                 for block in self.blocks:
                     x = block(x, None, batch)
             with span.part("norm"):
-                x = self.final_norm(x[batch.last_rows])
+                x = self.final_norm(x if all_logits else x[batch.last_rows])
             with span.part("projection"):
                 logits = self.lm_head(x)
                 if self.logit_softcap:
                     logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
         for seq, pos, n in batch.segments:
             pool.sequence(seq).length = pos + n
+        if all_logits:  # the pass's rows are the segments' tokens in turn, in batch.order's order
+            parts = np.split(logits, batch.last_rows[:-1] + 1)
+            out = [None] * len(rows)
+            for place, i in enumerate(batch.order):
+                out[i] = parts[place]
+            return out
         out = np.empty_like(logits)
         out[batch.order] = logits  # back in the order the rows were given
         return out

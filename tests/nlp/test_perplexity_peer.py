@@ -1,0 +1,75 @@
+"""pyml-perplexity against llama.cpp (the bench extra's llama-cpp-python): the same file, text and
+chunks, llama.cpp's logits scored as llama-perplexity scores them; and the KL divergence of a Q4_0
+file from its F32 reference against the one llama.cpp's logits give. `-m peer` runs them."""
+
+import math
+
+import numpy as np
+import pytest
+
+from pyml.nlp import kl_divergence as kld
+from pyml.nlp import perplexity as ppl
+from pyml.nlp.api import load_model
+from pyml.nlp.logprobs import log_softmax
+from tests.nlp.test_perplexity import text  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.peer
+N_CTX, N_CHUNKS = 256, 4
+
+
+def llama_chunk_logp(path, tokens_of, n_ctx: int, n_chunks: int):
+    """(the text's tokens by llama.cpp's tokenizer, log-probabilities [n_chunks * scored, vocab] of every
+    scored position): llama-perplexity's chunks, BOS in place of each chunk's first token when the
+    model adds one, each chunk one llama_decode from an empty cache (f16, llama.cpp's default)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason='llama.cpp is the bench extra\'s peer: pip install ".[bench]"')
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                          verbose=False)
+    tokens = np.array(tokens_of(llm), np.int64)
+    chunks = ppl.chunk_tokens(tokens, n_ctx, n_chunks)
+    bos = llm.token_bos() if llm._model.add_bos_token() else None
+    first = n_ctx // 2
+    rows = []
+    for chunk in chunks:
+        llm.reset()
+        llm.eval(ppl.chunk_inputs(chunk, bos).tolist())
+        rows.append(log_softmax(np.array(llm.scores[first:n_ctx - 1])))
+    return tokens, chunks, np.concatenate(rows)
+
+
+def llama_estimate(path, text, n_ctx=N_CTX, n_chunks=N_CHUNKS):
+    tokens, chunks, logp = llama_chunk_logp(path, lambda llm: llm.tokenize(text.encode(), add_bos=True),
+                                            n_ctx, n_chunks)
+    targets = chunks[:, n_ctx // 2 + 1:].ravel()
+    return tokens, ppl.estimate(-logp[np.arange(len(targets)), targets])
+
+
+def check_against_llama(say, path, text, label):
+    lm = load_model(gguf=str(path), float_compute="f32")  # as pyml-perplexity: f32 attention
+    tokens, ref = llama_estimate(path, text)
+    assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
+    got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
+    say(f"perplexity {label} -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
+        f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
+    assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text):
+    check_against_llama(say, smollm2_gguf if kind == "q4_1" else requantized(kind), text, f"SmolLM2 {kind}")
+
+
+def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text):
+    check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M")
+
+
+def test_q4_0_kld_from_f32_matches_llama_cpp(say, requantized, text, tmp_path):
+    f32, q4 = requantized("f32"), requantized("q4_0")
+    base = tmp_path / "base.npz"
+    kld.save_base(load_model(gguf=str(f32), float_compute="f32"), text, N_CTX, N_CHUNKS, base)
+    ours = kld.kl_divergence(load_model(gguf=str(q4), float_compute="f32"), kld.Base.load(base)).kld.mean()
+    _, _, lp = llama_chunk_logp(f32, lambda llm: llm.tokenize(text.encode(), add_bos=True), N_CTX, N_CHUNKS)
+    _, _, lq = llama_chunk_logp(q4, lambda llm: llm.tokenize(text.encode(), add_bos=True), N_CTX, N_CHUNKS)
+    theirs = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    say(f"KLD SmolLM2 Q4_0 vs F32 -c {N_CTX} x{N_CHUNKS}: pyml {ours:.5f}, llama.cpp {theirs:.5f} "
+        f"({100 * (ours / theirs - 1):+.2f}%)")
+    assert math.isfinite(theirs) and ours == pytest.approx(theirs, rel=5e-2)
