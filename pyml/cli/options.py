@@ -93,8 +93,8 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
                         "occurrence of the newest N..1 tokens (0 = off; 3 is a good start)")
     g.add_argument("--draft-model", metavar="MODEL", default=None,
                    help="draft with a smaller model of the same tokenizer (a file or name, as -m)")
-    g.add_argument("--draft-max", type=int, default=8, metavar="K",
-                   help=f"tokens drafted per step at most, 1..{MAX_DRAFT} (default 8; fewer after rejections)")
+    g.add_argument("--draft-max", type=int, default=MAX_DRAFT, metavar="K",
+                   help=f"tokens drafted per step at most, 1..{MAX_DRAFT} (default {MAX_DRAFT}; fewer after rejections)")
 
 
 def check_speculative(args: argparse.Namespace) -> None:

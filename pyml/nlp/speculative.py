@@ -25,13 +25,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyml.core import perf
+from pyml import quant
 from pyml.core.errors import PymlError
+from pyml.nn.attention import FEW_QUERIES
 from pyml.nn.kv_cache import RING_SLACK
 
 _perf = perf.get("pyml.nlp.speculative")
 
-MAX_DRAFT = 64  # a verify pass of k + 1 positions must fit a sliding-window ring's slack (RING_SLACK)
-assert MAX_DRAFT < RING_SLACK
+# A verify pass of k + 1 positions gives each position a decode step's bits only up to this many
+# rows (quant/dispatch.py: the matmuls of 2 .. FEW_TOKENS rows; nn/attention.py: FEW_QUERIES);
+# past it the GEMM and the tiled attention round otherwise and greedy output would drift.
+MAX_DRAFT = min(quant.FEW_TOKENS, FEW_QUERIES) - 1
+assert MAX_DRAFT < RING_SLACK  # the pass must also fit a sliding-window ring's slack
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class SpeculativeConfig:
     draft_model: a DecoderModel (or an LM) drafting instead; draft_max: tokens proposed per step at
     most; adaptive: shrink k after refusals and draft less while drafting does not pay."""
     lookup_ngram: int = 0
-    draft_max: int = 8
+    draft_max: int = MAX_DRAFT
     draft_model: object = None
     adaptive: bool = True
 

@@ -23,11 +23,12 @@ from pyml.quant.dispatch import (FLOAT_COMPUTE, attention_compute, dequantize, d
                                  warmup, warmup_steps)
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
+from pyml.quant.interleaved_few import FEW_TOKENS
 from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.reference import dequantize_reference, matmul_reference
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, is_supported, row_bytes, traits_of
 
-__all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
+__all__ = ["QuantType", "FEW_TOKENS", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
            "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs", "packed_from_cache", "Packed",
            "BF16Packed", "BF16_AVAILABLE", "FLOAT_COMPUTE", "float_compute", "attention_compute", "pack_bf16",
            "row_reader", "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference",

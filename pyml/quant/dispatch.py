@@ -10,14 +10,17 @@ decodes ~4 MB tiles).
 
 matmul(x, raw, qtype, n_cols) for x [T, n_cols]:
   quantized W, T == 1   the type's GEMV, parallel over output rows, int8 activations;
+  W, 2 .. FEW_TOKENS    each row the bits of its GEMV, whatever the type: interleaved_few.py for
+                        the x8 layout (not Q4_K), else the GEMV row by row (a speculative verify
+                        pass must see the numbers of a decode step, nlp/speculative.py);
   quantized W, T > 1    the type's GEMM in register tiles (each kernel module documents its
                         own), parallel over chunks of rows, int8 activations;
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
-  F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 floats.py's register-tiled GEMM
+  F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > FEW_TOKENS floats.py's register-tiled GEMM
                         with float32 FMAs (weights widened on the fly);
   bf16 blocks (float W) pack_bf16() (--float-compute bf16, the avx512_bf16 path): weights and
                         activations rounded to bf16, vdpbf16ps into float32 sums (bf16_gemm.py);
-                        models use them for T > 1 only;
+                        models use them for T > FEW_TOKENS only;
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction;
                         2 .. FEW_TOKENS tokens take interleaved_few.py (the GEMV's loop over
@@ -155,6 +158,9 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
     kernels = traits_of(qtype).kernels
     if x.shape[0] == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0])
+    elif not exact and x.shape[0] <= FEW_TOKENS:  # a few tokens: each row its GEMV's bits (a verify pass)
+        for i in range(x.shape[0]):
+            kernels.gemv(w, x[i], out[i])
     elif exact and qtype not in FLOAT_TYPES:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile))
     else:
@@ -251,6 +257,11 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
         few_token_gemm(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
         for i in range(T if p.tail.shape[0] else 0):
             t.kernels.gemv(p.tail, x[i], out[i, head:])
+    elif T <= FEW_TOKENS:  # Q4_K: each row through the GEMV (one multi-row kernel is issue 37's)
+        for i in range(T):
+            t.interleaved.gemv(p.groups, x[i], out[i])
+            if p.tail.shape[0]:
+                t.kernels.gemv(p.tail, x[i], out[i, head:])
     else:
         t.interleaved.gemm(p.groups, x, out)
         if p.tail.shape[0]:
