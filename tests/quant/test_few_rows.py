@@ -20,11 +20,11 @@ CASES = [(q, "stored") for q in QUANT_TYPES + FLOAT_TYPES] + [(q, "x8") for q in
 def test_each_row_has_its_gemv_bits(rng, qtype, layout, T):
     n_cols = odd_cols(qtype)
     raw = make_weights(rng, qtype, ROWS, n_cols)
-    weights = raw if layout == "stored" else quant.pack(raw, qtype, n_cols)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
+    want, mag, w = _ref(x, raw, qtype, n_cols)
+    weights = raw if layout == "stored" else quant.pack(raw.copy(), qtype, n_cols)  # pack gives a copy's pages back
     got = quant.matmul(x, weights, qtype, n_cols)
     for i in range(T):
         np.testing.assert_array_equal(got[i], quant.matmul(x[i:i + 1], weights, qtype, n_cols)[0])
-    want, mag, w = _ref(x, raw, qtype, n_cols)
     bound = RTOL * mag + (0 if qtype in FLOAT_TYPES else _q8_error_bound(x, w))
     assert np.all(np.abs(got - want) <= bound + 1e-6)
