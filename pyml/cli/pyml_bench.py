@@ -43,6 +43,7 @@ from pyml.cli import bench_cold
 from pyml.cli.bench_batch import batch_table
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
+from pyml.cli.bench_spec import spec_table
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
 from pyml.cli.main import Parser, run_command
 from pyml.core import ops, perf
@@ -510,6 +511,9 @@ def build_parser() -> Parser:
     p.add_argument("--batch", metavar="B,B,...", default=None,
                    help="instead of pp/tg: B sequences a step for each B (e.g. 1,4,16): prefill and aggregate "
                         "decode tokens/s, llama-batched-bench's table (-p, -n, --reps as for pp/tg)")
+    p.add_argument("--spec", action="store_true",
+                   help="instead of pp/tg: decode tok/s with prompt-lookup speculative decoding vs without, "
+                        "alternating, on summarise / edit-code / free-chat prompts (-n tokens, --reps; bench_spec.py)")
     p.add_argument("--cold", action="store_true",
                    help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
                         "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
@@ -548,6 +552,15 @@ def run_bench(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.md").write_text(table)
+        sys.stdout.write(table)
+        return 0
+    if args.spec:
+        if peers:
+            raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: pyml's lookup against plain only")
+        table = spec_table(MODELS, models, threads[0], n_gens[0], reps)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.md").write_text(table)
         sys.stdout.write(table)
         return 0
     if args.cold:
