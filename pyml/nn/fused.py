@@ -321,7 +321,9 @@ class FusedStep:
         first, _, layers, pre_at, post_at, _ = run
         start = _claim(first, layers, pos, cache)
         attn = first.block.attn
-        splits = attention_kernels.decode_splits(attn.n_kv_heads, pos + 1 - start, n_threads)
+        # the span cut as attend_decode cuts it (one part where that runs serially): the parts' merge
+        # rounds, and a speculative verify pass attends through attend_decode and must get these bits
+        splits = attention_kernels.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start, n_threads) or 1
         scratch = self._attention_scratch(region, first, cache, layers[0], attn.n_kv_heads * splits)
         events, row = _event_rows(first, layers, ops_on)
         out = region[0](x, first.pre_w, pre_at, first.bufs, first.post_w, post_at,
