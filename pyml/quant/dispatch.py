@@ -20,6 +20,9 @@ matmul(x, raw, qtype, n_cols) for x [T, n_cols]:
                         models use them for T > 1 only;
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction;
+                        2 .. ROWS_MAX rows (a batched decode step, a verify pass) take
+                        interleaved_rows.py, and on the file's layout KernelSet.gemv_rows: the
+                        weights read once, each row the bits of its GEMV;
                         models pack their Linears at load.
 Why pyml's own kernels and not BLAS at T > 1: docs/performance.md, "No BLAS in a forward pass".
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 
 from pyml.core.isa import BF16 as BF16_AVAILABLE
@@ -54,6 +58,7 @@ from pyml.quant.bf16_gemm import BF16Packed
 from pyml.quant.floats import to_f32
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
+from pyml.quant.interleaved_rows import ROWS_MAX, chunks_for, rows_kernel, serves
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, row_bytes, traits_of
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
@@ -151,6 +156,8 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
     kernels = traits_of(qtype).kernels
     if x.shape[0] == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0])
+    elif serves(x.shape[0]) and not exact:  # a batched decode step: each row the bits of its GEMV alone
+        kernels.gemv_rows(w, x, out)
     elif exact and qtype not in FLOAT_TYPES:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile))
     else:
@@ -243,6 +250,10 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
         t.interleaved.gemv(p.groups, x[0], out[0])
         if p.tail.shape[0]:
             t.kernels.gemv(p.tail, x[0], out[0, head:])
+    elif serves(T):  # a batched decode step: each row the bits of its GEMV alone (interleaved_rows.py)
+        rows_kernel(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
+        for r in range(T if p.tail.shape[0] else 0):
+            t.kernels.gemv(p.tail, x[r], out[r, head:])
     else:
         t.interleaved.gemm(p.groups, x, out)
         if p.tail.shape[0]:
@@ -311,6 +322,7 @@ def _warm_type(qtype) -> None:
     rng = np.random.default_rng(0)
     n_cols = 256
     x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
+    x_gemm = rng.standard_normal((ROWS_MAX + 1, n_cols), np.float32)  # past the few rows' kernels: the GEMM
     t = traits_of(qtype)
     if t.is_float:
         stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
@@ -322,8 +334,8 @@ def _warm_type(qtype) -> None:
         for weights in (w, pack(w, qtype, n_cols)):
             for exact in (False, True):
                 if weights is not None:
-                    matmul(x1, weights, qtype, n_cols, exact=exact)
-                    matmul(x3, weights, qtype, n_cols, exact=exact)
+                    for x in (x1, x3, x_gemm):  # the GEMV, a few rows (a batched decode), the GEMM
+                        matmul(x, weights, qtype, n_cols, exact=exact)
         dequantize(w, qtype, n_cols)
         dequantize_rows(w, qtype, n_cols, [1])
     if t.quantize is not None and not t.is_float:
