@@ -23,7 +23,7 @@ from pyml.core.simd import FASTMATH, load_f32x8, prefetch, store_f32x8
 from pyml.quant.ggml_types import Q4_K
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import (_block, _codes, _corrections, _k_block, _k_codes, _sb_size, activation_bytes,
-                                         gemv_activation)
+                                         gemv_activation, k_prefetch)
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
 CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
@@ -63,10 +63,7 @@ def _rows_group_k(w, xq, xd, xs, acc):
         o = Q4_K_SUPERBLOCK * s
         for p in range(4):
             c, u = o + 160 + 256 * p, 8 * s + 2 * p
-            prefetch(w, c + 1024)
-            prefetch(w, c + 1088)
-            prefetch(w, c + 1152)
-            prefetch(w, c + 1216)
+            k_prefetch(w, c)
             lo = _k_codes(w, c, 0)
             for t in range(xd.shape[0]):
                 store_f32x8(acc, 8 * t, _k_block(lo, w, o, 2 * p, xq[t], u, xd[t, u], xs[t, u], load_f32x8(acc, 8 * t)))
