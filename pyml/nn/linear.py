@@ -83,7 +83,8 @@ class Linear:
                          module=self.name, op="linear", dtype=self.type_name):
             with _perf.trace(self.matmul_event, MATMUL_FMT, x.shape[0], x.shape[1],
                              self.out_features, self.in_features, module=self.name, op="quant_matmul"):
-                data = w.data if self.prefill_weight is None or x.shape[0] == 1 else self.prefill_weight
+                decode = x.shape[0] == 1 or quant.as_decode_rows(x.shape[0])  # no bf16 blocks: a GEMV's bits
+                data = w.data if self.prefill_weight is None or decode else self.prefill_weight
                 y = quant.matmul(x, data, w.qtype, self.in_features)
             if self.bias is not None:
                 y += self.bias

@@ -62,6 +62,30 @@ from pyml.quant.interleaved_rows import ROWS_MAX, chunks_for, rows_kernel, serve
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, row_bytes, traits_of
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
+_rows = threading.local()  # per calling thread: whether 2..ROWS_MAX rows are decode rows (decode_rows())
+
+
+class decode_rows:
+    """`with quant.decode_rows():` the matmuls inside, of 2 .. ROWS_MAX rows, give each row the bits of
+    its GEMV alone (interleaved_rows.py, KernelSet.gemv_rows) - a batched step of decode rows only, a
+    speculative verify pass - so a sequence decodes as it would alone. Outside, those rows take the
+    GEMM, as a prompt's prefill always does: a prompt then has the same bits alone and in a batch."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        self.saved, _rows.on = getattr(_rows, "on", False), self.on
+        return self
+
+    def __exit__(self, *exc):
+        _rows.on = self.saved
+        return False
+
+
+def as_decode_rows(T: int) -> bool:
+    """Whether a matmul of T rows here gives each row its GEMV's bits (inside decode_rows())."""
+    return serves(T) and getattr(_rows, "on", False)
 _F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
 
 
@@ -156,7 +180,7 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
     kernels = traits_of(qtype).kernels
     if x.shape[0] == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0])
-    elif serves(x.shape[0]) and not exact:  # a batched decode step: each row the bits of its GEMV alone
+    elif as_decode_rows(x.shape[0]) and not exact:  # a batched decode step: each row the bits of its GEMV alone
         kernels.gemv_rows(w, x, out)
     elif exact and qtype not in FLOAT_TYPES:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile))
@@ -250,7 +274,7 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
         t.interleaved.gemv(p.groups, x[0], out[0])
         if p.tail.shape[0]:
             t.kernels.gemv(p.tail, x[0], out[0, head:])
-    elif serves(T):  # a batched decode step: each row the bits of its GEMV alone (interleaved_rows.py)
+    elif as_decode_rows(T):  # a batched decode step: each row the bits of its GEMV alone (interleaved_rows.py)
         rows_kernel(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
         for r in range(T if p.tail.shape[0] else 0):
             t.kernels.gemv(p.tail, x[r], out[r, head:])
@@ -334,8 +358,9 @@ def _warm_type(qtype) -> None:
         for weights in (w, pack(w, qtype, n_cols)):
             for exact in (False, True):
                 if weights is not None:
-                    for x in (x1, x3, x_gemm):  # the GEMV, a few rows (a batched decode), the GEMM
-                        matmul(x, weights, qtype, n_cols, exact=exact)
+                    for x, rows in ((x1, False), (x3, True), (x3, False), (x_gemm, False)):
+                        with decode_rows(rows):  # the GEMV, a batched decode's few rows, the GEMM
+                            matmul(x, weights, qtype, n_cols, exact=exact)
         dequantize(w, qtype, n_cols)
         dequantize_rows(w, qtype, n_cols, [1])
     if t.quantize is not None and not t.is_float:

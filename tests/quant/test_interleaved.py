@@ -89,7 +89,7 @@ def test_layout_is_the_documented_one(qtype):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [8, 41, 257])  # 41: pairs of groups (the 512-bit GEMM), an odd group, a tail row
-@pytest.mark.parametrize("T", [1, 3, 4, 5, ROWS_MAX, ROWS_MAX + 1, 34])  # 2..ROWS_MAX: interleaved_rows.py
+@pytest.mark.parametrize("T", [1, 3, 4, 5, ROWS_MAX, ROWS_MAX + 1, 34])  # 2..ROWS_MAX: the GEMM (a prefill's rows)
 def test_packed_matmul(rng, qtype, rows, T):
     n_cols = odd_cols(qtype)
     raw = make_weights(rng, qtype, rows, n_cols)
@@ -113,7 +113,8 @@ def test_a_few_rows_give_each_row_the_gemv_bits(rng, qtype, T):
     n_cols = odd_cols(qtype)
     packed = quant.pack(make_weights(rng, qtype, 41, n_cols), qtype, n_cols)
     x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
-    batched = quant.matmul(x, packed, qtype, n_cols)
+    with quant.decode_rows():
+        batched = quant.matmul(x, packed, qtype, n_cols)
     for t in range(T):
         np.testing.assert_array_equal(batched[t], quant.matmul(x[t:t + 1], packed, qtype, n_cols)[0], err_msg=f"row {t}")
 
