@@ -28,14 +28,15 @@ from pyml.core import perf
 from pyml import quant
 from pyml.core.errors import PymlError
 from pyml.nn.attention import FEW_QUERIES
+from pyml.quant.interleaved_rows import ROWS_MAX
 from pyml.nn.kv_cache import RING_SLACK
 
 _perf = perf.get("pyml.nlp.speculative")
 
 # A verify pass of k + 1 positions gives each position a decode step's bits only up to this many
-# rows (quant/dispatch.py: the matmuls of 2 .. FEW_TOKENS rows; nn/attention.py: FEW_QUERIES);
+# rows (its matmuls inside quant.decode_rows(): 2 .. ROWS_MAX rows; nn/attention.py: FEW_QUERIES);
 # past it the GEMM and the tiled attention round otherwise and greedy output would drift.
-MAX_DRAFT = min(quant.FEW_TOKENS, FEW_QUERIES) - 1
+MAX_DRAFT = min(ROWS_MAX, FEW_QUERIES) - 1
 assert MAX_DRAFT < RING_SLACK  # the pass must also fit a sliding-window ring's slack
 
 
@@ -235,7 +236,8 @@ class Speculator:
             self.throttle.plain(perf.clock() - t0)
             return chosen
         with _perf.debug("speculative::verify", "pos={} draft={}", pos, len(draft), op="speculative") as span:
-            rows = self.model.forward([token] + draft, kv, pos=pos, all_logits=True)  # [k + 1, vocab]
+            with quant.decode_rows():  # each row's matmuls its GEMV's bits, as its decode step's
+                rows = self.model.forward([token] + draft, kv, pos=pos, all_logits=True)  # [k + 1, vocab]
             with span.part("accept"):
                 chosen, kept = self._accept(rows, draft, q_dists, history, sampler)
         cached += [token] + draft[:kept]

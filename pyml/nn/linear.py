@@ -72,7 +72,7 @@ class Linear:
 
     def __init__(self, weight: Weight, bias: np.ndarray | None = None, name: str = ""):
         self.weight, self.bias, self.name = weight, bias, name
-        self.prefill_weight = None  # bf16 blocks of float weights for T > FEW_TOKENS (pack, --float-compute bf16)
+        self.prefill_weight = None  # bf16 blocks of float weights for T > 1 (pack, --float-compute bf16)
         self.out_features, self.in_features = weight.shape
         self.matmul_event = f"quant::matmul_f32_{weight.qtype.name.lower()}"  # for the spans
         self.dims, self.type_name = (self.in_features, self.out_features), weight.qtype.name
@@ -83,7 +83,8 @@ class Linear:
                          module=self.name, op="linear", dtype=self.type_name):
             with _perf.trace(self.matmul_event, MATMUL_FMT, x.shape[0], x.shape[1],
                              self.out_features, self.in_features, module=self.name, op="quant_matmul"):
-                data = w.data if self.prefill_weight is None or x.shape[0] <= quant.FEW_TOKENS else self.prefill_weight
+                decode = x.shape[0] == 1 or quant.as_decode_rows(x.shape[0])  # no bf16 blocks: a GEMV's bits
+                data = w.data if self.prefill_weight is None or decode else self.prefill_weight
                 y = quant.matmul(x, data, w.qtype, self.in_features)
             if self.bias is not None:
                 y += self.bias

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from pyml.core.isa import BF16 as BF16_AVAILABLE
 from pyml.quant.bf16_gemm import BF16Packed
-from pyml.quant.dispatch import (FLOAT_COMPUTE, attention_compute, dequantize, dequantize_rows, float_compute,
+from pyml.quant.dispatch import (FLOAT_COMPUTE, as_decode_rows, attention_compute, decode_rows, dequantize,
+                                 dequantize_rows, float_compute,
                                  kernel_view, matmul, pack, pack_bf16, packed_from_cache, packs, quantize, row_reader,
                                  warmup, warmup_steps)
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
-from pyml.quant.interleaved_few import FEW_TOKENS
 from pyml.quant.quantizers import to_bf16_bits
 from pyml.quant.reference import dequantize_reference, matmul_reference
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, is_supported, row_bytes, traits_of
 
-__all__ = ["QuantType", "FEW_TOKENS", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
-           "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs", "packed_from_cache", "Packed",
+__all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
+           "as_decode_rows", "decode_rows", "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs",
+           "packed_from_cache", "Packed",
            "BF16Packed", "BF16_AVAILABLE", "FLOAT_COMPUTE", "float_compute", "attention_compute", "pack_bf16",
            "row_reader", "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference",
            "matmul_reference"]

@@ -10,21 +10,19 @@ decodes ~4 MB tiles).
 
 matmul(x, raw, qtype, n_cols) for x [T, n_cols]:
   quantized W, T == 1   the type's GEMV, parallel over output rows, int8 activations;
-  W, 2 .. FEW_TOKENS    each row the bits of its GEMV, whatever the type: interleaved_few.py for
-                        the x8 layout (not Q4_K), else the GEMV row by row (a speculative verify
-                        pass must see the numbers of a decode step, nlp/speculative.py);
   quantized W, T > 1    the type's GEMM in register tiles (each kernel module documents its
                         own), parallel over chunks of rows, int8 activations;
   exact=True, T > 1     ~4 MB tiles of W decoded to float32, each through BLAS;
-  F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > FEW_TOKENS floats.py's register-tiled GEMM
+  F16 / BF16 / F32 W    a streaming GEMV for T == 1; for T > 1 floats.py's register-tiled GEMM
                         with float32 FMAs (weights widened on the fly);
   bf16 blocks (float W) pack_bf16() (--float-compute bf16, the avx512_bf16 path): weights and
                         activations rounded to bf16, vdpbf16ps into float32 sums (bf16_gemm.py);
-                        models use them for T > FEW_TOKENS only;
+                        models use them for T > 1 only;
   interleaved W         pack() re-lays the types whose traits say so 8 rows at a time
                         (interleaved.py): GEMV and GEMM then serve 8 rows per instruction;
-                        2 .. FEW_TOKENS tokens take interleaved_few.py (the GEMV's loop over
-                        every token, each row the bits of its GEMV; not Q4_K);
+                        2 .. ROWS_MAX rows (a batched decode step, a verify pass) take
+                        interleaved_rows.py, and on the file's layout KernelSet.gemv_rows: the
+                        weights read once, each row the bits of its GEMV;
                         models pack their Linears at load.
 Why pyml's own kernels and not BLAS at T > 1: docs/performance.md, "No BLAS in a forward pass".
 
@@ -60,10 +58,34 @@ from pyml.quant.bf16_gemm import BF16Packed
 from pyml.quant.floats import to_f32
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
-from pyml.quant.interleaved_few import FEW_TOKENS, chunks_for, few_token_gemm, serves
+from pyml.quant.interleaved_rows import ROWS_MAX, chunks_for, rows_kernel, serves
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, row_bytes, traits_of
 
 _TILE_BYTES = 4 << 20  # float32 tile handed to BLAS: big enough to amortise the call, fits L3
+_rows = threading.local()  # per calling thread: whether 2..ROWS_MAX rows are decode rows (decode_rows())
+
+
+class decode_rows:
+    """`with quant.decode_rows():` the matmuls inside, of 2 .. ROWS_MAX rows, give each row the bits of
+    its GEMV alone (interleaved_rows.py, KernelSet.gemv_rows) - a batched step of decode rows only, a
+    speculative verify pass - so a sequence decodes as it would alone. Outside, those rows take the
+    GEMM, as a prompt's prefill always does: a prompt then has the same bits alone and in a batch."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        self.saved, _rows.on = getattr(_rows, "on", False), self.on
+        return self
+
+    def __exit__(self, *exc):
+        _rows.on = self.saved
+        return False
+
+
+def as_decode_rows(T: int) -> bool:
+    """Whether a matmul of T rows here gives each row its GEMV's bits (inside decode_rows())."""
+    return serves(T) and getattr(_rows, "on", False)
 _F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
 
 
@@ -158,9 +180,8 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
     kernels = traits_of(qtype).kernels
     if x.shape[0] == 1:
         (kernels.gemv_exact if exact else kernels.gemv)(w, x[0], out[0])
-    elif not exact and x.shape[0] <= FEW_TOKENS:  # a few tokens: each row its GEMV's bits (a verify pass)
-        for i in range(x.shape[0]):
-            kernels.gemv(w, x[i], out[i])
+    elif as_decode_rows(x.shape[0]) and not exact:  # a batched decode step: each row the bits of its GEMV alone
+        kernels.gemv_rows(w, x, out)
     elif exact and qtype not in FLOAT_TYPES:
         _matmul_tiles(x, w, n_cols, out, lambda r0, tile: kernels.dequant_tile(w, r0, tile))
     else:
@@ -253,15 +274,10 @@ def _matmul_packed(x, p: Packed, qtype, n_cols: int, out):
         t.interleaved.gemv(p.groups, x[0], out[0])
         if p.tail.shape[0]:
             t.kernels.gemv(p.tail, x[0], out[0, head:])
-    elif serves(p.kind, T):  # a few tokens: each row the bits of its GEMV (interleaved_few.py)
-        few_token_gemm(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
-        for i in range(T if p.tail.shape[0] else 0):
-            t.kernels.gemv(p.tail, x[i], out[i, head:])
-    elif T <= FEW_TOKENS:  # Q4_K: each row through the GEMV (one multi-row kernel is issue 37's)
-        for i in range(T):
-            t.interleaved.gemv(p.groups, x[i], out[i])
-            if p.tail.shape[0]:
-                t.kernels.gemv(p.tail, x[i], out[i, head:])
+    elif as_decode_rows(T):  # a batched decode step: each row the bits of its GEMV alone (interleaved_rows.py)
+        rows_kernel(p.kind)(p.groups, x, out, chunks_for(numba.get_num_threads()))
+        for r in range(T if p.tail.shape[0] else 0):
+            t.kernels.gemv(p.tail, x[r], out[r, head:])
     else:
         t.interleaved.gemm(p.groups, x, out)
         if p.tail.shape[0]:
@@ -330,7 +346,7 @@ def _warm_type(qtype) -> None:
     rng = np.random.default_rng(0)
     n_cols = 256
     x1, x3 = rng.standard_normal((1, n_cols), np.float32), rng.standard_normal((3, n_cols), np.float32)
-    x_many = rng.standard_normal((FEW_TOKENS + 1, n_cols), np.float32)  # past interleaved_few: the GEMM
+    x_gemm = rng.standard_normal((ROWS_MAX + 1, n_cols), np.float32)  # past the few rows' kernels: the GEMM
     t = traits_of(qtype)
     if t.is_float:
         stored = quantize(rng.standard_normal((3, n_cols), np.float32), qtype)
@@ -342,9 +358,9 @@ def _warm_type(qtype) -> None:
         for weights in (w, pack(w, qtype, n_cols)):
             for exact in (False, True):
                 if weights is not None:
-                    matmul(x1, weights, qtype, n_cols, exact=exact)
-                    matmul(x3, weights, qtype, n_cols, exact=exact)
-                    matmul(x_many, weights, qtype, n_cols, exact=exact)
+                    for x, rows in ((x1, False), (x3, True), (x3, False), (x_gemm, False)):
+                        with decode_rows(rows):  # the GEMV, a batched decode's few rows, the GEMM
+                            matmul(x, weights, qtype, n_cols, exact=exact)
         dequantize(w, qtype, n_cols)
         dequantize_rows(w, qtype, n_cols, [1])
     if t.quantize is not None and not t.is_float:

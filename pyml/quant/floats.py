@@ -352,4 +352,11 @@ def float_kernels(kind: int) -> KernelSet:
                 _gemm_chunk(kind, w, x, out, r_lo, r_hi)
         return out
 
-    return KernelSet(dequant_rows, dequant_tile, gemv, gemv, gemm)
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv_rows(w, x, out):  # w [R, n] f32 / u16 bits, x [T, n] f32 -> out [T, R] f32, each row as gemv's
+        for r in prange(w.shape[0]):  # a weight row stays in L1 while every activation row takes it
+            for t in range(x.shape[0]):
+                out[t, r] = _gemv_row(kind, w[r], x[t])
+        return out
+
+    return KernelSet(dequant_rows, dequant_tile, gemv, gemv, gemm, gemv_rows)

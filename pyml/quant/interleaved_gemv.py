@@ -229,16 +229,22 @@ def _gemv_group(kind, w, xq, xd, xs, xoff):  # F32x8: group w [nb * 8 * ts] . x,
 
 
 @numba.njit
+def k_prefetch(w, c):
+    """Q4_K: the cache lines of the chunk pair 1024 bytes past c, so the streams stay ahead of the loads."""
+    prefetch(w, c + 1024)
+    prefetch(w, c + 1088)
+    prefetch(w, c + 1152)
+    prefetch(w, c + 1216)
+
+
+@numba.njit
 def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane r = row r
     acc = zeros_f32x8()
     for s in range(xd.size // 8):
         o = Q4_K_SUPERBLOCK * s
         for p in range(4):
             c, u = o + 160 + 256 * p, 8 * s + 2 * p
-            prefetch(w, c + 1024)
-            prefetch(w, c + 1088)
-            prefetch(w, c + 1152)
-            prefetch(w, c + 1216)
+            k_prefetch(w, c)
             acc = _k_block(_k_codes(w, c, 0), w, o, 2 * p, xq, u, xd[u], xs[u], acc)
             acc = _k_block(_k_codes(w, c, 1), w, o, 2 * p + 1, xq, u + 1, xd[u + 1], xs[u + 1], acc)
     return acc

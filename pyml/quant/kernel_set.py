@@ -35,6 +35,7 @@ class KernelSet(NamedTuple):
     gemv: Callable           # (w, x, out): T == 1 on the default path
     gemv_exact: Callable     # (w, x, out): T == 1, float32 activations
     gemm: Callable           # (w, x, out): T > 1 on the default path
+    gemv_rows: Callable      # (w, x, out): 2 .. ROWS_MAX rows (a batched decode step), each with gemv's bits
 
 
 GEMM_CHUNK = 32
@@ -108,6 +109,17 @@ def block_kernels(kind: int) -> KernelSet:
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv_rows(w, x, out):  # w [R, row_bytes], x [T, n_cols] f32 -> out [T, R] f32, each row as gemv's
+        xq, xd, xs, xp = quantize_rows_q8(x)  # each row as quantize_q8 quantizes it alone
+        for r in prange(w.shape[0]):  # a weight row stays in L1 while every activation row takes it
+            for t in range(x.shape[0]):
+                if superblocks:
+                    out[t, r] = kquants.gemv_row(kind, w[r], xq[t], xd[t], xs[t], xp[t])
+                else:
+                    out[t, r] = blocks32.gemv_row(kind, w[r], xq[t], xd[t], xs[t], xp[t])
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_exact(w, x, out):  # w [R, row_bytes], x [n_cols] f32 -> out [R] f32
         xsum = sums32(x)
         for r in prange(w.shape[0]):
@@ -137,4 +149,4 @@ def block_kernels(kind: int) -> KernelSet:
             _gemm_chunk(kind, superblocks, w, xq, xd, xs, xp, out, r_lo, r_hi)
         return out
 
-    return KernelSet(dequant_rows, dequant_tile, gemv, gemv_exact, gemm)
+    return KernelSet(dequant_rows, dequant_tile, gemv, gemv_exact, gemm, gemv_rows)

@@ -191,6 +191,22 @@ def test_profile_gives_one_report_over_the_batch(tiny, tmp_path):
     assert json.loads((prof / "run.json").read_text())["model"]["arch"] == "gpt2"
 
 
+def test_a_batched_profile_reports_its_steps_and_aggregate_speed(tiny, tmp_path):
+    src = write_input(tmp_path / "in.jsonl")
+    prof = tmp_path / "prof"
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "o.jsonl"), "-m", str(tiny), "-n", "5",
+                            "--batch", "4", "--profile", str(prof)]) == 0
+    events = [json.loads(line) for line in (prof / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e.get("name") == "generator::batch_step" and e.get("phase") == "decode"]
+    decoded = sum(int(e["details"].split("decoding=")[1].split()[0]) for e in steps)
+    tokens = sum(len(r["tokens"]) for r in read_output(tmp_path / "o.jsonl"))
+    # every token but each prompt's first (chosen by its prefill) comes from a decode step
+    assert steps and decoded == tokens - len(PROMPTS)
+    report = (prof / "report.md").read_text()
+    line = next(x for x in report.splitlines() if x.startswith("| Decode (mean/batched step)"))
+    assert f"over {len(steps)} steps of {decoded / len(steps):.1f} decoding sequences" in line
+
+
 def test_ray_flag_without_ray_is_one_line_naming_the_extra(tiny, tmp_path):
     src = write_input(tmp_path / "in.jsonl")
     code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` now raises ImportError

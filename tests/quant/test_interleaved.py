@@ -9,6 +9,7 @@ from pyml import quant
 from pyml.quant import QuantType
 from pyml.quant import interleaved_triples
 from pyml.quant.interleaved_gemm import interleaved_kernels
+from pyml.quant.interleaved_rows import ROWS_MAX
 from pyml.quant.interleaved_triples import SIGNED_KINDS
 from tests.quant.helpers import make_weights, odd_cols, q8_activation
 from tests.quant.test_matmul import RTOL, _q8_error_bound, _ref
@@ -88,7 +89,7 @@ def test_layout_is_the_documented_one(qtype):
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [8, 41, 257])  # 41: pairs of groups (the 512-bit GEMM), an odd group, a tail row
-@pytest.mark.parametrize("T", [1, 3, 4, 5, 34])
+@pytest.mark.parametrize("T", [1, 3, 4, 5, ROWS_MAX, ROWS_MAX + 1, 34])  # 2..ROWS_MAX: the GEMM (a prefill's rows)
 def test_packed_matmul(rng, qtype, rows, T):
     n_cols = odd_cols(qtype)
     raw = make_weights(rng, qtype, rows, n_cols)
@@ -101,6 +102,21 @@ def test_packed_matmul(rng, qtype, rows, T):
     assert np.all(np.abs(y - ref) <= _q8_error_bound(x, w) + RTOL * scale)
     np.testing.assert_array_equal(quant.matmul(x, packed, qtype, n_cols, exact=True),
                                   quant.matmul(x, raw, qtype, n_cols, exact=True))
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
+@pytest.mark.parametrize("T", [2, 5, ROWS_MAX])
+def test_a_few_rows_give_each_row_the_gemv_bits(rng, qtype, T):
+    """interleaved_rows.py (a batched decode step's product, a verify pass's) dots every row as the
+    GEMV does one, so a sequence decoded in a batch gets the bits it gets alone; 41 rows: groups
+    and a tail row in the file's layout; 2 threads share out 5 groups in 8 chunks."""
+    n_cols = odd_cols(qtype)
+    packed = quant.pack(make_weights(rng, qtype, 41, n_cols), qtype, n_cols)
+    x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
+    with quant.decode_rows():
+        batched = quant.matmul(x, packed, qtype, n_cols)
+    for t in range(T):
+        np.testing.assert_array_equal(batched[t], quant.matmul(x[t:t + 1], packed, qtype, n_cols)[0], err_msg=f"row {t}")
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
@@ -143,9 +159,10 @@ def test_the_avx2_triples_give_the_same_bits_as_every_path(rng, qtype, rows):
     packed = quant.pack(make_weights(rng, qtype, rows, n_cols), qtype, n_cols)
     for T in (1, 4, 19):
         x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
-        want = quant.matmul(x, packed, qtype, n_cols)  # T 2..FEW_TOKENS: each row its GEMV's bits
-        if T > 1:  # the GEMM this CPU dispatches to
-            quant.traits_of(qtype).interleaved.gemm(packed.groups, x, want[:, :8 * packed.groups.shape[0]])
+        if T == 1:  # the GEMV
+            want = quant.matmul(x, packed, qtype, n_cols)
+        else:  # the GEMM this CPU dispatches to (a few rows go to interleaved_rows.py, which matmul would take)
+            want = interleaved_kernels(qtype).gemm(packed.groups, x, np.full((T, rows), np.nan, np.float32))
         got = np.full((T, rows), np.nan, np.float32)
         interleaved_kernels(qtype).gemm_triples(packed.groups, x, got)
         np.testing.assert_array_equal(got[:, :rows - rows % 8], want[:, :rows - rows % 8])

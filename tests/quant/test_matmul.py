@@ -15,6 +15,7 @@ import pytest
 
 from pyml import quant
 from pyml.quant import QuantType
+from pyml.quant.interleaved_rows import ROWS_MAX
 from tests.quant.helpers import FLOAT_TYPES, QUANT_TYPES, make_weights, odd_cols, q8_activation
 
 RTOL = 1e-5
@@ -33,7 +34,7 @@ def _q8_error_bound(x, w):
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [7, 33, 257])
-@pytest.mark.parametrize("T", [1, 5, 38])  # 38: tiles of 8 tokens, then of 4, then single ones
+@pytest.mark.parametrize("T", [1, 5, ROWS_MAX, 38])  # 38: the GEMM's tiles of 8, 4, 1
 def test_matmul(rng, qtype, rows, T):
     n_cols = odd_cols(qtype) if qtype not in FLOAT_TYPES else 77
     raw = make_weights(rng, qtype, rows, n_cols)
@@ -71,12 +72,30 @@ def test_gemm_rows_equal_gemv(rng, qtype):
     up to float32 summation order."""
     n_cols = odd_cols(qtype)
     raw = make_weights(rng, qtype, 13, n_cols)
-    x = rng.standard_normal((6, n_cols)).astype(np.float32)
+    T = ROWS_MAX + 4  # the GEMM's tiles
+    x = rng.standard_normal((T, n_cols)).astype(np.float32)
     y = quant.matmul(x, raw, qtype, n_cols)
     _, scale, _ = _ref(x, raw, qtype, n_cols)
-    for t in range(6):
+    for t in range(T):
         yt = quant.matmul(x[t:t + 1], raw, qtype, n_cols)[0]
         assert np.all(np.abs(y[t] - yt) <= RTOL * scale[t])
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("T", [2, 7, ROWS_MAX])
+def test_a_few_rows_give_each_row_the_gemv_bits(rng, qtype, T):
+    """2 .. ROWS_MAX decode rows (inside quant.decode_rows(): a batched decode step) go through
+    KernelSet.gemv_rows: each row the bits of the GEMV alone, so a sequence decoded in a batch gets
+    the logits it gets alone; and within the float64 oracle's bound, as every path."""
+    n_cols = odd_cols(qtype) if qtype not in FLOAT_TYPES else 77
+    raw = make_weights(rng, qtype, 13, n_cols)
+    x = rng.standard_normal((T, n_cols)).astype(np.float32)
+    with quant.decode_rows():
+        y = quant.matmul(x, raw, qtype, n_cols)
+    for t in range(T):
+        np.testing.assert_array_equal(y[t], quant.matmul(x[t:t + 1], raw, qtype, n_cols)[0], err_msg=f"row {t}")
+    ref, scale, w = _ref(x, raw, qtype, n_cols)
+    assert np.all(np.abs(y - (ref if qtype in FLOAT_TYPES else q8_activation(x) @ w.T)) <= RTOL * scale)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
@@ -84,14 +103,17 @@ def test_one_and_two_threads_agree(rng, qtype):
     n_cols = odd_cols(qtype) if qtype not in FLOAT_TYPES else 96
     raw = make_weights(rng, qtype, 61, n_cols)
     x1 = rng.standard_normal((1, n_cols)).astype(np.float32)
-    x4 = rng.standard_normal((4, n_cols)).astype(np.float32)
+    x4 = rng.standard_normal((4, n_cols)).astype(np.float32)  # gemv_rows (decode rows), and the GEMM
+    x20 = rng.standard_normal((ROWS_MAX + 4, n_cols)).astype(np.float32)  # the GEMM
     saved = numba.get_num_threads()
     try:
         results = []
         for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
             numba.set_num_threads(threads)
+            with quant.decode_rows():
+                rows = quant.matmul(x4, raw, qtype, n_cols)
             results.append([quant.matmul(x1, raw, qtype, n_cols), quant.matmul(x1, raw, qtype, n_cols, exact=True),
-                            quant.matmul(x4, raw, qtype, n_cols)])
+                            rows, quant.matmul(x4, raw, qtype, n_cols), quant.matmul(x20, raw, qtype, n_cols)])
     finally:
         numba.set_num_threads(saved)
     for a, b in zip(*results):

@@ -123,8 +123,10 @@ class DecoderModel:
             logits = self.forward(tokens, pool.sequence(seq), pos, all_logits)
             return [logits] if all_logits else logits[None]
         n_layers = len(self.blocks)
-        with runtime.kernel_lock(), _perf.debug("model::forward", "tokens={} batch={}", len(batch),
-                                                 len(batch.segments), op="model", module="model") as span:
+        # decode rows only: each row's matmuls the bits of its GEMV, as the sequence would decode alone
+        with runtime.kernel_lock(), quant.decode_rows(batch.n_decode == len(batch)), \
+                _perf.debug("model::forward", "tokens={} batch={}", len(batch), len(batch.segments), op="model",
+                            module="model") as span:
             for seq, end in zip(batch.decode_seqs.tolist(), batch.decode_ends.tolist()):
                 pool.sequence(seq).claim_layers(range(n_layers), end - 1)  # prefill rows claim as they write
             with span.part("embedding"):

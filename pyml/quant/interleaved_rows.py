@@ -1,0 +1,104 @@
+"""The x8 layout's product with a few activation rows (2 .. ROWS_MAX: a batched decode step of up
+to 16 sequences, a speculative decoding's verify pass): the GEMV's loop, each superblock's code
+vectors unpacked once into registers and dotted with every row in turn, so the weights are read
+once for all the rows.
+
+Each row gets exactly the GEMV's integers and float ops in the GEMV's order (gemv_activation's
+quantization; per superblock _block, or for Q4_K _k_block per group of 32), so its row of the
+result has the bits a GEMV of that row alone gives: a sequence decoded in a batch, or verified in
+a speculative pass, sees the numbers a decode step of it alone would. The GEMM (interleaved_gemm.py)
+stages every group's codes into a scratch and works in tiles of 4 tokens in another order: at
+a few rows its fixed cost is 2-9x a GEMV's, and its rows round differently.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numba
+import numpy as np
+from numba import prange
+
+from pyml.core.simd import FASTMATH, load_f32x8, prefetch, store_f32x8
+from pyml.quant.ggml_types import Q4_K
+from pyml.quant.interleaved import Q4_K_SUPERBLOCK
+from pyml.quant.interleaved_gemv import (_block, _codes, _corrections, _k_block, _k_codes, _sb_size, activation_bytes,
+                                         gemv_activation, k_prefetch)
+
+ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
+CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
+
+
+def serves(T: int) -> bool:
+    """Whether rows_kernel serves a product of T activation rows (T == 1 is the GEMV's)."""
+    return 1 < T <= ROWS_MAX
+
+
+def chunks_for(threads: int) -> int:
+    return CHUNKS_PER_THREAD * threads
+
+
+@numba.njit
+def _rows_group(kind, w, y, xd, xs, xoff, acc):
+    """acc [8T] <- the group w's 8 rows dotted with every activation row t at 8t .. 8t+7, as _gemv_group."""
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    acc[:] = 0.0
+    for b in range(xd.shape[1]):
+        o = sb * b
+        prefetch(w, o + 1024)  # as the GEMV: the streams stay ahead of their loads
+        prefetch(w, o + 1088)
+        v = _codes(kind, w, o)
+        corr = _corrections(kind, v)
+        for t in range(xd.shape[0]):
+            store_f32x8(acc, 8 * t, _block(kind, v, corr, w, o, y[t], b, xd[t, b], xoff[t], xs[t, b],
+                                           load_f32x8(acc, 8 * t)))
+
+
+@numba.njit
+def _rows_group_k(w, xq, xd, xs, acc):
+    """Q4_K: _rows_group in _gemv_group_k's order (superblock, chunk pair, low then high nibbles)."""
+    acc[:] = 0.0
+    for s in range(xd.shape[1] // 8):
+        o = Q4_K_SUPERBLOCK * s
+        for p in range(4):
+            c, u = o + 160 + 256 * p, 8 * s + 2 * p
+            k_prefetch(w, c)
+            lo = _k_codes(w, c, 0)
+            for t in range(xd.shape[0]):
+                store_f32x8(acc, 8 * t, _k_block(lo, w, o, 2 * p, xq[t], u, xd[t, u], xs[t, u], load_f32x8(acc, 8 * t)))
+            hi = _k_codes(w, c, 1)
+            for t in range(xd.shape[0]):
+                store_f32x8(acc, 8 * t, _k_block(hi, w, o, 2 * p + 1, xq[t], u + 1, xd[t, u + 1], xs[t, u + 1],
+                                                 load_f32x8(acc, 8 * t)))
+
+
+@lru_cache(maxsize=None)
+def rows_kernel(kind: int):
+    """(groups, x, out, chunks): groups [G, nb*sb] u8 (interleaved.py), x [T, n_cols] f32 -> out [T, >= 8G]
+    f32; the groups shared out in `chunks` pieces (chunks_for: kernels never read the thread count)."""
+    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv_rows(groups, x, out, chunks):
+        T, n = x.shape
+        nb = n // 32
+        xq, xd, xs = np.empty((T, n), np.int8), np.empty((T, nb), np.float32), np.empty((T, nb), np.float32)
+        xp, xoff, y8 = np.empty((T, n // 2), np.int16), np.empty((T, nb), np.int32), np.empty((T, n), np.uint8)
+        for t in range(T):  # each row as the GEMV quantizes it
+            gemv_activation(kind, x[t], xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
+        y = activation_bytes(kind, xq, y8)
+        G = groups.shape[0]
+        chunks = min(G, chunks)
+        for c in prange(chunks):
+            acc = np.empty(8 * T, np.float32)  # lane r of row t at 8t + r: T x 32 bytes, in L1
+            for g in range(c * G // chunks, (c + 1) * G // chunks):
+                if kind == Q4_K:
+                    _rows_group_k(groups[g], xq, xd, xs, acc)
+                else:
+                    _rows_group(kind, groups[g], y, xd, xs, xoff, acc)
+                for t in range(T):
+                    store_f32x8(out[t], 8 * g, load_f32x8(acc, 8 * t))
+        return out
+
+    return gemv_rows
