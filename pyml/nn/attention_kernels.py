@@ -44,6 +44,8 @@ PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and th
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
 # a batched step's: sequences, H, hd, Hkv, positions attended over all of them, hd, kv type
 BATCH_SPAN = ("attention::sdpa", "batch={} q=[{}, {}] kv=[{}, {}, {}] {}")
+# a verify pass's: queries, H, hd, Hkv, positions attended over all of them, hd, kv type
+QUERIES_SPAN = ("attention::sdpa", "queries={} q=[{}, {}] kv=[{}, {}, {}] {}")
 
 BLOCK = 8       # positions per key tile: one F32x8 of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
@@ -446,6 +448,35 @@ def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, window, s
     return out
 
 
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_queries(q, keys, k_scale, values, v_scale, starts, ends, splits, offsets, scale, out):
+    # query t of one sequence at position ends[t]-1, over starts[t] .. ends[t]-1, its span cut in
+    # splits[t] parts as a decode step of it cuts it; items offsets[t] .. offsets[t+1]-1 are its
+    # (kv head, part) pairs. Every query's items in one launch, each item and merge a decode step's.
+    T, H = q.shape[0], q.shape[1]
+    n_kv, hd = values.shape[0], values.shape[2]
+    R = (H // n_kv + ROWS - 1) // ROWS * ROWS
+    qs = np.zeros((T, n_kv, R, hd), np.float32)  # hd: the cache's, padded to 16 with zeros
+    qpos = np.empty((T, R), np.int64)
+    group = H // n_kv
+    for t in range(T):
+        decode_begin(q[t], scale, ends[t], qs[t], qpos[t])
+    items = offsets[T]
+    m, l = np.empty((items, R), np.float32), np.empty((items, R), np.float32)
+    acc, scores = np.empty((items, R, hd), np.float32), np.empty((items, R, CHUNK), np.float32)
+    for i in numba.prange(items):
+        t = 0
+        while offsets[t + 1] <= i:
+            t += 1
+        o = offsets[t]
+        decode_item(i - o, splits[t], qs[t], qpos[t], group, keys, k_scale, values, v_scale, starts[t], ends[t], 0,
+                    m[o:], l[o:], acc[o:], scores[o:])
+    for t in range(T):  # the merges are small: on this thread, not a second parallel region
+        o = offsets[t]
+        decode_merge(n_kv, splits[t], group, m[o:], l[o:], acc[o:], out[t])
+    return out
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
 def decode_into(q, k, v, keys, k_scale, values, v_scale, start, end, window, scale, splits, out):
     """attend_decode's work (KV write + decode attention) for callers that are compiled themselves
@@ -507,3 +538,23 @@ def attend_decode_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer_array
                     int(np.minimum(ends, window).sum() if window else ends.sum()), q.shape[2],
                     TYPE_NAMES[layer_arrays[2].dtype.type], op="sdpa"):
         return _decode_batch(q, k, v, *layer_arrays, seqs, ends, window, np.float32(scale), out)
+
+
+def attend_queries(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
+                   v_scale: np.ndarray, pos: int, window: int, scale: float, out: np.ndarray) -> np.ndarray:
+    """A speculative verify pass's attention: q [T, H, hd], the queries of one sequence at positions
+    pos .. pos+T-1 (their keys and values already written), out [T, H, hd] - in one call, each query
+    with the bits a decode step of it alone gets (attend_decode, the fused step): its span cut in
+    the parts decode_plan gives that span (0, on the calling thread, is one part: the same sums)."""
+    T, n_kv = q.shape[0], values.shape[0]
+    ends = np.arange(pos + 1, pos + T + 1, dtype=np.int64)
+    starts = np.maximum(ends - window, 0) if window else np.zeros(T, np.int64)
+    threads = numba.get_num_threads()
+    splits = np.array([decode_plan(q[0].size, n_kv, int(e - s), threads) or 1 for s, e in zip(starts, ends)],
+                      np.int64)
+    offsets = np.zeros(T + 1, np.int64)
+    np.cumsum(n_kv * splits, out=offsets[1:])
+    with PERF.trace(*QUERIES_SPAN, T, q.shape[1], q.shape[2], n_kv, int((ends - starts).sum()), q.shape[2],
+                    TYPE_NAMES[values.dtype.type], op="sdpa"):
+        return _decode_queries(q, keys, k_scale, values, v_scale, starts, ends, splits, offsets, np.float32(scale),
+                               out)
