@@ -322,7 +322,7 @@ class BatchWorker(Worker):
             return
         self.choices[id(job)] = [None] * len(requests)
         if req.profile:
-            self.profiles[id(job)] = ([], [])  # the perf records of the steps it ran in; sequences per step
+            self.profiles[id(job)] = ([], {})  # the perf records of its steps; step -> (its rows, rows, sequences)
         for i, request in enumerate(requests):
             self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
                                                  StopStrings(req.stop)), i)
@@ -337,15 +337,15 @@ class BatchWorker(Worker):
         for request, (job, _, _) in self.active.items():
             if job.cancelled:
                 request.cancel()
-        # a profiled job's records: the steps where one of its sequences decodes (as alone, its decode steps)
-        decoding = {id(job) for request, (job, _, _) in self.active.items()
-                    if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt)}
+        # a profiled job's records: the steps where its sequences decode (as alone, its decode steps)
+        decoding = collections.Counter(id(job) for request, (job, _, _) in self.active.items()
+                           if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt))
         records = []
         with recording(records, bool(self.profiles)):  # trace-level records only while a job asks for them
             chosen = gen.step()
-        for job_id in decoding:
+        for job_id, own in decoding.items():
             self.profiles[job_id][0].extend(records)
-            self.profiles[job_id][1].append(gen.last_sequences)
+            self.profiles[job_id][1][gen.steps] = (own, *gen.last_shape)
         for request, token in chosen:
             job, text_out, index = self.active[request]
             text = text_out.push(token)

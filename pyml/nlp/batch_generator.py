@@ -74,7 +74,7 @@ class BatchGenerator:
         self.waiting: deque[Request] = deque()
         self._submitted = 0
         self.steps = 0  # batched forwards so far: the `step` stamped on their perf records
-        self.last_sequences = 0  # how many sequences the last forward ran
+        self.last_shape = (0, 0)  # the last forward's (rows, sequences): a profile's share of a step
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> Request:
@@ -150,7 +150,7 @@ class BatchGenerator:
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
-            self.last_sequences = 0
+            self.last_shape = (0, 0)
             return []
         rows, budget = [], self.prefill_chunk
         for r in self.running:
@@ -165,7 +165,7 @@ class BatchGenerator:
         # a step where any sequence decodes is a decode step to that sequence (its time per token);
         # only a step of prompt chunks alone is prefill
         decoding = sum(1 for r, _ in rows if r.fed >= len(r.prompt))
-        self.steps, self.last_sequences = self.steps + 1, len(rows)
+        self.steps, self.last_shape = self.steps + 1, (sum(len(t) for _, t in rows), len(rows))
         t0, d0 = perf.clock(), perf.drain_seconds()
         with perf.context(phase="decode" if decoding else "prefill", step=self.steps), \
                 _perf.debug("generator::batch_step", "rows={} seqs={} decoding={}", sum(len(t) for _, t in rows),
