@@ -103,16 +103,22 @@ def _make_qkx2_quants(nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
 
 
 @numba.njit
+def _signed_amax(x):  # the value of largest |x|, the first on ties
+    amax, vmax = np.float32(0.0), np.float32(0.0)
+    for i in range(x.shape[0]):
+        if abs(x[i]) > amax:
+            amax, vmax = abs(x[i]), x[i]
+    return vmax
+
+
+@numba.njit
 def _make_qx_quants(nmax, x, L):
     """Signed levels L-nmax in [-nmax, nmax) with weights x^2 (rmse_type 1, no imatrix): the scale
     of least weighted error over 19 trial scales around nmax/max (Q6_K's call)."""
     n = x.shape[0]
     zero = np.float32(0.0)
-    amax, vmax = zero, zero
-    for i in range(n):
-        if abs(x[i]) > amax:
-            amax, vmax = abs(x[i]), x[i]
-    if amax < np.float32(1e-15):  # GROUP_MAX_EPS: all zero
+    vmax = _signed_amax(x)
+    if abs(vmax) < np.float32(1e-15):  # GROUP_MAX_EPS: all zero
         L[:n] = 0
         return zero
     fnmax = np.float32(nmax)
@@ -150,11 +156,8 @@ def _make_q3_quants(nmax, x, L):
     5 passes (do_rmse): Q3_K's call. Returns the scale."""
     n = x.shape[0]
     zero = np.float32(0.0)
-    amax, vmax = zero, zero
-    for i in range(n):
-        if abs(x[i]) > amax:
-            amax, vmax = abs(x[i]), x[i]
-    if amax < np.float32(1e-15):  # GROUP_MAX_EPS: all zero
+    vmax = _signed_amax(x)
+    if abs(vmax) < np.float32(1e-15):  # GROUP_MAX_EPS: all zero
         L[:n] = 0
         return zero
     iscale = -np.float32(nmax) / vmax
@@ -248,11 +251,9 @@ def _q2_k_block(x, y, L, Laux, weights, scales, mins):  # x [256] f32 -> y [84] 
 
 @numba.njit
 def _q3_k_block(x, y, L, scales):  # x [256] f32 -> y [110] u8; L int8 scratch
-    amax, max_scale = np.float32(0.0), np.float32(0.0)
     for j in range(16):
         scales[j] = _make_q3_quants(4, x[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
-        if abs(scales[j]) > amax:
-            amax, max_scale = abs(scales[j]), scales[j]
+    max_scale = _signed_amax(scales)
     sc = y[96:108]
     sc[:] = 0
     if max_scale != 0:
@@ -360,12 +361,10 @@ def _q5_k_block(x, y, L, Laux, weights, scales, mins):  # x [256] f32 -> y [176]
 
 @numba.njit
 def _q6_k_block(x, y, L, scales):  # x [256] f32 -> y [210] u8; L int8 scratch
-    max_scale, max_abs = np.float32(0.0), np.float32(0.0)
     for j in range(16):
         scales[j] = _make_qx_quants(32, x[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
-        if abs(scales[j]) > max_abs:
-            max_abs, max_scale = abs(scales[j]), scales[j]
-    if max_abs < np.float32(1e-15):  # GROUP_MAX_EPS: an all-zero block
+    max_scale = _signed_amax(scales)
+    if abs(max_scale) < np.float32(1e-15):  # GROUP_MAX_EPS: an all-zero block
         y[:] = 0
         return
     iscale = np.float32(-128.0) / max_scale
@@ -389,48 +388,41 @@ def _q6_k_block(x, y, L, scales):  # x [256] f32 -> y [210] u8; L int8 scratch
 
 
 @numba.njit(cache=True)
-def quantize_q2_k(x, out):  # x [R, n] f32 -> out [R, n/256*84] u8
+def _quantize_rows(x, out, kind):  # kind 2..6: Q{kind}_K; x [R, n] f32 -> out [R, n/256*type_size] u8
+    size = out.shape[1] // (x.shape[1] // QK_K)
     L, Laux = np.zeros(QK_K, np.int32), np.zeros(32, np.int32)
     weights, scales, mins = np.zeros(32, np.float32), np.zeros(16, np.float32), np.zeros(16, np.float32)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // QK_K):
-            _q2_k_block(x[r, QK_K * b:QK_K * (b + 1)], out[r, 84 * b:84 * (b + 1)], L, Laux, weights, scales, mins)
+            xb, yb = x[r, QK_K * b:QK_K * (b + 1)], out[r, size * b:size * (b + 1)]
+            if kind == 2:
+                _q2_k_block(xb, yb, L, Laux, weights, scales, mins)
+            elif kind == 3:
+                _q3_k_block(xb, yb, L, scales)
+            elif kind == 4:
+                _q4_k_block(xb, yb, L, Laux, weights, scales, mins)
+            elif kind == 5:
+                _q5_k_block(xb, yb, L, Laux, weights, scales, mins)
+            else:
+                _q6_k_block(xb, yb, L, scales)
     return out
 
 
-@numba.njit(cache=True)
+def quantize_q2_k(x, out):  # x [R, n] f32 -> out [R, n/256*84] u8
+    return _quantize_rows(x, out, 2)
+
+
 def quantize_q3_k(x, out):  # x [R, n] f32 -> out [R, n/256*110] u8
-    L, scales = np.zeros(QK_K, np.int32), np.zeros(16, np.float32)
-    for r in range(x.shape[0]):
-        for b in range(x.shape[1] // QK_K):
-            _q3_k_block(x[r, QK_K * b:QK_K * (b + 1)], out[r, 110 * b:110 * (b + 1)], L, scales)
-    return out
+    return _quantize_rows(x, out, 3)
 
 
-@numba.njit(cache=True)
 def quantize_q4_k(x, out):  # x [R, n] f32 -> out [R, n/256*144] u8
-    L, Laux = np.zeros(QK_K, np.int32), np.zeros(32, np.int32)
-    weights, scales, mins = np.zeros(32, np.float32), np.zeros(8, np.float32), np.zeros(8, np.float32)
-    for r in range(x.shape[0]):
-        for b in range(x.shape[1] // QK_K):
-            _q4_k_block(x[r, QK_K * b:QK_K * (b + 1)], out[r, 144 * b:144 * (b + 1)], L, Laux, weights, scales, mins)
-    return out
+    return _quantize_rows(x, out, 4)
 
 
-@numba.njit(cache=True)
 def quantize_q5_k(x, out):  # x [R, n] f32 -> out [R, n/256*176] u8
-    L, Laux = np.zeros(QK_K, np.int32), np.zeros(32, np.int32)
-    weights, scales, mins = np.zeros(32, np.float32), np.zeros(8, np.float32), np.zeros(8, np.float32)
-    for r in range(x.shape[0]):
-        for b in range(x.shape[1] // QK_K):
-            _q5_k_block(x[r, QK_K * b:QK_K * (b + 1)], out[r, 176 * b:176 * (b + 1)], L, Laux, weights, scales, mins)
-    return out
+    return _quantize_rows(x, out, 5)
 
 
-@numba.njit(cache=True)
 def quantize_q6_k(x, out):  # x [R, n] f32 -> out [R, n/256*210] u8
-    L, scales = np.zeros(QK_K, np.int32), np.zeros(16, np.float32)
-    for r in range(x.shape[0]):
-        for b in range(x.shape[1] // QK_K):
-            _q6_k_block(x[r, QK_K * b:QK_K * (b + 1)], out[r, 210 * b:210 * (b + 1)], L, scales)
-    return out
+    return _quantize_rows(x, out, 6)

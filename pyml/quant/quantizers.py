@@ -39,6 +39,24 @@ def _round_away(v):  # round half away from zero, exactly (gguf's np_roundf)
     return -r if v < 0 else r
 
 
+@numba.njit
+def _signed_max(x, r, o):  # the value of largest |x| in x[r, o:o+32], the first on ties
+    amax, vmax = np.float32(0.0), np.float32(0.0)
+    for j in range(32):
+        if amax < abs(x[r, o + j]):
+            amax, vmax = abs(x[r, o + j]), x[r, o + j]
+    return vmax
+
+
+@numba.njit
+def _min_max(x, r, o):  # (min, max) of x[r, o:o+32]
+    vmin, vmax = x[r, o], x[r, o]
+    for j in range(1, 32):
+        vmin = min(vmin, x[r, o + j])
+        vmax = max(vmax, x[r, o + j])
+    return vmin, vmax
+
+
 @numba.njit(cache=True)
 def quantize_q8_0(x, out):  # x [R, n] f32 -> out [R, n/32*34] u8
     for r in range(x.shape[0]):
@@ -59,12 +77,7 @@ def quantize_q8_0(x, out):  # x [R, n] f32 -> out [R, n/32*34] u8
 def quantize_q4_0(x, out):  # x [R, n] f32 -> out [R, n/32*18] u8
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax, vmax = np.float32(0.0), np.float32(0.0)
-            for j in range(32):
-                v = x[r, 32 * b + j]
-                if amax < abs(v):
-                    amax, vmax = abs(v), v
-            d = vmax / np.float32(-8.0)
+            d = _signed_max(x, r, 32 * b) / np.float32(-8.0)
             inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             o = 18 * b
             put_half(out[r], o, d)
@@ -79,10 +92,7 @@ def quantize_q4_0(x, out):  # x [R, n] f32 -> out [R, n/32*18] u8
 def quantize_q4_1(x, out):  # x [R, n] f32 -> out [R, n/32*20] u8
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            vmin, vmax = x[r, 32 * b], x[r, 32 * b]
-            for j in range(1, 32):
-                vmin = min(vmin, x[r, 32 * b + j])
-                vmax = max(vmax, x[r, 32 * b + j])
+            vmin, vmax = _min_max(x, r, 32 * b)
             d = (vmax - vmin) / np.float32(15.0)
             inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             o = 20 * b
@@ -111,12 +121,7 @@ def _pack_q5(xi0, xi1, out, qs, qh, j):  # nibbles at qs + j, 5th bits into qh (
 def quantize_q5_0(x, out):  # x [R, n] f32 -> out [R, n/32*22] u8: d fp16, qh u32, qs[16]
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax, vmax = np.float32(0.0), np.float32(0.0)
-            for j in range(32):
-                v = x[r, 32 * b + j]
-                if amax < abs(v):
-                    amax, vmax = abs(v), v
-            d = vmax / np.float32(-16.0)
+            d = _signed_max(x, r, 32 * b) / np.float32(-16.0)
             inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             o = 22 * b
             put_half(out[r], o, d)
@@ -133,10 +138,7 @@ def quantize_q5_0(x, out):  # x [R, n] f32 -> out [R, n/32*22] u8: d fp16, qh u3
 def quantize_q5_1(x, out):  # x [R, n] f32 -> out [R, n/32*24] u8: d, m fp16, qh u32, qs[16]
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            vmin, vmax = x[r, 32 * b], x[r, 32 * b]
-            for j in range(1, 32):
-                vmin = min(vmin, x[r, 32 * b + j])
-                vmax = max(vmax, x[r, 32 * b + j])
+            vmin, vmax = _min_max(x, r, 32 * b)
             d = (vmax - vmin) / np.float32(31.0)
             inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             o = 24 * b
