@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from pyml import quant
 from pyml.cli.built_once import built_once
-from pyml.cli.main import Parser, run_command
+from pyml.cli.main import Parser, run_command, say
 from pyml.cli.quant_mix import MIXES, MixPlan, llama_order
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -143,10 +143,13 @@ def build_parser() -> Parser:
                    help="one type for every weight, or a K-quant mix with llama-quantize's per-tensor types")
     p.add_argument("--allow-requantize", action="store_true",
                    help="let a K-quant mix quantize tensors that are already quantized (as llama-quantize's flag)")
+    p.add_argument("--log", metavar="LEVEL", default=None,
+                   help="log level (or env PYML_LOG / LOG): debug prints a quantize::tensor line per tensor")
     return p
 
 
 def run(args) -> int:
+    perf.configure(args.log)
     src = hub.resolve_gguf(args.src)
     if Path(args.dst).resolve() == Path(src).resolve():
         raise PymlError("the output would overwrite the input")
@@ -156,7 +159,7 @@ def run(args) -> int:
     for qtype in chosen.values():
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
     types = ", ".join(f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    print(f"pyml-quantize: wrote {args.dst} ({args.type}: {types})", file=sys.stderr)
+    say(f"pyml-quantize: wrote {args.dst} ({args.type}: {types})")  # after the [perf] lines
     return 0
 
 
