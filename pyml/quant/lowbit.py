@@ -21,7 +21,7 @@ groups of 16 values, each with a float scale s and (Q2_K only) a float min m: va
 The int8 path dots each group's codes with the activation's int8 codes in integers (activation.py:
 one float32 scale d_x per 32 values, as for every weight type), then one float multiply-add per
 group: acc += d_x * (s * sum(code * q) - m * sum(q)); the Q2_K mins enter through the sum of the
-activation codes, as ggml's q8_K bsums do. The exact path does the same with float32 x.
+activation codes, as ggml's q8_K bsums do. The exact path decodes a row and dots it with float32 x.
 
 These loops are written as plain Numba loops over 16 values, which LLVM vectorises: no hand-laid
 SIMD or interleaved layout yet (docs/models.md gives their speed beside llama.cpp's). For T > 1
@@ -120,21 +120,12 @@ def _row_dot_q8(kind, w, xq, xd):
 
 
 @numba.njit(inline="always")
-def _row_dot_exact(kind, w, x):  # as _row_dot_q8 with float32 x [n]
-    bs, ts = BLOCK_SIZE[kind], TYPE_SIZE[kind]
-    acc = np.float32(0.0)
-    for b in range(x.size // bs):
-        o = ts * b
-        for g in range(bs // 16):
-            e0 = bs * b + 16 * g
-            s, m = _scale_min(kind, w, o, g)
-            fsum = np.float32(0.0)
-            xsum = np.float32(0.0)
-            for k in range(16):
-                fsum += np.float32(_code(kind, w, o, 16 * g + k)) * x[e0 + k]
-                xsum += x[e0 + k]
-            acc += s * fsum - m * xsum
-    return acc
+def _row_dot_exact(kind, w, x, y):  # sum_e W[e] x[e], W's row decoded into the scratch y [n], float64 sums
+    dequant_row(kind, w, y)
+    acc = 0.0
+    for e in range(x.size):
+        acc += np.float64(y[e]) * np.float64(x[e])
+    return np.float32(acc)
 
 
 @numba.njit(inline="always")
@@ -193,8 +184,8 @@ def lowbit_kernels(kind: int) -> KernelSet:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_exact(w, x, out):  # w [R, row_bytes], x [n_cols] f32 -> out [R] f32
-        for r in prange(w.shape[0]):
-            out[r] = _row_dot_exact(kind, w[r], x)
+        for r in prange(w.shape[0]):  # tests and debugging only: a scratch row per row is fine
+            out[r] = _row_dot_exact(kind, w[r], x, np.empty(x.size, np.float32))
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
