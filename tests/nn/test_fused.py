@@ -21,7 +21,7 @@ from pyml.nn.rope import RoPE
 from pyml.quant import FLOAT_TYPES, TRAITS, QuantType
 from tests.quant.helpers import make_weights
 
-K_TYPES = {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+K_TYPES = {q for q, t in TRAITS.items() if t.block_size == 256}  # super-blocks: rows of 256-multiples
 
 
 def _linear(rng, qtype, out, inp, name, bias=False):
