@@ -10,14 +10,13 @@ import pytest
 from pyml.cli.built_once import built_once
 from pyml.nlp.loaders import hub
 
-llama_cpp = pytest.importorskip("llama_cpp", reason='llama.cpp is the bench extra\'s peer: pip install ".[bench]"')
-
 
 def llama_quantized(src: Path, kind: str) -> Path:
     """`src` (F16/F32 GGUF) quantized by llama-quantize's code as `kind` (q4_k_m, ...), no imatrix."""
     out = Path(hub.cache_dir()) / "models" / f"{Path(src).stem}.{kind.upper()}.llama.gguf"
 
     def build(path: Path):
+        llama_cpp = pytest.importorskip("llama_cpp", reason='llama.cpp is the bench extra\'s peer: pip install ".[bench]"')
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
         params.nthread = 1  # a shared machine; the result does not depend on it
