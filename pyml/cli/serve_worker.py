@@ -341,8 +341,10 @@ class BatchWorker(Worker):
             if job.cancelled:
                 request.cancel()
         # a profiled job's records: the steps where its sequences decode (as alone, its decode steps)
-        decoding = collections.Counter(id(job) for request, (job, _, _) in self.active.items()
-                           if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt))
+        profiled = self.active.items() if self.profiles else ()  # nothing to look at on most steps
+        decoding = collections.Counter(id(job) for request, (job, _, _) in profiled
+                                       if id(job) in self.profiles and request in gen.running
+                                       and request.fed >= len(request.prompt))
         records = []
         with recording(records, bool(self.profiles)):  # trace-level records only while a job asks for them
             chosen = gen.step()
