@@ -7,11 +7,10 @@ from __future__ import annotations
 import contextlib
 
 from pyml.core import perf
-from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
+from pyml.report.aggregate import (ACT, ATTN_CORE, ATTN_CORE_OPS, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table,
+                                   label_table)
 from pyml.report.records import STEP_EVENTS, normalize
 
-# the attention core (pyml.report.aggregate's category): each sequence's attention over its own cache
-PER_SEQUENCE_OPS = {"sdpa", "softmax", "batched_matmul", "matmul", "kv_cache", "rope"}
 SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
 
 
@@ -35,7 +34,7 @@ def profile_summary(raw_records: list, top: int = 10, shares: dict | None = None
     for r in records if shares else ():
         if r.phase == "decode" and r.step in shares:
             own, rows, sequences = shares[r.step]
-            _scale(r, own / sequences if r.op in PER_SEQUENCE_OPS else own / rows)
+            _scale(r, own / sequences if r.op in ATTN_CORE_OPS else own / rows)
     categories = category_table(records, phases=("decode",))
     total = sum(categories.values())
     steps = sum(1 for r in records if r.name in STEP_EVENTS and r.phase == "decode")

@@ -30,6 +30,8 @@ GENERATION = ("prefill", "decode")
 _LEAF_CATEGORY = {"gather": EMB, "layer_norm": NORM, "rms_norm": NORM, "gelu": ACT, "silu": ACT,
                   "gated_act": ACT, "kv_cache": ATTN_CORE, "rope": ATTN_CORE, "softmax": ATTN_CORE,
                   "sdpa": ATTN_CORE, "batched_matmul": ATTN_CORE, "matmul": ATTN_CORE}
+# the attention core's ops: each sequence's attention over its own cache (a batched step shares them by sequence)
+ATTN_CORE_OPS = frozenset(op for op, cat in _LEAF_CATEGORY.items() if cat == ATTN_CORE)
 _CONTAINERS = {"generator", "model", "block", "attention", "feed_forward", "load", "warmup"}
 # a timed part no child event covers becomes a piece: part -> (child ops that would cover it, label, category)
 _UNCOVERED_PARTS = {
