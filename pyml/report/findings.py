@@ -55,7 +55,7 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
         if f["float_weights"]:
             before, ms = _projection_bytes(rows)
             after = sum(r["in"] * r["out"] * 34 / 32 * r["calls"] for r in rows if r["bytes"])
-            gain = ms / n * (1 - after / before) if before else None
+            gain = ms / max(aggregate.table_steps(run)[0], 1) * (1 - after / before) if before else None
             text = (f"Quantize the weights to Q8_0: {before / max(after, 1):.1f}x fewer bytes a token; at the "
                     f"measured speed about {advice.ms(gain or 0)} less per decode step")
             said = advice.quantize_weights(run, "q8_0", text, gain)
