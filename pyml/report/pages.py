@@ -212,7 +212,10 @@ def _layer_section(doc, run, layer):
         s = bd["sections"][sec]
         for label, v in s["rows"]:
             calls = v["calls"]
-            row = [f"{names[sec]}: {label}", _short_details(v["details"]),
+            details = _short_details(v["details"])
+            if spread and v["blocks"] < bd["n"]:  # its median is over the layers it ran in, not all of them
+                details += f" (in {v['blocks'] / max(bd['steps'], 1):.0f} of {bd['layers']} layers)"
+            row = [f"{names[sec]}: {label}", details,
                    f"{calls:.0f}" if calls == int(calls) else f"{calls:.1f}", ms(v["ms"])]
             if spread:
                 row.append(f"{ms(v['p10'])}–{ms(v['p90'])}")
