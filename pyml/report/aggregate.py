@@ -175,7 +175,7 @@ def prefills(run) -> list:
     return out
 
 
-def decode_steps(run) -> list:
+def step_breakdowns(run) -> list:
     """One dict per decode step: its total and components (debug-level parts), and its layers."""
     steps = []
     for r in run.decode_steps():
@@ -199,7 +199,7 @@ def timeline(run) -> dict:
     load = run.named("model::load")
     warm = run.named("runtime::warmup")
     pre = prefills(run)
-    steps = decode_steps(run)
+    steps = step_breakdowns(run)
     d = [s["total"] for s in steps]
     out = {"load_ms": sum(r.dur_ms for r in load) if load else None,
            "load_source": load[0].details if load else None,

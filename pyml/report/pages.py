@@ -70,7 +70,7 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     for note in run.notes:
         doc.p(f"**Note**: {note}")
     tl = aggregate.timeline(run)
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     _model_table(doc, run)
 
     doc.h("High-level timing")
@@ -488,7 +488,7 @@ def jitter_page(run, ranking=None) -> Doc:
     doc = Doc(f"Jitter analysis: {run.label}")
     doc.p(_model_line(run))
     doc.p(_source_line(run))
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     if not steps:
         doc.p("No decode steps were recorded (`generator::decode_step`): nothing to analyse.")
         return doc
@@ -558,7 +558,7 @@ def _json_sections(bd):
 
 def report_json(run, layer=None, timing=None, ranking=None) -> dict:
     ranking = findings.bottlenecks(run, timing) if ranking is None else ranking
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     bd = _json_sections(aggregate.layer_breakdown(run, layer, "decode")) if layer is not None else None
     return {
         "source": run.source, "kind": run.kind, "info": run.info, "notes": run.notes, "events": len(run.records),

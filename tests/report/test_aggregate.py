@@ -64,7 +64,7 @@ def test_timeline_and_components(run):
     assert tl["prefill"]["tokens"] == 5 and tl["prefill_ms_per_token"] == pytest.approx(4.0)
     assert tl["decode_steps"] == 3 and tl["decode_mean_ms"] == pytest.approx(10.0)
     assert tl["decode_tok_s"] == pytest.approx(100.0) and tl["ttft_ms"] == 20.0
-    comps = aggregate.components(aggregate.decode_steps(run))
+    comps = aggregate.components(aggregate.step_breakdowns(run))
     assert comps["layers"]["mean"] == pytest.approx(6.1) and comps["projection"]["pct"] == pytest.approx(14.5)
     assert comps["other"]["mean"] == pytest.approx(10.0 - (0.9 + 6.1 + 0.45 + 1.45 + 0.5))
     assert sum(comps[k]["pct"] for k in aggregate.COMPONENTS) == pytest.approx(100.0)
