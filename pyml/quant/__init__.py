@@ -4,6 +4,7 @@ traits.py       the traits table: a row per ggml type (block size and bytes, ker
                 quantizer, activation format); ggml_types.py the type ids as kernel constants
 dispatch.py     matmul, dequantize, pack, quantize, warmup: every weight read, dispatched by row
 blocks32.py     Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 in the file's layout; kquants.py Q4_K Q5_K Q6_K;
+                lowbit.py Q2_K Q3_K IQ4_NL IQ4_XS (plain loops, with their KernelSet);
                 floats.py F32 F16 BF16; kernel_set.py a type's kernels as one record
 interleaved.py  the 8-row "x8" layout and its packing; interleaved_gemv.py, interleaved_gemm.py,
                 interleaved_pairs.py (512-bit), interleaved_triples.py (no VNNI) its kernels,
