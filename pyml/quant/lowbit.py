@@ -183,6 +183,14 @@ def lowbit_kernels(kind: int) -> KernelSet:
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
+    def gemv_rows(w, x, out):  # w [R, row_bytes], x [T, n_cols] f32 -> out [T, R] f32, each row as gemv's
+        xq, xd, xs, xp = quantize_rows_q8(x)  # each row as quantize_q8 quantizes it alone
+        for r in prange(w.shape[0]):  # a weight row stays in L1 while every activation row takes it
+            for t in range(x.shape[0]):
+                out[t, r] = _row_dot_q8(kind, w[r], xq[t], xd[t])
+        return out
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_exact(w, x, out):  # w [R, row_bytes], x [n_cols] f32 -> out [R] f32
         for r in prange(w.shape[0]):  # tests and debugging only: a scratch row per row is fine
             out[r] = _row_dot_exact(kind, w[r], x, np.empty(x.size, np.float32))
@@ -203,4 +211,4 @@ def lowbit_kernels(kind: int) -> KernelSet:
                     out[t, r] = _unpacked_dot(codes, s16, m16, xq[t], xd[t])
         return out
 
-    return KernelSet(dequant_rows, dequant_tile, gemv, gemv_exact, gemm)
+    return KernelSet(dequant_rows, dequant_tile, gemv, gemv_exact, gemm, gemv_rows)
