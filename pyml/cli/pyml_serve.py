@@ -40,7 +40,7 @@ def build_parser() -> Parser:
                    help=f"a reply's tokens when the request names no max_tokens (default {d.max_tokens})")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="generations run at once, each step one batched pass over all of them; a request "
-                        "joins at the next step (default 1: one at a time, with the prompt cache and pyml.profile)")
+                        "joins at the next step, each slot with its own prompt cache (default 1: one at a time)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for the model; more get 503 (default 16 per core)")
     p.add_argument("--max-connections", type=int, default=None,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 
 from pyml.core import perf
-from pyml.report.aggregate import ACT, ATTN_CORE, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table, label_table
+from pyml.report.aggregate import (ACT, ATTN_CORE, ATTN_CORE_OPS, ATTN_PROJ, FFN, HEAD, SAMPLE, category_table,
+                                   label_table)
 from pyml.report.records import STEP_EVENTS, normalize
 
 SPLIT = {"attention": (ATTN_PROJ, ATTN_CORE), "ffn": (FFN, ACT), "head": (HEAD,), "sampling": (SAMPLE,)}
@@ -26,9 +27,14 @@ def recording(records: list, enabled: bool = True):
         perf.remove_collector(records.append)
 
 
-def profile_summary(raw_records: list, top: int = 10) -> dict:
-    """The bottleneck summary of one request's decode steps, from its own perf records."""
+def profile_summary(raw_records: list, top: int = 10, shares: dict | None = None) -> dict:
+    """The bottleneck summary of one request's decode steps, from its own perf records; with
+    `shares` (step -> (its rows, rows, sequences) of batched steps), its share of each step."""
     records, _ = normalize(raw_records)
+    for r in records if shares else ():
+        if r.phase == "decode" and r.step in shares:
+            own, rows, sequences = shares[r.step]
+            _scale(r, own / sequences if r.op in ATTN_CORE_OPS else own / rows)
     categories = category_table(records, phases=("decode",))
     total = sum(categories.values())
     steps = sum(1 for r in records if r.name in STEP_EVENTS and r.phase == "decode")
@@ -46,14 +52,22 @@ def profile_summary(raw_records: list, top: int = 10) -> dict:
                         for label, row in labels]}
 
 
-def batched_profile(raw_records: list, sequences_per_step: list) -> dict:
-    """A request's summary under --parallel: its steps were batched forwards shared with other
-    sequences, so the times are whole steps'; `batch` says with how many sequences on average."""
-    summary = profile_summary(raw_records)
-    n = len(sequences_per_step)
-    summary["batch"] = {"steps": n, "mean_sequences": round(sum(sequences_per_step) / n, 2) if n else 0.0,
-                        "max_sequences": max(sequences_per_step, default=0),
-                        "note": "times are whole batched steps, shared by every sequence in them"}
+def _scale(rec, share: float) -> None:
+    rec.dur_ms *= share
+    rec.self_ms *= share
+    rec.parts = {k: v * share for k, v in rec.parts.items()}
+
+
+def batched_profile(raw_records: list, shares: dict) -> dict:
+    """A request's summary under --parallel (shares: step -> (its rows, rows, sequences)): of each
+    batched step it decoded in, the request's share — the projections' and the rest's time split by
+    rows, attention over the caches by sequence; `batch` says what it shared the steps with."""
+    summary = profile_summary(raw_records, shares=shares)
+    sequences = [s for _, _, s in shares.values()]
+    summary["batch"] = {"steps": len(shares),
+                        "mean_sequences": round(sum(sequences) / len(sequences), 2) if sequences else 0.0,
+                        "max_sequences": max(sequences, default=0),
+                        "split": "a step's time shared by rows; attention over the caches by sequence"}
     return summary
 
 

@@ -204,9 +204,6 @@ class Server:
         if req.n > self.limits.parallel:
             raise RequestError(f"'n'={req.n} completions run together and need --parallel {req.n} or more: this "
                                f"server runs {self.limits.parallel} at once", "n", code="unsupported_parameter")
-        if req.echo and req.logprobs is not None and self.limits.parallel > 1:  # a batched pass keeps last rows' logits
-            raise RequestError("'echo' with 'logprobs' (the prompt's log-probabilities) is not available when the "
-                               "server runs requests in parallel (--parallel > 1)", "echo", code="unsupported_parameter")
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
         return req, ids

@@ -265,7 +265,8 @@ class BatchWorker(Worker):
         self.active: dict = {}  # Request -> (Job, TextOut, choice index)
         self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
         self.sent: dict = {}  # Request -> its result's logprobs sent so far
-        self.profiles: dict = {}  # id(Job) -> (perf records, sequences per step) while a profiled job runs
+        self.profiles: dict = {}  # id(Job) -> (perf records, step shares) while a profiled job runs
+        self.echoes: set = set()  # echo requests whose prompt has not been sent (it goes after their prefill)
 
     def stop(self, timeout: float = 3.0) -> None:
         for job, _, _ in list(self.active.values()):
@@ -305,6 +306,7 @@ class BatchWorker(Worker):
                 self.active.clear()
                 self.sent.clear()
                 self.profiles.clear()
+                self.echoes.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
         self.current = None
         self.metrics.busy.set(0)
@@ -316,19 +318,20 @@ class BatchWorker(Worker):
         try:
             requests = gen.submit_choices(job.ids, req.max_tokens, req.n, SamplingConfig(**req.sampling),
                                           stop_ids=self.lm.tokenizer.eos_ids if self.lm.tokenizer is not None else (),
-                                          reuse=req.cache_prompt, constraint=req.constraint, logprobs=req.logprobs)
+                                          reuse=req.cache_prompt, constraint=req.constraint, logprobs=req.logprobs,
+                                          echo=req.echo and req.logprobs is not None)
         except PymlError as e:
             job.put("error", RequestError(one_line(e)))
             return
         self.choices[id(job)] = [None] * len(requests)
         if req.profile:
-            self.profiles[id(job)] = ([], [])  # the perf records of the steps it ran in; sequences per step
+            self.profiles[id(job)] = ([], {})  # the perf records of its steps; step -> (its rows, rows, sequences)
         for i, request in enumerate(requests):
             self.active[request] = (job, TextOut(self.lm.tokenizer, request.result, request.stop_ids,
                                                  StopStrings(req.stop)), i)
         job.put("started")
-        for i in range(len(requests) if req.echo else 0):
-            job.put("prompt", (i, None))
+        if req.echo:  # the prompt goes first, once its prefill (which scores it) is done
+            self.echoes.update(requests)
         for request in requests:
             if request.done:  # max_tokens 0
                 self._end(request)
@@ -337,17 +340,20 @@ class BatchWorker(Worker):
         for request, (job, _, _) in self.active.items():
             if job.cancelled:
                 request.cancel()
-        # a profiled job's records: the steps where one of its sequences decodes (as alone, its decode steps)
-        decoding = {id(job) for request, (job, _, _) in self.active.items()
-                    if id(job) in self.profiles and request in gen.running and request.fed >= len(request.prompt)}
+        # a profiled job's records: the steps where its sequences decode (as alone, its decode steps)
+        profiled = self.active.items() if self.profiles else ()  # nothing to look at on most steps
+        decoding = collections.Counter(id(job) for request, (job, _, _) in profiled
+                                       if id(job) in self.profiles and request in gen.running
+                                       and request.fed >= len(request.prompt))
         records = []
         with recording(records, bool(self.profiles)):  # trace-level records only while a job asks for them
             chosen = gen.step()
-        for job_id in decoding:
+        for job_id, own in decoding.items():
             self.profiles[job_id][0].extend(records)
-            self.profiles[job_id][1].append(gen.last_sequences)
+            self.profiles[job_id][1][gen.steps] = (own, *gen.last_shape)
         for request, token in chosen:
             job, text_out, index = self.active[request]
+            self._send_prompt(request)
             text = text_out.push(token)
             self.sent[request] = send_logprobs(job, index, request.result, self.sent.get(request, 0))
             if text:
@@ -358,8 +364,15 @@ class BatchWorker(Worker):
         for request in [r for r in self.active if r.done]:
             self._end(request)
 
+    def _send_prompt(self, request) -> None:
+        if request in self.echoes:
+            self.echoes.discard(request)
+            job, _, index = self.active[request]
+            job.put("prompt", (index, request.result.prompt_logprobs))
+
     def _end(self, request) -> None:
         """One choice has ended; the job's answer goes once all its choices have."""
+        self._send_prompt(request)
         job, text_out, index = self.active.pop(request)
         self.sent.pop(request, None)
         if not text_out.stopped and not job.cancelled:

@@ -163,6 +163,8 @@ LLAMA_CONFIGS = {
     "tinyllama-1.1b": dict(n_layers=22, d=2048, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000, ctx=2048,
                            rope_base=10000.0),
     "llama-tiny": dict(n_layers=2, d=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512, ctx=256, rope_base=10000.0),
+    # rows of whole 256-value superblocks, so llama-quantize's K-quant mixes keep their low-bit types
+    "llama-256": dict(n_layers=2, d=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=512, ctx=256, rope_base=10000.0),
 }
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.nlp.generator import GenerationResult, check_prompt, reusable_prefix
-from pyml.nlp.logprobs import check_top, token_logprob
+from pyml.nlp.logprobs import check_top, chunk_rows, rows_logprobs, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
 
@@ -47,6 +47,7 @@ class Request:
         self.followers = []  # n > 1: the other choices, which start from this one's prefill
         self.reuse = True
         self.top = None  # None, or each chosen token's log-probability is kept with this many likeliest
+        self.echo = False  # the prompt's own log-probabilities into result.prompt_logprobs (its whole prompt prefilled)
         self.done = False
         self._cancel = False
 
@@ -74,18 +75,20 @@ class BatchGenerator:
         self.waiting: deque[Request] = deque()
         self._submitted = 0
         self.steps = 0  # batched forwards so far: the `step` stamped on their perf records
-        self.last_sequences = 0  # how many sequences the last forward ran
+        self.last_shape = (0, 0)  # the last forward's (rows, sequences): a profile's share of a step
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> Request:
+               stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None,
+               echo: bool = False) -> Request:
         """Queue a generation; it joins the batch at the first step with a free slot. `reuse`: it may
         start from a slot's cached tokens (False: its whole prompt is prefilled); `constraint`
-        (constrained.py's): the grammar its tokens must match; `logprobs`: as Generator.stream's, into
-        the request's result."""
-        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint, logprobs)[0]
+        (constrained.py's): the grammar its tokens must match; `logprobs` and `echo`: as
+        Generator.stream's, into the request's result (echo with max_new_tokens 0: the prompt scored)."""
+        return self._queue(prompt_ids, max_new_tokens, [sampling], stop_ids, reuse, constraint, logprobs, echo)[0]
 
     def submit_choices(self, prompt_ids, max_new_tokens: int, n: int, sampling: SamplingConfig = SamplingConfig(),
-                       stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None) -> list[Request]:
+                       stop_ids=(), reuse: bool = True, constraint=None, logprobs: int | None = None,
+                       echo: bool = False) -> list[Request]:
         """n completions of one prompt (OpenAI's `n`): the prompt prefilled once, its cache copied to
         the other n - 1 sequences (KVPool.copy), each then sampling on its own - with a seed, choice i
         from seed + i. The n join together, when n slots are free."""
@@ -93,10 +96,10 @@ class BatchGenerator:
             raise PymlError(f"n={n} completions need as many sequences at once: this batch has {self.pool.n_seqs}")
         seeds = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
-        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint, logprobs)
+        return self._queue(prompt_ids, max_new_tokens, seeds, stop_ids, reuse, constraint, logprobs, echo)
 
     def _queue(self, prompt_ids, max_new_tokens, samplings, stop_ids, reuse, constraint=None,
-               logprobs=None) -> list[Request]:
+               logprobs=None, echo=False) -> list[Request]:
         """The checked prompt's requests (one per sampling), queued as one group."""
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if len(prompt_ids) > self.pool.max_len:
@@ -112,12 +115,12 @@ class BatchGenerator:
             # each choice walks the grammar on its own
             own = constraint if i == 0 or constraint is None else constraint.fresh()
             request = Request(prompt_ids, max_new_tokens, sampling, stop_ids, self._submitted, own)
-            request.reuse = reuse
+            request.reuse, request.echo = reuse and not echo, echo  # echo scores every prompt token
             if logprobs is not None:
                 request.top, request.result.logprobs = logprobs, []
             self._submitted += 1
             requests.append(request)
-        if max_new_tokens == 0:
+        if max_new_tokens == 0 and not echo:
             for request in requests:
                 request._finish("max_tokens")
         else:
@@ -150,9 +153,11 @@ class BatchGenerator:
         # a decoding sequence whose cache is full has chosen its last token (as Generator's "context")
         self._leave([r for r in self.running if len(r.prompt) <= r.fed >= self.pool.max_len], "context")
         if not self.running:
-            self.last_sequences = 0
+            self.last_shape = (0, 0)
             return []
         rows, budget = [], self.prefill_chunk
+        if any(r.echo and r.fed < len(r.prompt) for r in self.running):  # every row's logits kept this step
+            budget = min(budget, chunk_rows(self.model.config.vocab_size))
         for r in self.running:
             if r.fed < len(r.prompt):  # still prefilling: a chunk of the prompt, within the step's budget
                 n = min(len(r.prompt) - r.fed, budget)
@@ -165,17 +170,25 @@ class BatchGenerator:
         # a step where any sequence decodes is a decode step to that sequence (its time per token);
         # only a step of prompt chunks alone is prefill
         decoding = sum(1 for r, _ in rows if r.fed >= len(r.prompt))
-        self.steps, self.last_sequences = self.steps + 1, len(rows)
+        scoring = any(r.echo and r.fed < len(r.prompt) for r, _ in rows)
+        self.steps, self.last_shape = self.steps + 1, (sum(len(t) for _, t in rows), len(rows))
         t0, d0 = perf.clock(), perf.drain_seconds()
         with perf.context(phase="decode" if decoding else "prefill", step=self.steps), \
                 _perf.debug("generator::batch_step", "rows={} seqs={} decoding={}", sum(len(t) for _, t in rows),
                             len(rows), decoding, op="generator"):
-            logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows])
+            logits = self.model.forward_batch(self.pool, [(r.slot, tokens, r.fed) for r, tokens in rows],
+                                              all_logits=scoring)
         made = perf.drain_seconds() - d0
         elapsed = perf.clock() - t0 - made
         chosen = []
         for (r, tokens), row in zip(rows, logits):
             prefilling = r.fed < len(r.prompt)
+            if scoring:  # row: [len(tokens), vocab]
+                if r.echo and prefilling:  # each prompt token after the first, given the ones before it
+                    nexts = r.prompt[r.fed + 1:r.fed + 1 + len(tokens)]
+                    r.result.prompt_logprobs = (r.result.prompt_logprobs or []) + rows_logprobs(
+                        row[:len(nexts)], nexts, r.top or 0)
+                row = row[-1]
             r.fed += len(tokens)
             if prefilling:
                 r.result.prefill_s += elapsed
@@ -189,6 +202,9 @@ class BatchGenerator:
             for choice in choices:
                 if choice is not r:  # the leader's prompt is cached: a copy of it, the same logits
                     self._follow(r, choice)
+                if choice.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+                    self._leave([choice], "max_tokens")
+                    continue
                 token = choice.sampler(row, choice.history)
                 if choice.top is not None:
                     choice.result.logprobs.append(token_logprob(row, token, choice.top))
@@ -205,6 +221,7 @@ class BatchGenerator:
         self.pool.copy(leader.slot, r.slot)
         r.fed, r.result.cached_tokens = leader.fed, leader.result.cached_tokens
         r.result.prefill_s, r.result.prefill_log_s = leader.result.prefill_s, leader.result.prefill_log_s
+        r.result.prompt_logprobs = leader.result.prompt_logprobs
         self.running.append(r)
 
     def _admit(self, r: Request) -> None:

@@ -71,6 +71,20 @@ def _bias(lin: Linear):
     return _EMPTY if lin.bias is None else np.ascontiguousarray(lin.bias, dtype=np.float32)
 
 
+def _read_only(weights):
+    """`weights` (PreWeights or PostWeights) with every array a read-only view. Numba compiles a
+    kernel apart for each mix of writable and read-only arrays: a memory-mapped file's weights are
+    read-only, packed ones, biases, norms made in NumPy and the empty stand-ins writable, so one
+    block shape cost 2-5 compiles of decode_layers and decode_region (the costliest kernels) where
+    one read-only kind gives one."""
+    def frozen(v):
+        if isinstance(v, np.ndarray) and v.flags.writeable:
+            v = v.view()
+            v.flags.writeable = False
+        return v
+    return type(weights)(*(frozen(v) for v in weights))
+
+
 def can_fuse(block) -> bool:
     """Whether a block is made of the layers the fused kernels implement."""
     attn, ffn = block.attn, block.ffn
@@ -109,11 +123,11 @@ class FusedBlock:
         rope_kind = 0 if attn.rope is None else (2 if attn.rope.style == "interleaved" else 1)
         qk_norm = attn.q_norm is not None
         norm = block.attn_norm
-        self.pre_w = PreWeights(
+        self.pre_w = _read_only(PreWeights(
             norm.weight, _norm_bias(norm), norm.eps, ws[0][2], ws[0][3], bs[0], ws[1][2], ws[1][3], bs[1],
             ws[2][2], ws[2][3], bs[2], q_norm_w=attn.q_norm.weight if qk_norm else _EMPTY,
             k_norm_w=attn.k_norm.weight if qk_norm else _EMPTY, qk_eps=attn.q_norm.eps if qk_norm else 0.0,
-            inv_freq=_EMPTY.astype(np.float64) if attn.rope is None else attn.rope.inv_freq)
+            inv_freq=_EMPTY.astype(np.float64) if attn.rope is None else attn.rope.inv_freq))
 
         if isinstance(ffn, MLP):
             mlp, ups, act = 0, [ffn.up], _ACT_IDS[ffn.act]
@@ -126,12 +140,12 @@ class FusedBlock:
         w1, w2 = _weight(ups[0]), _weight(ups[-1])
         wo, wd = _weight(attn.o_proj), _weight(ffn.down)
         pan, pfn, fnorm = block.post_attn_norm, block.post_ffn_norm, block.ffn_norm
-        self.post_w = PostWeights(
+        self.post_w = _read_only(PostWeights(
             wo[2], wo[3], _bias(attn.o_proj), post_attn_w=_EMPTY if pan is None else pan.weight,
             post_attn_eps=0.0 if pan is None else pan.eps, ffn_norm_w=fnorm.weight, ffn_norm_b=_norm_bias(fnorm),
             ffn_norm_eps=fnorm.eps, w1=w1[2], t1=w1[3], b1=_bias(ups[0]), w2=w2[2], t2=w2[3], b2=_bias(ups[-1]),
             wd=wd[2], td=wd[3], bd=_bias(ffn.down), post_ffn_w=_EMPTY if pfn is None else pfn.weight,
-            post_ffn_eps=0.0 if pfn is None else pfn.eps)
+            post_ffn_eps=0.0 if pfn is None else pfn.eps))
         self.shape = BlockShape(
             norm=_norm_kind(norm), norm_unit=int(getattr(norm, "unit_offset", False)), n_proj=len(projs),
             q_kind=ws[0][0], q_layout=ws[0][1], k_kind=ws[1][0], k_layout=ws[1][1], v_kind=ws[2][0],

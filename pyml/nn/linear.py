@@ -83,12 +83,26 @@ class Linear:
                          module=self.name, op="linear", dtype=self.type_name):
             with _perf.trace(self.matmul_event, MATMUL_FMT, x.shape[0], x.shape[1],
                              self.out_features, self.in_features, module=self.name, op="quant_matmul"):
-                decode = x.shape[0] == 1 or quant.as_decode_rows(x.shape[0])  # no bf16 blocks: a GEMV's bits
-                data = w.data if self.prefill_weight is None or decode else self.prefill_weight
-                y = quant.matmul(x, data, w.qtype, self.in_features)
+                y = self._matmul(x)
             if self.bias is not None:
                 y += self.bias
             return y
+
+    def _matmul(self, x: np.ndarray) -> np.ndarray:
+        """Decode rows (quant.decode_rows(): the leading rows of a batched pass, one token of a sequence
+        each) take the stored weights, their GEMV's bits; the rest (a prompt's rows) the GEMM, on the
+        bf16 blocks if there are any. A pass holding both runs the two as two matmuls."""
+        w, T = self.weight, x.shape[0]
+        n = quant.decode_row_count(T)
+        prefill = w.data if self.prefill_weight is None else self.prefill_weight
+        if n == 0 or n == T:
+            return quant.matmul(x, w.data if n else prefill, w.qtype, self.in_features)
+        y = np.empty((T, self.out_features), np.float32)
+        with quant.decode_rows(True):
+            quant.matmul(x[:n], w.data, w.qtype, self.in_features, out=y[:n])
+        with quant.decode_rows(False):
+            quant.matmul(x[n:], prefill, w.qtype, self.in_features, out=y[n:])
+        return y
 
     def requantize(self, qtype) -> "Linear":
         """The same matrix re-stored as `qtype` (a type with a quantizer: Q8_0, Q4_0, Q4_1, ...),

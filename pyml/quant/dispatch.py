@@ -66,26 +66,35 @@ _rows = threading.local()  # per calling thread: whether 2..ROWS_MAX rows are de
 
 
 class decode_rows:
-    """`with quant.decode_rows():` the matmuls inside, of 2 .. ROWS_MAX rows, give each row the bits of
-    its GEMV alone (interleaved_rows.py, KernelSet.gemv_rows) - a batched step of decode rows only, a
-    speculative verify pass - so a sequence decodes as it would alone. Outside, those rows take the
-    GEMM, as a prompt's prefill always does: a prompt then has the same bits alone and in a batch."""
+    """`with quant.decode_rows(n):` the first n rows of each matmul inside (True: every row) are decode
+    rows - one new token of a sequence each, a batched decode step's or a verify pass's - and each gets
+    the bits of its GEMV alone (interleaved_rows.py, KernelSet.gemv_rows, ROWS_MAX rows a call); the
+    rows after them take the GEMM, as a prompt's prefill alone does. The GEMMs are row-invariant
+    (tests/quant/test_row_invariance.py), so every sequence of a batch gets the bits it gets alone."""
 
-    def __init__(self, on: bool = True):
-        self.on = on
+    def __init__(self, n: bool | int = True):
+        self.n = n
 
     def __enter__(self):
-        self.saved, _rows.on = getattr(_rows, "on", False), self.on
+        self.saved, _rows.n = getattr(_rows, "n", 0), self.n
         return self
 
     def __exit__(self, *exc):
-        _rows.on = self.saved
+        _rows.n = self.saved
         return False
 
 
+def decode_row_count(T: int) -> int:
+    """How many of a T-row matmul's first rows are decode rows here (decode_rows()); T == 1: 1."""
+    n = getattr(_rows, "n", 0)
+    return T if n is True or T == 1 else min(int(n), T)
+
+
 def as_decode_rows(T: int) -> bool:
-    """Whether a matmul of T rows here gives each row its GEMV's bits (inside decode_rows())."""
-    return serves(T) and getattr(_rows, "on", False)
+    """Whether every row of a T-row matmul here (T > 1) gives each row its GEMV's bits (decode_rows())."""
+    return T > 1 and decode_row_count(T) == T
+
+
 _F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
 
 
@@ -171,6 +180,11 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
                              f"{getattr(qtype, 'name', qtype)} of {n_cols}")
         x, out = _prepare(x, raw.rows, n_cols, out)
         return bf16_gemm.matmul(x, raw, out)
+    if not exact and as_decode_rows(x.shape[0]) and x.shape[0] > ROWS_MAX:  # decode rows, ROWS_MAX a call
+        x, out = _prepare(x, raw.rows if isinstance(raw, Packed) else raw.shape[0], n_cols, out)
+        for t in range(0, x.shape[0], ROWS_MAX):
+            matmul(x[t:t + ROWS_MAX], raw, qtype, n_cols, out[t:t + ROWS_MAX])
+        return out
     if isinstance(raw, Packed):
         if not exact:
             return _matmul_packed(x, raw, qtype, n_cols, out)

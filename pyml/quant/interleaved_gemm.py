@@ -22,7 +22,7 @@ from pyml.core.simd import (FASTMATH, HAVE_VNNI, f32x8, fma, fnma, load_f32x8, l
                             store_f32x8, store_u8x32, to_f32, zeros_f32x8, zeros_i32x8)
 from pyml.quant.activation import quantize_rows_q8, quantize_rows_u8, quantize_rows_u8_sums
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
-from pyml.quant.interleaved_gemv import (_block, _block_codes, _correction_table, _dot, _gemv_group_k, _k_scales,
+from pyml.quant.interleaved_gemv import (_block, _block_codes, _correction_table, _dot, _k_scales,
                                          _offset_sums, _sb_size, gemv_activation, gemv_buffers, gemv_group_into)
 from pyml.quant.interleaved_pairs import _gemm_pair, _gemm_pair_k
 from pyml.quant.interleaved_tiles import code_scratch, token_tiles
@@ -92,13 +92,10 @@ def _block_dot_k(kind, data, v, u, y, yd, yoff, ys, acc):
     return fnma(load_f32x8(sc, 16 * u + 8), f32x8(ys), acc)
 
 
-@numba.njit
-def _rest_k(kind, data, y, yd, ys, yoff, out_row, col):  # Q4_K's rows left over: its GEMV (interleaved_tiles.py)
-    store_f32x8(out_row, col, _gemv_group_k(data[2], y, yd, ys))
-
-
 _tiles = token_tiles(zeros_f32x8, store_f32x8, _shared, _block_dot)
-_tiles_k = token_tiles(zeros_f32x8, store_f32x8, _shared_k, _block_dot_k, _rest_k)
+# Q4_K's rows left over after the tiles of 4 take _block_dot_k block by block, as the tiles do (not
+# its GEMV, whose float ops round differently): a row's bits do not depend on where it lands in T.
+_tiles_k = token_tiles(zeros_f32x8, store_f32x8, _shared_k, _block_dot_k)
 
 
 @numba.njit

@@ -17,7 +17,7 @@ from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fn
 from pyml.core.simd_int import bit_to_u8
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
-from pyml.quant.interleaved_gemv import _correction_table, _gemv_group_k, _sb_size
+from pyml.quant.interleaved_gemv import _correction_table, _sb_size
 from pyml.quant.interleaved_tiles import code_scratch, token_tiles
 
 
@@ -171,14 +171,8 @@ def _block_dot16_k(kind, data, v, u, y, yd, yoff, ys, acc):
     return fnma16(load_f32x16(sc, 32 * u + 16), f32x16(ys), acc)
 
 
-@numba.njit
-def _rest16_k(kind, data, y, yd, ys, yoff, out_row, col):  # Q4_K's rows left over: its GEMV on each group
-    store_f32x8(out_row, col, _gemv_group_k(data[2], y, yd, ys))
-    store_f32x8(out_row, col + 8, _gemv_group_k(data[3], y, yd, ys))
-
-
 _tiles16 = token_tiles(zeros_f32x16, store_f32x16, _shared16, _block_dot16)
-_tiles16_k = token_tiles(zeros_f32x16, store_f32x16, _shared16_k, _block_dot16_k, _rest16_k)
+_tiles16_k = token_tiles(zeros_f32x16, store_f32x16, _shared16_k, _block_dot16_k)  # rows left: as the tiles
 
 
 @numba.njit

@@ -14,8 +14,7 @@ Each vpmaddubsw pair sum stays within 2 x 255 x 16 = 8160, so none saturates; th
 wrap, but modulo 2^16, and the lane's final value is within |16 x 127 x 16| = 32512 (Q4_1's
 o_s = 0: 16 x 127 x 15 = 30480), so it comes out exact. The integers are those of _dot less
 the code offset (Q5_1, whose values carry no offset: plus 16 sum y), and the float ops are
-_block's and _block_dot_k's (Q4_K's last T % 4 tokens: its GEMV's, as on the other paths): the
-same bits as every other path (tests/core/test_isa.py).
+_block's and _block_dot_k's for every token: the same bits as every other path (tests/core/test_isa.py).
 
 Memory: the staging holds, per block and group, 256 bytes of codes, 32 of lane corrections and
 64 of scales; the tokens pass over CHUNK blocks at a time (3 x 16 x 352 bytes = 16.5 KB, L1),
@@ -40,7 +39,7 @@ from pyml.core.simd import (f32x8, fma, fnma, load_f32x8, load_fp16x8c, load_i16
 from pyml.core.simd_int import (add_i16, add_i32, as_i8, i16_halves, madd, maddubs, minus_i8, nibbles_lo, sar_i8,
                                 sub_i16, sub_i32, sum_pairs)
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
-from pyml.quant.interleaved_gemv import _block_codes, _gemv_group_k, _k_scales, _sb_size
+from pyml.quant.interleaved_gemv import _block_codes, _k_scales, _sb_size
 
 
 SIGNED_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)  # the types whose GEMM runs in triples on AVX2
@@ -162,23 +161,13 @@ def _gemm_triple(kind, w0, w1, w2, n, y8, xd, xs, qs, out, g):
     ones repeat and are not stored); y8, xd, xs, qs: quantize_rows_u8_sums'."""
     numba.literally(kind)
     T, nb = xd.shape
-    # Q4_K's last T % 4 tokens go through its GEMV, as in _gemm_group_k and _gemm_pair_k: that
-    # kernel's float ops round differently from _block_dot_k's, and every path gives the same bits.
-    tiled = T - T % 4 if kind == Q4_K else T
     rec, chunk = _record(kind), _chunk(kind)
     buf = np.empty(3 * rec * nb, np.uint8)
     _stage_signed(kind, w0, nb, buf, 0)
     _stage_signed(kind, w1, nb, buf, 1)
     _stage_signed(kind, w2, nb, buf, 2)
-    for t in range(tiled, T):
-        xq = (y8[t] ^ np.uint8(128)).view(np.int8)  # the GEMV's activation: the codes themselves
-        store_f32x8(out[t], 8 * g, _gemv_group_k(w0, xq, xd[t], xs[t]))
-        if n > 1:
-            store_f32x8(out[t], 8 * g + 8, _gemv_group_k(w1, xq, xd[t], xs[t]))
-        if n > 2:
-            store_f32x8(out[t], 8 * g + 16, _gemv_group_k(w2, xq, xd[t], xs[t]))
     for b0 in range(0, nb, chunk):
-        for t in range(tiled):
+        for t in range(T):
             row = out[t]
             a0, a1, a2 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
             if b0 > 0:

@@ -32,6 +32,7 @@ from pyml.quant.floats import float_kernels
 from pyml.quant.ggml_types import BLOCK_SIZE, TYPE_SIZE, QuantType
 from pyml.quant.interleaved_gemm import InterleavedKernels, interleaved_kernels
 from pyml.quant.kernel_set import KernelSet, block_kernels
+from pyml.quant.lowbit import lowbit_kernels
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ _U8 = np.dtype(np.uint8)
 F32, F16, BF16 = QuantType.F32, QuantType.F16, QuantType.BF16
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0
 Q4_K, Q5_K, Q6_K = QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K
+Q2_K, Q3_K, IQ4_NL, IQ4_XS = QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_NL, QuantType.IQ4_XS
 
 TRAITS: dict[QuantType, Traits] = {t.qtype: t for t in (
     Traits(F32, float_kernels(F32), np.dtype(np.float32), quantize=quantizers.cast, activation="f32"),
@@ -81,6 +83,10 @@ TRAITS: dict[QuantType, Traits] = {t.qtype: t for t in (
     Traits(Q4_K, block_kernels(Q4_K), _U8, interleaved_kernels(Q4_K)),
     Traits(Q5_K, block_kernels(Q5_K), _U8),
     Traits(Q6_K, block_kernels(Q6_K), _U8),
+    Traits(Q2_K, lowbit_kernels(Q2_K), _U8),
+    Traits(Q3_K, lowbit_kernels(Q3_K), _U8),
+    Traits(IQ4_NL, lowbit_kernels(IQ4_NL), _U8),
+    Traits(IQ4_XS, lowbit_kernels(IQ4_XS), _U8),
 )}
 
 FLOAT_TYPES = frozenset(q for q, t in TRAITS.items() if t.is_float)

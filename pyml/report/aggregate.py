@@ -30,6 +30,8 @@ GENERATION = ("prefill", "decode")
 _LEAF_CATEGORY = {"gather": EMB, "layer_norm": NORM, "rms_norm": NORM, "gelu": ACT, "silu": ACT,
                   "gated_act": ACT, "kv_cache": ATTN_CORE, "rope": ATTN_CORE, "softmax": ATTN_CORE,
                   "sdpa": ATTN_CORE, "batched_matmul": ATTN_CORE, "matmul": ATTN_CORE}
+# the attention core's ops: each sequence's attention over its own cache (a batched step shares them by sequence)
+ATTN_CORE_OPS = frozenset(op for op, cat in _LEAF_CATEGORY.items() if cat == ATTN_CORE)
 _CONTAINERS = {"generator", "model", "block", "attention", "feed_forward", "load", "warmup"}
 # a timed part no child event covers becomes a piece: part -> (child ops that would cover it, label, category)
 _UNCOVERED_PARTS = {
@@ -173,7 +175,7 @@ def prefills(run) -> list:
     return out
 
 
-def decode_steps(run) -> list:
+def step_breakdowns(run) -> list:
     """One dict per decode step: its total and components (debug-level parts), and its layers."""
     steps = []
     for r in run.decode_steps():
@@ -197,7 +199,7 @@ def timeline(run) -> dict:
     load = run.named("model::load")
     warm = run.named("runtime::warmup")
     pre = prefills(run)
-    steps = decode_steps(run)
+    steps = step_breakdowns(run)
     d = [s["total"] for s in steps]
     out = {"load_ms": sum(r.dur_ms for r in load) if load else None,
            "load_source": load[0].details if load else None,
@@ -257,10 +259,38 @@ def components(steps) -> dict:
 
 # --- layers -------------------------------------------------------------------------------
 
+def mixed_steps(run) -> set:
+    """The decode steps (by step number) of a batched run in which prompt rows went beside the
+    decode rows (`rows` > `decoding`): a decode step to the sequences that decoded in it, but its
+    layers multiply and attend over the prompts' rows too."""
+    return {r.step for r in run.decode_steps()
+            if r.name == "generator::batch_step" and (_int_detail(r, "rows") or 0) > (_int_detail(r, "decoding") or 0)}
+
+
+def table_steps(run) -> tuple:
+    """(how many decode steps the per-layer and matmul tables cover, the tokens one of them chooses
+    on average): every decode step but the mixed ones (_in_phase)."""
+    mixed = mixed_steps(run)
+    steps = [r for r in run.decode_steps() if r.step not in mixed] or run.decode_steps()
+    tokens = [_int_detail(r, "decoding") or 1 for r in steps]
+    return len(steps), (sum(tokens) / len(tokens) if tokens else 1.0)
+
+
+def _in_phase(run, phase):
+    """A predicate on records: in `phase`, and for decode, in a step of decode rows only (mixed_steps
+    left out, unless every decode step is mixed): the per-layer and per-matmul tables describe a
+    decode step, and a step that also prefilled 262 prompt rows is not one."""
+    mixed = mixed_steps(run) if phase == "decode" else set()
+    if mixed and len(mixed) == len(run.decode_steps()):
+        mixed = set()
+    return lambda r: r.phase == phase and r.step not in mixed
+
+
 def blocks_by_layer(run, phase) -> dict:
     out = defaultdict(list)
+    keep = _in_phase(run, phase)
     for r in run.records:
-        if r.op == "block" and r.phase == phase and r.layer is not None:
+        if r.op == "block" and r.layer is not None and keep(r):
             out[r.layer].append(r)
     return dict(sorted(out.items()))
 
@@ -429,8 +459,9 @@ def matmul_table(run, phase="decode") -> list:
     """Per projection label: ms per call, weight bytes, achieved GB/s (weights read once per call)."""
     rows = defaultdict(lambda: {"ms": 0.0, "calls": 0, "bytes": 0.0, "in": None, "out": None, "dtype": None,
                                 "category": None})
+    keep = _in_phase(run, phase)
     for r in run.records:
-        if r.op != "linear" or r.phase != phase:
+        if r.op != "linear" or not keep(r):
             continue
         shape = linear_shape(r)
         label = short_module(r.owner)

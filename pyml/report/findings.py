@@ -55,7 +55,7 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
         if f["float_weights"]:
             before, ms = _projection_bytes(rows)
             after = sum(r["in"] * r["out"] * 34 / 32 * r["calls"] for r in rows if r["bytes"])
-            gain = ms / n * (1 - after / before) if before else None
+            gain = ms / max(aggregate.table_steps(run)[0], 1) * (1 - after / before) if before else None
             text = (f"Quantize the weights to Q8_0: {before / max(after, 1):.1f}x fewer bytes a token; at the "
                     f"measured speed about {advice.ms(gain or 0)} less per decode step")
             said = advice.quantize_weights(run, "q8_0", text, gain)
@@ -144,7 +144,7 @@ def bottlenecks(run, timing=None, limit: int = 6, min_share: float = 1.0) -> lis
     what could be done (`mitigations`) and the options or commands to try (`suggestions`, checked
     by advice.py, each with its expected gain). Contention comes first when contention.py names
     it and it cost >= contention.FIRST_PCT of decode time: it distorts every other figure."""
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     if not steps:
         return []
     n = len(steps)
@@ -223,7 +223,7 @@ def _contention_item(run, n, total) -> dict | None:
 
 def verdict(run, ranking=None) -> dict | None:
     """The audit's closing lines: status, primary (the ranking's first) and secondary, potential."""
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     if not steps:
         return None
     ranking = bottlenecks(run) if ranking is None else ranking

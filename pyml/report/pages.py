@@ -70,7 +70,7 @@ def report_page(run, layer: int | None = None, timing=None, timing_src="", plots
     for note in run.notes:
         doc.p(f"**Note**: {note}")
     tl = aggregate.timeline(run)
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     _model_table(doc, run)
 
     doc.h("High-level timing")
@@ -202,6 +202,7 @@ def _layer_section(doc, run, layer):
         doc.h(f"Per-layer breakdown (trace, single-token decode, median over {bd['layers']} layers × "
               f"{bd['steps']} steps)")
         spread = True
+    _mixed_note(doc, run)
     if not bd["traced"]:
         doc.p("This run was recorded at debug level: the layer's ops were not timed. Record at trace level "
               "(`pyml.profile`, or `LOG=trace`) for this table.")
@@ -211,7 +212,10 @@ def _layer_section(doc, run, layer):
         s = bd["sections"][sec]
         for label, v in s["rows"]:
             calls = v["calls"]
-            row = [f"{names[sec]}: {label}", _short_details(v["details"]),
+            details = _short_details(v["details"])
+            if spread and v["blocks"] < bd["n"]:  # its median is over the layers it ran in, not all of them
+                details += f" (in {v['blocks'] / max(bd['steps'], 1):.0f} of {bd['layers']} layers)"
+            row = [f"{names[sec]}: {label}", details,
                    f"{calls:.0f}" if calls == int(calls) else f"{calls:.1f}", ms(v["ms"])]
             if spread:
                 row.append(f"{ms(v['p10'])}–{ms(v['p90'])}")
@@ -282,7 +286,7 @@ def _head_section(doc, run, steps):
     if head:
         per_call = head["bytes"] / max(head["calls"], 1)
         lines.append(f"`lm_head` {head['in']:,} → {head['out']:,} {head['dtype']}: {per_call / 1e6:,.1f} MB of weights "
-                     f"read per token, {ms(head['ms'] / head['calls'])} per call"
+                     f"read per call (a call a decode step), {ms(head['ms'] / head['calls'])} per call"
                      + (f" = **{head['gb_s']:.3g} GB/s**" if head["gb_s"] else ""))
     m = run.info.get("model") or {}
     if m.get("tied_head"):
@@ -290,12 +294,23 @@ def _head_section(doc, run, steps):
     doc.items(lines)
 
 
+def _mixed_note(doc, run):
+    """Say which steps a per-layer or matmul table leaves out (aggregate.table_steps), if any."""
+    steps, _ = aggregate.table_steps(run)
+    left_out = len(run.decode_steps()) - steps
+    if left_out:
+        doc.p(f"Over the {steps} decode steps of decode rows only: the {left_out} steps in which prompt rows "
+              "went beside the decode rows are left out.")
+
+
 def _matmul_section(doc, run):
     rows = aggregate.matmul_table(run)
     if not rows:
         return
-    steps = len(run.decode_steps()) or 1
+    steps, tokens = aggregate.table_steps(run)
+    steps = steps or 1
     doc.h("Matmuls in decode: time and memory bandwidth")
+    _mixed_note(doc, run)
     doc.table(["Projection", "Shape (in→out)", "Type", "Calls/step", "Time/step", "Weights/step", "GB/s"],
               [[r["label"], f"{r['in']}→{r['out']}" if r["in"] else "—", r["dtype"] or "—",
                 num(r["calls"] / steps, 0), ms(r["ms"] / steps), f"{r['bytes'] / steps / 1e6:,.1f} MB",
@@ -303,7 +318,9 @@ def _matmul_section(doc, run):
     tot_b = sum(r["bytes"] for r in rows)
     tot_ms = sum(r["ms"] for r in rows)
     if tot_ms and tot_b:
-        doc.p(f"All projections: {tot_b / steps / 1e6:,.1f} MB of weights per token in {ms(tot_ms / steps)} = "
+        per = ("per token" if tokens == 1 else
+               f"per step, for {tokens:.1f} tokens ({tot_b / steps / tokens / 1e6:,.1f} MB a token)")
+        doc.p(f"All projections: {tot_b / steps / 1e6:,.1f} MB of weights {per} in {ms(tot_ms / steps)} = "
               f"**{tot_b / (tot_ms / 1e3) / 1e9:.3g} GB/s** achieved (a decode step reads every weight once; "
               f"compare with the machine's memory bandwidth).")
 
@@ -471,7 +488,7 @@ def jitter_page(run, ranking=None) -> Doc:
     doc = Doc(f"Jitter analysis: {run.label}")
     doc.p(_model_line(run))
     doc.p(_source_line(run))
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     if not steps:
         doc.p("No decode steps were recorded (`generator::decode_step`): nothing to analyse.")
         return doc
@@ -541,7 +558,7 @@ def _json_sections(bd):
 
 def report_json(run, layer=None, timing=None, ranking=None) -> dict:
     ranking = findings.bottlenecks(run, timing) if ranking is None else ranking
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     bd = _json_sections(aggregate.layer_breakdown(run, layer, "decode")) if layer is not None else None
     return {
         "source": run.source, "kind": run.kind, "info": run.info, "notes": run.notes, "events": len(run.records),

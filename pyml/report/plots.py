@@ -25,7 +25,7 @@ def write_plots(run, out_dir: Path) -> list:
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    steps = aggregate.decode_steps(run)
+    steps = aggregate.step_breakdowns(run)
     written = []
     if steps:
         x = [s["step"] for s in steps]

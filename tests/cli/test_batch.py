@@ -2,6 +2,7 @@
 per-line overrides, resuming, --profile, and --ray without Ray installed."""
 
 import json
+import re
 import socket
 import stat
 import subprocess
@@ -205,6 +206,31 @@ def test_a_batched_profile_reports_its_steps_and_aggregate_speed(tiny, tmp_path)
     report = (prof / "report.md").read_text()
     line = next(x for x in report.splitlines() if x.startswith("| Decode (mean/batched step)"))
     assert f"over {len(steps)} steps of {decoded / len(steps):.1f} decoding sequences" in line
+
+
+def test_a_batched_profiles_layer_tables_leave_out_steps_where_prompts_joined(tiny, tmp_path):
+    """A prompt that joins while others decode makes a mixed step (prompt rows beside decode rows):
+    a decode step to the sequences decoding in it, but its layers are not a decode step's. The
+    per-layer and matmul tables cover the other decode steps, and say how many they left out."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": n}) + "\n"
+                           for i, (p, n) in enumerate([("Hello there", 2), ("The capital of France is", 8),
+                                                       ("xyz abc", 8), ("0123456789", 3)])))
+    prof = tmp_path / "prof"
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "o.jsonl"), "-m", str(tiny),
+                            "--batch", "2", "--profile", str(prof)]) == 0
+    events = [json.loads(line) for line in (prof / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e.get("name") == "generator::batch_step" and e.get("phase") == "decode"]
+    shape = [(int(e["details"].split("rows=")[1].split()[0]), int(e["details"].split("decoding=")[1].split()[0]))
+             for e in steps]
+    mixed = sum(1 for rows, decoding in shape if rows > decoding)
+    assert mixed and mixed < len(steps)  # the input makes both kinds
+    report = (prof / "report.md").read_text()
+    assert f"× {len(steps) - mixed} steps)" in report
+    assert f"Over the {len(steps) - mixed} decode steps of decode rows only: the {mixed} steps" in report
+    table = report.split("## Per-layer breakdown")[1].split("\n## ")[0]
+    rows_seen = {int(m) for m in re.findall(r"\[(\d+), \d+\]->", table)}
+    assert rows_seen and max(rows_seen) <= 2  # the products of 1 or 2 decode rows, no prompt's
 
 
 def test_ray_flag_without_ray_is_one_line_naming_the_extra(tiny, tmp_path):

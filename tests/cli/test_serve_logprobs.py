@@ -2,6 +2,7 @@
 against transformers' log_softmax of the same random GPT-2 checkpoint (the values' 1e-4 on a real model
 is tests/nlp/test_logprobs.py's). The server is a real process on 127.0.0.1; every loop is bounded."""
 
+import concurrent.futures
 import json
 
 import numpy as np
@@ -21,9 +22,11 @@ def checkpoint(tmp_path_factory):
     return write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256, seed=3)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    served = start_server(checkpoint, "--kv-type", "f32")  # f32 cache: only summation order differs
+@pytest.fixture(scope="module", params=["1", "3"], ids=["one-at-a-time", "parallel"])
+def server(checkpoint, request):
+    """Every test on both workers: one generation at a time, and batched steps (--parallel), whose
+    prompt chunks and decode rows share a forward."""
+    served = start_server(checkpoint, "--kv-type", "f32", "--parallel", request.param)  # f32 cache: only summation order differs
     yield served
     stop_server(served)
 
@@ -73,6 +76,21 @@ def test_completions_echo_gives_the_prompts_logprobs_first_null(server, oracle, 
     last = lp["top_logprobs"][-1]  # the generated token is the greedy one: the likeliest of its top 5
     assert lp["token_logprobs"][-1] == max(last.values())
     assert abs(lp["token_logprobs"][-1] - ref[-1].max()) < TOL  # the last prompt row chose it
+
+
+def test_concurrent_echoed_prompts_score_as_transformers_does(server, oracle, tokenizer):
+    """lm-eval sends many scoring requests at once: on the parallel server their prompts share
+    batched steps (chunks beside other sequences' rows); every value is still transformers'."""
+    prompts = [f"{PROMPT} number {i}" + " and more" * i for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda p: post(server, "/v1/completions", {
+            "prompt": p, "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0}), prompts))
+    for prompt, (status, body) in zip(prompts, bodies):
+        assert status == 200, body
+        ids, got = tokenizer.encode(prompt), body["choices"][0]["logprobs"]["token_logprobs"]
+        ref = oracle(ids)
+        assert got[0] is None and len(got) == len(ids) + 2
+        assert np.allclose(got[1:len(ids)], [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=TOL)
 
 
 def test_a_prompt_of_token_ids_scores_as_its_text(server, tokenizer):
@@ -165,7 +183,7 @@ def test_logit_bias_values_and_ids_out_of_range_are_400(server, bias):
     assert status == 400 and "logit_bias" in body["error"]["message"], body
 
 
-def test_parallel_server_gives_logprobs_and_refuses_echoed_logprobs_by_name(checkpoint):
+def test_parallel_server_gives_the_logprobs_of_one_at_a_time(checkpoint):
     with serving(checkpoint, "--parallel", "2", "--kv-type", "f32") as served, \
             serving(checkpoint, "--kv-type", "f32") as single:
         ask = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3}
@@ -176,6 +194,7 @@ def test_parallel_server_gives_logprobs_and_refuses_echoed_logprobs_by_name(chec
         streamed = [e["choices"][0]["logprobs"] for e in sse_events(served, "/v1/completions", ask)
                     if e.get("choices") and e["choices"][0]["logprobs"]]
         assert [t for lp in streamed for t in lp["tokens"]] == batched["tokens"]
-        status, body = post(served, "/v1/completions", {**ask, "echo": True})
-        assert (status, body["error"]["param"], body["error"]["code"]) == (400, "echo", "unsupported_parameter")
+        echoed = [post(s, "/v1/completions", {**ask, "echo": True})[1]["choices"][0]["logprobs"] for s in (served, single)]
+        assert echoed[0]["tokens"] == echoed[1]["tokens"] and echoed[0]["token_logprobs"][0] is None
+        assert np.allclose(echoed[0]["token_logprobs"][1:], echoed[1]["token_logprobs"][1:], atol=TOL)
         assert post(served, "/v1/completions", {**ask, "echo": True, "logprobs": None})[0] == 200

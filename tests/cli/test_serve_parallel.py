@@ -6,15 +6,16 @@ not change a text. A client that leaves frees its slot, a request beyond the slo
 malformed requests are still 4xx, and a per-request profile names the batched steps it shared.
 """
 
-import http.client
 import json
-import socket
 
 import openai
 import pytest
 
+import pyml
+from pyml.cli.request_profile import batched_profile, profile_summary, recording
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import (HOST, check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
+from pyml.report.aggregate import ATTN_CORE
+from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
                                   check_conversation_reuses_its_cached_prefix, malformed, start_server, stop_server)
 
 
@@ -56,29 +57,34 @@ def test_whole_streamed_stopped_and_seeded_replies_as_alone(client):
     assert a == b
 
 
-def test_a_per_request_profile_under_batching_names_the_steps_it_shared(server, client):
-    """A long stream runs while a profiled request decodes: every one of its steps is a batched
-    forward of both sequences, and its profile says so beside the usual split."""
-    conn = http.client.HTTPConnection(HOST, server.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": "tiny", "prompt": "Long story", "max_tokens": 200, "temperature": 0, "stream": True,
-         "logit_bias": {"511": -100}}),  # 511: the stand-in's EOS
-        headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    try:
-        assert resp.status == 200
-        resp.fp.readline()
-        assert resp.fp.readline().startswith(b"data: ")  # the long one decodes
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                           temperature=0, extra_body={"pyml": {"profile": True}})
-    finally:
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
+def test_a_per_request_profile_under_batching_names_the_steps_it_shared(client):
+    """Two choices of one profiled request decode in the same batched steps: the profile gives the
+    usual split of the request's share of them (all of each step here) and says what it shared."""
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, n=2, extra_body={"pyml": {"profile": True}})
     prof = r.model_extra["pyml"]["profile"]
     assert prof["decode_steps"] == r.model_extra["timings"]["predicted_n"] == 5
     assert set(prof["split"]) == {"attention", "ffn", "head", "sampling", "other"}
     assert prof["split"]["attention"]["ms"] > 0 and prof["split"]["ffn"]["ms"] > 0
     assert prof["batch"]["steps"] == 5 and prof["batch"]["mean_sequences"] == prof["batch"]["max_sequences"] == 2
+    assert 0 < prof["decode_ms"] <= r.model_extra["timings"]["predicted_ms"]
+
+
+def test_a_batched_profile_is_the_requests_share_of_each_step(tmp_path):
+    """The request's share of a step, by hand: a quarter of the rows' work, half of the attention over
+    the caches (1 of its rows in a step of 4 rows over 2 sequences)."""
+    lm = pyml.load_model(write_gpt2(tmp_path, "gpt2-tiny", n_positions=64))
+    records = []
+    with recording(records):
+        lm.generate("Hi", max_tokens=4, temperature=0)
+    whole = profile_summary(records)
+    steps = {r["step"] for r in records if r["phase"] == "decode"}
+    part = batched_profile(records, {step: (1, 4, 2) for step in steps})
+    cats = whole["categories"]
+    per_seq = sum(v["ms"] for c, v in cats.items() if c == ATTN_CORE)
+    want = per_seq / 2 + (whole["decode_ms"] - per_seq) / 4
+    assert part["decode_steps"] == whole["decode_steps"] == len(steps) == 3
+    assert part["decode_ms"] == pytest.approx(want, rel=1e-6, abs=1e-3)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):

@@ -305,7 +305,7 @@ def test_hf_spec_without_q4_k_m_takes_the_smallest_4bit_file_in_subfolders(fake_
                                     "Some-Q4_K_S/Some-Q4_K_S-00001-of-00002.gguf": b"x" * 4,
                                     "Some-Q4_K_S/Some-Q4_K_S-00002-of-00002.gguf": b"x" * 4,
                                     "mmproj-Some-f16.gguf": b"x"}
-    # the split Q4_K_S (8 bytes) is smaller than Q4_0 (9); IQ4_XS (7) has no pyml kernels: last resort
+    # the split Q4_K_S (8 bytes) is smaller than Q4_0 (9); IQ4_XS (7), slower in pyml, is the last resort
     assert hub.resolve_gguf("hf:bartowski/Some-GGUF").name == "Some-Q4_K_S-00001-of-00002.gguf"
     del repos["bartowski/Some-GGUF"]["Some-Q4_0.gguf"]
     del repos["bartowski/Some-GGUF"]["Some-Q4_K_S/Some-Q4_K_S-00001-of-00002.gguf"]

@@ -21,7 +21,7 @@ from pyml.nn.rope import RoPE
 from pyml.quant import FLOAT_TYPES, TRAITS, QuantType
 from tests.quant.helpers import make_weights
 
-K_TYPES = {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+K_TYPES = {q for q, t in TRAITS.items() if t.block_size == 256}  # super-blocks: rows of 256-multiples
 
 
 def _linear(rng, qtype, out, inp, name, bias=False):
@@ -150,6 +150,25 @@ def test_fused_decode_equals_layer_by_layer_on_every_block_shape(shape, qtype, k
     fused, ref, cache, other = decode_both(block)
     close(fused, ref)
     close(cache.k[0], other.k[0])
+
+
+def test_one_block_shape_is_one_kernel_whether_its_arrays_are_writable_or_not():
+    """A memory-mapped file's weights are read-only, weights made or packed in NumPy writable, and
+    Numba compiles a kernel apart for each mix: FusedBlock hands the kernels read-only views of
+    every array, so two blocks of one shape, one with every array read-only, one with none, get the
+    same argument types (numba.typeof, what the dispatcher keys its compiles by): one compile."""
+    def fused(read_only):
+        block = make_block(QuantType.Q8_0, shape="gemma3", bias=True)  # norms, q/k norms, biases, RoPE
+        block.attn.qkv.pack()
+        for array in (n.weight for n in (block.attn_norm, block.ffn_norm, block.attn.q_norm)):
+            array.flags.writeable = not read_only
+        block.attn.qkv.bias.flags.writeable = not read_only
+        return block.fused()
+
+    kinds = [(numba.typeof(f.pre_w), numba.typeof(f.post_w)) for f in (fused(True), fused(False))]
+    assert kinds[0] == kinds[1]
+    arrays = [v for v in fused(False).pre_w + fused(False).post_w if isinstance(v, np.ndarray)]
+    assert arrays and not any(a.flags.writeable for a in arrays)
 
 
 def test_fused_decode_under_trace_reports_every_op_like_the_reference():

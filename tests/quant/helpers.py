@@ -12,14 +12,16 @@ import numpy as np
 from pyml.quant import QuantType, row_bytes
 
 QUANT_TYPES = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
-               QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K]
+               QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+               QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_NL, QuantType.IQ4_XS]
 FLOAT_TYPES = [QuantType.F32, QuantType.F16, QuantType.BF16]
-K_TYPES = {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+K_TYPES = {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_XS}
 GGUF_QUANTIZES = {QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0}
 
 # fp16 scale fields (byte offsets in a block) overwritten with sane values in random blocks
 _SCALE_OFFSETS = {QuantType.Q4_0: (0,), QuantType.Q4_1: (0, 2), QuantType.Q5_0: (0,), QuantType.Q5_1: (0, 2),
-                  QuantType.Q8_0: (0,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2), QuantType.Q6_K: (208,)}
+                  QuantType.Q8_0: (0,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2), QuantType.Q6_K: (208,),
+                  QuantType.Q2_K: (80, 82), QuantType.Q3_K: (108,), QuantType.IQ4_NL: (0,), QuantType.IQ4_XS: (0,)}
 
 
 def odd_cols(qtype) -> int:

@@ -7,7 +7,8 @@ from pyml import quant
 from pyml.quant import TRAITS, QuantType
 
 EXPECTED_BYTES = {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q5_0: 22, QuantType.Q5_1: 24,
-                  QuantType.Q8_0: 34, QuantType.Q4_K: 144, QuantType.Q5_K: 176, QuantType.Q6_K: 210}
+                  QuantType.Q8_0: 34, QuantType.Q4_K: 144, QuantType.Q5_K: 176, QuantType.Q6_K: 210,
+                  QuantType.Q2_K: 84, QuantType.Q3_K: 110, QuantType.IQ4_NL: 18, QuantType.IQ4_XS: 136}
 
 
 @pytest.mark.parametrize("qtype", list(EXPECTED_BYTES))
@@ -25,9 +26,9 @@ def test_float_types_have_block_size_one():
 
 
 def test_unsupported_types():
-    assert not quant.is_supported(QuantType.Q2_K)
+    assert not quant.is_supported(QuantType.IQ2_XXS)
     with pytest.raises(ValueError, match="unsupported"):
-        quant.row_bytes(QuantType.Q2_K, 256)
+        quant.row_bytes(QuantType.IQ2_XXS, 256)
 
 
 def test_row_bytes():

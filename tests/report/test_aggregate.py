@@ -64,7 +64,7 @@ def test_timeline_and_components(run):
     assert tl["prefill"]["tokens"] == 5 and tl["prefill_ms_per_token"] == pytest.approx(4.0)
     assert tl["decode_steps"] == 3 and tl["decode_mean_ms"] == pytest.approx(10.0)
     assert tl["decode_tok_s"] == pytest.approx(100.0) and tl["ttft_ms"] == 20.0
-    comps = aggregate.components(aggregate.decode_steps(run))
+    comps = aggregate.components(aggregate.step_breakdowns(run))
     assert comps["layers"]["mean"] == pytest.approx(6.1) and comps["projection"]["pct"] == pytest.approx(14.5)
     assert comps["other"]["mean"] == pytest.approx(10.0 - (0.9 + 6.1 + 0.45 + 1.45 + 0.5))
     assert sum(comps[k]["pct"] for k in aggregate.COMPONENTS) == pytest.approx(100.0)
@@ -253,6 +253,22 @@ def test_per_op_table_is_the_median_over_layers_and_steps_with_the_outlier_named
     page = render_md(pages.report_page(run))
     assert "median over 5 layers × 3 steps" in page and "layer 3 9.00ms (3.0x)" in page
     assert "this layer took 3.0x" in render_md(pages.report_page(run, layer=3))  # asked for: said it is odd
+
+
+def test_an_op_that_runs_in_some_layers_only_says_in_how_many():
+    """A batched step's RoPE table is made once, in layer 0: its median is over that layer alone,
+    which the table says rather than let it pass for every layer's cost."""
+    from tests.report.streams import block
+    roots = []
+    for k in range(1, 4):
+        blocks = [block(i) for i in range(5)]
+        attention = blocks[0].children[1]
+        attention.children = attention.children + (S("rope_table", 0.05, details="T=16 pairs=32"),)
+        roots.append(S("generator::decode_step", 23.0, S("model::forward", 22.0, *blocks, module="model"),
+                       phase="decode", step=k))
+    page = render_md(pages.report_page(make_run(roots)))
+    assert "| Attention: rope_table | T=16 pairs=32 (in 1 of 5 layers) |" in page
+    assert "| Attention: matmul:attn.c_attn | [1, 64]->[64, 192] F32 |" in page  # every layer: nothing added
 
 
 @pytest.mark.parametrize("compile_s, said", [(62.0, "| Warm-up | 210.0ms | **compiled 62.0 s** (a first run"),

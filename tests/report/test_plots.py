@@ -14,7 +14,7 @@ def test_layer_plot_survives_a_mean_rounded_outside_min_max(monkeypatch, tmp_pat
     mean = sum(durations) / len(durations)
     assert mean > max(durations)
     row = {"layer": 0, "mean": mean, "min": min(durations), "max": max(durations)}
-    monkeypatch.setattr(aggregate, "decode_steps", lambda run: [])
+    monkeypatch.setattr(aggregate, "step_breakdowns", lambda run: [])
     monkeypatch.setattr(aggregate, "layer_stats", lambda run, phase: [dict(row)])
     written = plots.write_plots(object(), tmp_path)
     assert [name for name, _ in written] == ["layers.png"]

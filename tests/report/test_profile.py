@@ -138,7 +138,7 @@ def test_the_saved_log_gives_the_same_records_and_tables(profiled):
     assert [r.key() for r in a.records] == [r.key() for r in b.records]
     for phases in (aggregate.GENERATION, ("decode",), None):
         assert aggregate.module_table(a.records, phases) == aggregate.module_table(b.records, phases)
-    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
+    assert aggregate.step_breakdowns(a) == aggregate.step_breakdowns(b)
     assert aggregate.layer_breakdown(a, 1) == aggregate.layer_breakdown(b, 1)
     assert aggregate.label_table(a.records, {"prefill"}) == aggregate.label_table(b.records, {"prefill"})
 
@@ -263,5 +263,5 @@ def test_an_old_log_of_the_same_run_gives_the_same_step_and_category_tables(prof
     a, b = load_run(profiled / "warm"), load_run(old)
     assert [(r.name, r.depth, r.phase, r.step) for r in a.records] == [(r.name, r.depth, r.phase, r.step)
                                                                        for r in b.records]
-    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
+    assert aggregate.step_breakdowns(a) == aggregate.step_breakdowns(b)
     assert aggregate.category_table(a.records, {"decode"}) == aggregate.category_table(b.records, {"decode"})

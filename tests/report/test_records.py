@@ -200,7 +200,7 @@ def test_a_log_from_before_the_context_tail_still_gives_its_tables(tmp_path):
     assert "predates" in b.notes[0]
     assert [(r.name, r.depth, r.phase, r.step, r.layer) for r in a.records] == \
         [(r.name, r.depth, r.phase, r.step, r.layer) for r in b.records]
-    assert aggregate.decode_steps(a) == aggregate.decode_steps(b)
+    assert aggregate.step_breakdowns(a) == aggregate.step_breakdowns(b)
     for phase in ("prefill", "decode"):
         assert aggregate.category_table(a.records, {phase}) == aggregate.category_table(b.records, {phase})
     names = {r.module for r in b.records if r.op == "linear"}

@@ -123,8 +123,9 @@ class DecoderModel:
             logits = self.forward(tokens, pool.sequence(seq), pos, all_logits)
             return [logits] if all_logits else logits[None]
         n_layers = len(self.blocks)
-        # decode rows only: each row's matmuls the bits of its GEMV, as the sequence would decode alone
-        with runtime.kernel_lock(), quant.decode_rows(batch.n_decode == len(batch)), \
+        # the decode rows (first in the pass) get their GEMV's bits, the prompts' rows the GEMM's: the
+        # bits each sequence gets alone (quant.decode_rows)
+        with runtime.kernel_lock(), quant.decode_rows(batch.n_decode), \
                 _perf.debug("model::forward", "tokens={} batch={}", len(batch), len(batch.segments), op="model",
                             module="model") as span:
             for seq, end in zip(batch.decode_seqs.tolist(), batch.decode_ends.tolist()):
@@ -136,8 +137,8 @@ class DecoderModel:
                     x = block(x, None, batch)
             with span.part("norm"):
                 x = self.final_norm(x if all_logits else x[batch.last_rows])
-            with span.part("projection"):
-                logits = self.lm_head(x)
+            with span.part("projection"), quant.decode_rows(batch.n_decode if all_logits else True):
+                logits = self.lm_head(x)  # a row per sequence: alone, its last token's GEMV
                 if self.logit_softcap:
                     logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
         for seq, pos, n in batch.segments:
