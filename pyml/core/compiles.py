@@ -76,8 +76,9 @@ def kernel_name(dispatcher) -> str:
         return "?"
     name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}"
     cells = zip(func.__code__.co_freevars, func.__closure__ or ())
-    constants = [f"{var}={cell.cell_contents!r}" for var, cell in cells
-                 if _constant(cell)]
+    constants = [f"{var}={cell.cell_contents!r}" for var, cell in cells if _constant(cell)]
+    keyed = [c for c in constants if c.startswith("key=")]  # a block shape's key says all its ints do
+    constants = keyed or constants
     return f"{name}[{', '.join(constants)}]" if constants else name
 
 
