@@ -242,9 +242,16 @@ def add_bias(out, bias):  # out += bias (a loop: no array expression for paralle
 
 
 @numba.njit(inline="always")
+def _rms(x, w, eps, unit, out):
+    """ops.rms_norm_rows with `unit` (a shape's 0/1 constant) as the bool the Python side passes: one
+    compile of it serves both (a literal int each was two more, the branch being per row anyway)."""
+    ops.rms_norm_rows(x, w, eps, unit != 0, out)
+
+
+@numba.njit(inline="always")
 def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNorm; x, out [1, d]
     if kind == 0:
-        ops.rms_norm_rows(x, w, eps, unit_offset, out)
+        _rms(x, w, eps, unit_offset, out)
     else:
         ops.layer_norm_rows(x, w, b, eps, out)
 
@@ -254,7 +261,7 @@ def _branch_end(post, unit, y, w, eps, x, t, events, trace, timed, counters, tic
     """A branch's end: its output y normed when `post` (Gemma's sandwich norm; op's event at row
     r_post, from tick t), then x += y; the layer's tick `col` taken after it. Returns that tick."""
     if post:
-        ops.rms_norm_rows(y, w, eps, unit, y)
+        _rms(y, w, eps, unit, y)
         event(events, trace, r_post, op, li, t, now(trace, counters))
     add_bias(x[0], y[0])
     t = now(timed, counters)
@@ -337,10 +344,10 @@ def _after_qkv(s, e):
     def step(shape, pw, buf, kv, pos, t, events, trace, counters, li, r):
         q2, k2, q3, k3 = buf.q2, buf.k2, buf.q3, buf.k3
         if qk_norm:
-            ops.rms_norm_rows(q2, pw.q_norm_w, pw.qk_eps, qk_unit, q2)
+            _rms(q2, pw.q_norm_w, pw.qk_eps, qk_unit, q2)
             t_q = now(trace, counters)
             event(events, trace, r + e_qn, A_QNORM, li, t, t_q)
-            ops.rms_norm_rows(k2, pw.k_norm_w, pw.qk_eps, qk_unit, k2)
+            _rms(k2, pw.k_norm_w, pw.qk_eps, qk_unit, k2)
             t = now(trace, counters)
             event(events, trace, r + e_kn, A_KNORM, li, t_q, t)
         if rope:
