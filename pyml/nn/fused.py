@@ -221,10 +221,11 @@ class FusedBlock:
         out = []
         if rows:
             i, n_pre, (pre, post) = self.block.index, self.n_pre, self.tables
-            attn_items = (clock.op_items({i: pre}, pos, rows[1:n_pre], cal)
-                         + clock.op_items({i: self._attention_ops(kv_type)}, pos, rows[n_pre:n_pre + 2], cal)
-                         + clock.op_items({i: post}, pos, rows[n_pre + 2:n_pre + 4], cal))
-            out += perf.nest(clock.op_items({i: pre}, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
+            # every piece converted by the pair the block's ticks use (op_items' `near`)
+            attn_items = (clock.op_items({i: pre}, pos, rows[1:n_pre], cal, t0)
+                         + clock.op_items({i: self._attention_ops(kv_type)}, pos, rows[n_pre:n_pre + 2], cal, t0)
+                         + clock.op_items({i: post}, pos, rows[n_pre + 2:n_pre + 4], cal, t0))
+            out += perf.nest(clock.op_items({i: pre}, pos, rows[:1], cal, t0), up, up_depth, ctx, thread, floor)
             if _ATTN_PERF.trace_on:
                 attn_id = perf.new_id()
                 attn = to_s(rows[1][2]), to_s(rows[n_pre + 3][3])  # the first projection's start .. o_proj's end
@@ -233,7 +234,8 @@ class FusedBlock:
                                         span_id=attn_id, floor=floor))
             else:
                 out += perf.nest(attn_items, up, up_depth, ctx, thread, floor)
-            out += perf.nest(clock.op_items({i: post}, pos, rows[n_pre + 4:], cal), up, up_depth, ctx, thread, floor)
+            out += perf.nest(clock.op_items({i: post}, pos, rows[n_pre + 4:], cal, t0), up, up_depth, ctx, thread,
+                             floor)
         if block_id is not None:  # its ends pushed out to the µs grid: its parts and ops fit inside
             b = self.block
             out.append(perf.span_at(_perf, logging.DEBUG, b.span_name, "", (),
