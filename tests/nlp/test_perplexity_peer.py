@@ -93,6 +93,11 @@ def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantiz
                         tmp_path, draws=1 if kind == "f16" else DRAWS)
 
 
+# Not noise: llama.cpp's mean is 0.63% above pyml's (6 draws each), and 0.52% above the F16 file of the same
+# weights, where the two engines agree to 0.001% (docs/perplexity.md, "The noise of one figure"). Not strict:
+# a mean of 4 draws lands within 0.5% about one time in four.
+@pytest.mark.xfail(strict=False, reason="Gemma 3 Q4_K_M: llama.cpp's quantized path 0.5% above its F16 "
+                                        "of the same weights (open)")
 def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text, tmp_path):
     check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M", tmp_path)
 
