@@ -1,4 +1,4 @@
-"""The two compiled drivers of a run of like blocks' decode step, both running decode_recipe.py's steps:
+"""The compiled drivers of a run of like blocks' decode step, all running decode_recipe.py's steps:
 
 - decode_layers: the layers one after the other on the calling thread, every matrix product and
   the attention a whole call of its kernel (each parallel inside): any weight type and layout;
@@ -8,7 +8,10 @@
   between them go to whichever thread asks first, so a late or missing thread never holds the
   others (the region is also right on one thread). decode_layers makes ~5 parallel launches a
   layer, each with its join; the region makes one a run. It takes blocks whose every matrix is
-  x8 with no tail rows and whose projections are fused (region_shape_ok).
+  x8 with no tail rows and whose projections are fused (region_shape_ok);
+- decode_rows: a batched decode step's B rows (one token of its own sequence each) as
+  decode_layers walks one: the steps over all rows, after_qkv row by row, the products and the
+  batched attention over the KV pool as whole calls of the kernels the layer-by-layer path calls.
 
 Each layer's weights and cache arrays are the first layer's, rebased to its own addresses
 (_rebased: the caller checks that the layers' arrays agree in all but address, FusedStep).

@@ -12,11 +12,13 @@
     after_down   post-FFN norm -> x += y
 
 The one-thread steps between the matrix products and the attention are this module's four
-`after_*` functions and `attn_norm`; the two drivers (nn/decode_kernels.py) differ only in how they
+`after_*` functions and `attn_norm`; the drivers (nn/decode_kernels.py) differ only in how they
 run the products and the attention: decode_layers runs each whole on the calling thread's kernels
 (any weight type and layout), decode_region shares their pieces out between the threads of one
-parallel region (x8 weights). A new op of a block is a change to the step it belongs to here, and
-its kernel; both drivers run it. The layer-by-layer path (nn/block.py and the layers) is the
+parallel region (x8 weights), decode_rows runs them over a batched step's B rows (matrows, the
+pool's batched attention). The steps take x and their buffers as [rows, ...]: one row at T == 1,
+B in decode_rows (after_qkv, whose per-head views are one row's, it calls row by row). A new op of
+a block is a change to the step it belongs to here, and its kernel; every driver runs it. The layer-by-layer path (nn/block.py and the layers) is the
 oracle the tests hold this recipe to (tests/nn/test_fused.py).
 
 Every function here takes the block's shape as a literal string (BlockShape.key()): its ints are

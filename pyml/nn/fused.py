@@ -6,8 +6,10 @@ decode step is written once, as decode_recipe.py's steps, and run by one of deco
 two drivers over the same kernels the layers call and buffers allocated once per block:
 FusedStep runs each stretch of like blocks (SmolLM2: all 30) as one call - decode_region, one
 parallel region, where every matrix is x8 with its projections fused, else decode_layers - and
-FusedBlock a block alone (decode_layers over one layer). The layer-by-layer path is the oracle:
-tests/nn/test_fused.py holds both drivers to it on every architecture and weight type.
+FusedBlock a block alone (decode_layers over one layer). FusedStep.rows runs a batched decode step
+(B sequences, one token each) the same way, one decode_rows call per run, untimed. The
+layer-by-layer path is the oracle: tests/nn/test_fused.py holds the one-row drivers to it on every
+architecture and weight type, tests/nlp/test_batch_fused.py decode_rows to its batched path.
 
 Kernels are made per block *shape* (BlockShape: which norms, which weight types and layouts, which
 activation), never per weight: their closures hold only the shape's key string and ints, and the
@@ -415,6 +417,7 @@ class FusedStep:
         if _perf.debug_on or any(p.trace_on for p in self.op_loggers):
             return None
         pool, B = batch.pool, len(batch)
+        x = np.ascontiguousarray(x, np.float32)  # the kernel's one argument type
         kv_at = pool.addresses()
         chunks = interleaved_rows.chunks_for(numba.get_num_threads())
         seqs, ends = batch.decode_seqs, batch.decode_ends
