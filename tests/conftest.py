@@ -17,6 +17,7 @@ from numba.core import event
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from pyml.core import compiles  # noqa: E402 (the checkout the tests run from, put first above)
 
 
 def pytest_configure(config):
@@ -68,15 +69,13 @@ class _TimedCompiles(event.Listener):
     def on_end(self, ev):
         started = self.open.pop()
         data = ev.data if isinstance(ev.data, dict) else {}
-        func = getattr(data.get("dispatcher"), "py_func", None)
-        name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}" if func is not None else "?"
+        name = compiles.kernel_name(data.get("dispatcher"))
         _TIMED.append((name, str(data.get("args", "")), time.perf_counter() - started, len(self.open)))
 
 
 def pytest_sessionfinish(session):
     """Each test process says how many kernels it compiled (subprocesses the tests start are not
     counted): the figure a cold run's time mostly goes to."""
-    from pyml.core import compiles
     own, started = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (own.ru_utime + own.ru_stime, started.ru_utime + started.ru_stime)  # this process, the commands it ran
     stats = (compiles.kernels(), compiles.seconds(), compiles.compiled(), cpu, _TIMED)

@@ -268,7 +268,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
                 if (engine_name, test) not in got:
                     continue
                 rates = got[engine_name, test]
-                row = Row(name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
+                row = Row(model.name, model_size(path) / 2**20, info.get("params_m", {}).get(name, 0.0), model.quant,
                           engine_name, threads, test.label(with_depth), statistics.median(rates),
                           statistics.stdev(rates) if len(rates) > 1 else 0.0, rates,
                           compute=getattr(engines[engine_name], "compute", ""))
@@ -486,7 +486,7 @@ def memory(model_names, threads: int, n_prompt: int, n_gen: int, depths=(0,)) ->
 def build_parser() -> Parser:
     p = Parser(prog="pyml-bench", description=__doc__.split("\n")[0])
     p.add_argument("-m", "--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma-separated, from: {', '.join(MODELS)} (or 'all')")
+                   help=f"comma-separated, from: {', '.join(MODELS)} (or 'all'), or paths of GGUF files")
     p.add_argument("-t", "--threads", default=str(os.cpu_count() or 1), help="comma-separated thread counts")
     p.add_argument("--reps", type=int, default=None,
                    help="repetitions per test (default 5); with --log-cost, rounds of each level (default 40)")
@@ -530,7 +530,8 @@ def run_bench(args) -> int:
     models = list(MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
-        raise PymlError(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}")
+        raise PymlError(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}, or give a "
+                        "GGUF file's path")
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
     bad = [x for x in peers if x not in ENGINES or x == "pyml"]
     if bad:

@@ -19,7 +19,8 @@ from gguf import GGUFValueType, GGUFWriter
 from safetensors.numpy import save_file
 
 from pyml import quant
-from pyml.cli.pyml_quantize import FILE_TYPES, TARGETS
+from pyml.quant.ggml_types import QuantType
+from pyml.cli.pyml_quantize import FILE_TYPES, TARGETS, quantize_rows
 from pyml.nlp.models.gemma3 import GGUF_TO_HF
 from pyml.nlp.tokenizer import BYTE_OF_CHAR
 
@@ -180,7 +181,7 @@ def _sentencepiece_vocab(n: int):
 def _write_gguf(path, arch: str, meta: dict, specs: list, make, target: str):
     """A GGUF file: `meta` keys, a SentencePiece-style vocabulary, tensors [(gguf name, shape)]
     from make(name, shape) -> float32, 2-D ones quantized to `target`, 1-D ones kept float32."""
-    qtype = TARGETS[target]
+    qtype = TARGETS.get(target) or QuantType[target.upper()]  # or a type pyml-quantize writes in its mixes
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), arch)
     for key, value in meta.items():
@@ -193,12 +194,13 @@ def _write_gguf(path, arch: str, meta: dict, specs: list, make, target: str):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_file_type(FILE_TYPES[qtype])
+    if qtype in FILE_TYPES:  # the single-type files' ftype; a file of one mix type says none
+        w.add_file_type(FILE_TYPES[qtype])
     for name, shape in specs:
         x = make(name, shape)
         if len(shape) == 2:
-            data = quant.quantize(x, qtype)
-            w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+            data = quantize_rows(x, qtype)
+            w.add_tensor(name, data, raw_dtype=None if qtype in (QuantType.F32, QuantType.F16) else qtype)
         else:
             w.add_tensor(name, x)
     w.write_header_to_file()

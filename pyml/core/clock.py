@@ -112,11 +112,17 @@ class Calibration:
 
     @staticmethod
     def pair():
-        """A (ticks, perf_counter) pair read as close together as Python can."""
-        k_a = read_ticks()
-        t = time.perf_counter()
-        k_b = read_ticks()
-        return (k_a + k_b) // 2, t
+        """A (ticks, perf_counter) pair read as close together as Python can: the tightest of three
+        tries, so that a read the scheduler cut in two (its ticks ms apart on a busy machine) is not
+        the one a run's times are converted by."""
+        best = None
+        for _ in range(3):
+            k_a = read_ticks()
+            t = time.perf_counter()
+            k_b = read_ticks()
+            if best is None or k_b - k_a < best[0]:
+                best = (k_b - k_a, (k_a + k_b) // 2, t)
+        return best[1], best[2]
 
     def note(self):
         """Note a pair now (from the timed path, when `due` has passed)."""
@@ -250,13 +256,16 @@ class EventBuffer:
                 "%d compiled-code events did not fit the trace buffer (%d) and were dropped", n - kept, kept)
 
 
-def op_items(tables, pos, rows, cal) -> list:
+def op_items(tables, pos, rows, cal, near: int | None = None) -> list:
     """perf.nest's items for event rows (op id, layer, start, end) of the enabled ops: an array,
-    or its tolist(). The rows of one call are µs apart: one reference pair converts them all."""
+    or its tolist(). The rows of one call are µs apart: one reference pair converts them all, the
+    one nearest `near` (default: the first row's start). A caller that converts a call's rows in
+    several pieces passes one `near` to all: two pairs' offsets differ by the calibration's error,
+    which can move one op's span inside its neighbour's."""
     rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
     if not rows:
         return []
-    k_ref, t_ref, per_tick = cal.reference(rows[0][2])
+    k_ref, t_ref, per_tick = cal.reference(rows[0][2] if near is None else near)
     items = []
     for op_id, layer, k0, k1 in rows:
         op = tables[layer][op_id]

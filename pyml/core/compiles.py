@@ -42,9 +42,7 @@ class _Listener(event.Listener):
 
     def on_start(self, ev):
         self.kernels += 1
-        dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
-        func = getattr(dispatcher, "py_func", None)
-        name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}" if func is not None else "?"
+        name = kernel_name(ev.data.get("dispatcher") if isinstance(ev.data, dict) else None)
         self._open.append(len(self.compiled))
         self.compiled.append((name, str(ev.data.get("args", "")) if isinstance(ev.data, dict) else ""))
         if self._depth == 0:
@@ -66,6 +64,30 @@ class _Listener(event.Listener):
             self.current = ""
             if self.on_change is not None:
                 self.on_change()
+
+
+def kernel_name(dispatcher) -> str:
+    """`module.function` of a dispatcher, and, for a kernel a factory makes per weight type or
+    block shape (kernel_set.block_kernels(kind), decode_kernels.decode_layers_kernel(shape)), the
+    constants its closure holds - `kernel_set.gemm[kind=2]`: without them one factory's kernels
+    for two types read as the same kernel compiled twice."""
+    func = getattr(dispatcher, "py_func", None)
+    if func is None:
+        return "?"
+    name = f"{func.__module__.rpartition('.')[2]}.{func.__name__}"
+    cells = zip(func.__code__.co_freevars, func.__closure__ or ())
+    constants = [f"{var}={cell.cell_contents!r}" for var, cell in cells if _constant(cell)]
+    keyed = [c for c in constants if c.startswith("key=")]  # a block shape's key says all its ints do
+    constants = keyed or constants
+    return f"{name}[{', '.join(constants)}]" if constants else name
+
+
+def _constant(cell) -> bool:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return False
+    return isinstance(value, (bool, int, float, str))
 
 
 def _built(ev) -> bool:

@@ -62,9 +62,9 @@ _KERNEL_SOURCES = ("core/atomics.py", "core/clock.py", "core/isa.py", "core/jit.
                    "core/simd.py", "core/simd512.py", "core/simd_int.py",
                    "quant/activation.py", "quant/bf16_gemm.py", "quant/blocks32.py", "quant/floats.py",
                    "quant/ggml_types.py", "quant/interleaved_gemm.py", "quant/interleaved_gemv.py",
-                   "quant/interleaved_pairs.py", "quant/interleaved_tiles.py", "quant/interleaved_triples.py",
-                   "quant/kernel_set.py",
-                   "quant/kquantizers.py", "quant/kquants.py", "quant/lowbit.py", "quant/quantizers.py",
+                   "quant/interleaved_pairs.py", "quant/interleaved_rows.py", "quant/interleaved_tiles.py",
+                   "quant/interleaved_triples.py", "quant/kernel_set.py", "quant/kquantizers.py", "quant/kquants.py",
+                   "quant/lowbit.py", "quant/quantizers.py",
                    "nn/attention_kernels.py", "nn/attention_prefill.py", "nn/decode_kernels.py",
                    "nn/decode_recipe.py")
 # the instruction-set path is part of the stamp: kernels compiled for one path (isa.py) are never

@@ -1,4 +1,4 @@
-"""The two compiled drivers of a run of like blocks' decode step, both running decode_recipe.py's steps:
+"""The compiled drivers of a run of like blocks' decode step, all running decode_recipe.py's steps:
 
 - decode_layers: the layers one after the other on the calling thread, every matrix product and
   the attention a whole call of its kernel (each parallel inside): any weight type and layout;
@@ -8,7 +8,10 @@
   between them go to whichever thread asks first, so a late or missing thread never holds the
   others (the region is also right on one thread). decode_layers makes ~5 parallel launches a
   layer, each with its join; the region makes one a run. It takes blocks whose every matrix is
-  x8 with no tail rows and whose projections are fused (region_shape_ok).
+  x8 with no tail rows and whose projections are fused (region_shape_ok);
+- decode_rows: a batched decode step's B rows (one token of its own sequence each) as
+  decode_layers walks one: the steps over all rows, after_qkv row by row, the products and the
+  batched attention over the KV pool as whole calls of the kernels the layer-by-layer path calls.
 
 Each layer's weights and cache arrays are the first layer's, rebased to its own addresses
 (_rebased: the caller checks that the layers' arrays agree in all but address, FusedStep).
@@ -20,6 +23,7 @@ index, the model's layer), and events[0, 0] counts the rows written.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -31,7 +35,7 @@ from pyml.core.jit import FASTMATH
 from pyml.nn import attention_kernels
 from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, add_bias,
                                    after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots, linear,
-                                   now, per_shape)
+                                   linear_rows, now, per_shape)
 from pyml.quant import interleaved_gemv
 
 _PHASES = 11  # counters per layer in a region: see _region_layers
@@ -136,6 +140,86 @@ def decode_layers_kernel(shape: BlockShape):
         return out
 
     return decode_layers
+
+
+# --- decode_rows: a batched decode step's B rows ---------------------------------------------------
+
+class RowBuffers(NamedTuple):
+    """decode_rows' scratch for B rows (a ROWS_MAX-row set sliced to B: FusedBlock.row_buffers): the
+    products' outputs p1 [B, q | k | v, or q], pk, pv [B, nkv] (q, k, v apart; else [B, 0]), q rows
+    [B, nq] after the q norm and RoPE, ctx [B, H, hd], and gate's [B, f] (gate and up apart; else
+    [B, 0]) and up's [B, f] before they are laid side by side in `gu`."""
+    p1: object
+    pk: object
+    pv: object
+    q: object
+    ctx: object
+    g1: object
+    g2: object
+
+
+@lru_cache(maxsize=None)
+def decode_rows_kernel(shape: BlockShape):
+    """decode_rows for blocks of `shape`: a batched decode step's B rows (each one token of its own
+    sequence of a KVPool, 2 <= B <= ROWS_MAX) through a run of like blocks, as decode_layers walks
+    them (rebased weights and cache arrays), on the same recipe: the steps run over all B rows
+    (`buf`'s arrays [B, ...]) except after_qkv, run row by row on the one-row buffers `one` (each row
+    its own position and sequence); every product is decode_recipe.matrows (each row its GEMV's
+    bits) and the attention attention_kernels' batched decode over the pool's layer arrays (`seqs`,
+    `ends` per row). Untimed: a timed batched step takes the layer-by-layer path (nn/fused.py)."""
+    key, s = shape.key(), shape  # the closure holds the key and ints only
+    sep_qkv, sep_up = s.n_proj == 3, s.mlp == 2
+    kind_q, lay_q, kind_k, lay_k, kind_v, lay_v = s.q_kind, s.q_layout, s.k_kind, s.k_layout, s.v_kind, s.v_layout
+    kind_o, lay_o, kind_1, lay_1 = s.o_kind, s.o_layout, s.up_kind, s.up_layout
+    kind_2, lay_2, kind_d, lay_d = s.up2_kind, s.up2_layout, s.down_kind, s.down_layout
+
+    @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_rows(x, pre_w, pre_at, buf, rows, one, post_w, post_at, kv, kv_at, seqs, ends, window, scale, chunks,
+                    no_kv, out, counters, events, ticks, layer0):
+        h, y, gu, a = buf.h, buf.y, buf.gu, buf.a
+        p1, pk, pv, q, ctx, g1, g2 = rows
+        qkv, nq, nkv = one.qkv, one.nq, one.nkv
+        B, f, n1 = x.shape[0], a.shape[1], p1.shape[1]
+        q3 = q.reshape(ctx.shape)
+        flat_ctx = ctx.reshape((B, ctx.shape[1] * ctx.shape[2]))
+        out[:] = x
+        for layer in range(pre_at.shape[0]):
+            pw, qw = _rebased(pre_w, pre_at[layer]), _rebased(post_w, post_at[layer])
+            keys, k_scale, values, v_scale = _rebased(kv, kv_at[layer])
+            li = layer0 + layer
+            attn_norm(key, pw, buf, out, events, False, False, counters, ticks, layer, li, 0)
+            linear_rows(kind_q, lay_q, pw.wq, pw.tq, pw.bq, h, p1, chunks)
+            if sep_qkv:
+                linear_rows(kind_k, lay_k, pw.wk, pw.tk, pw.bk, h, pk, chunks)
+                linear_rows(kind_v, lay_v, pw.wv, pw.tv, pw.bv, h, pv, chunks)
+            for b in range(B):  # q/k norms, RoPE and the KV write: each row at its own position
+                qkv[:n1] = p1[b]
+                if sep_qkv:
+                    qkv[nq:nq + nkv] = pk[b]
+                    qkv[nq + nkv:] = pv[b]
+                s_ = seqs[b]
+                after_qkv(key, pw, one, (keys[s_], k_scale[s_], values[s_], v_scale[s_]), ends[b] - 1, 0, events,
+                          False, counters, li, 0)
+                q[b] = qkv[:nq]
+            # every row's k, v written above: the batched attention only reads (no_kv: [0, Hkv, hd])
+            attention_kernels._decode_batch(q3, no_kv, no_kv, keys, k_scale, values, v_scale, seqs, ends, window,
+                                            scale, ctx)
+            linear_rows(kind_o, lay_o, qw.wo, qw.to, qw.bo, flat_ctx, y, chunks)
+            after_o(key, qw, buf, out, 0, events, False, False, counters, ticks, layer, li, 0)
+            if sep_up:
+                linear_rows(kind_1, lay_1, qw.w1, qw.t1, qw.b1, h, g1, chunks)
+                linear_rows(kind_2, lay_2, qw.w2, qw.t2, qw.b2, h, g2, chunks)
+                for b in range(B):
+                    gu[b, :f] = g1[b]
+                    gu[b, f:] = g2[b]
+            else:
+                linear_rows(kind_1, lay_1, qw.w1, qw.t1, qw.b1, h, gu, chunks)
+            after_up(key, buf, 0, events, False, counters, li, 0)
+            linear_rows(kind_d, lay_d, qw.wd, qw.td, qw.bd, a, y, chunks)
+            after_down(key, qw, buf, out, 0, events, False, False, counters, ticks, layer, li, 0)
+        return out
+
+    return decode_rows
 
 
 # --- decode_region: its counters ---------------------------------------------------------------------

@@ -12,11 +12,13 @@
     after_down   post-FFN norm -> x += y
 
 The one-thread steps between the matrix products and the attention are this module's four
-`after_*` functions and `attn_norm`; the two drivers (nn/decode_kernels.py) differ only in how they
+`after_*` functions and `attn_norm`; the drivers (nn/decode_kernels.py) differ only in how they
 run the products and the attention: decode_layers runs each whole on the calling thread's kernels
 (any weight type and layout), decode_region shares their pieces out between the threads of one
-parallel region (x8 weights). A new op of a block is a change to the step it belongs to here, and
-its kernel; both drivers run it. The layer-by-layer path (nn/block.py and the layers) is the
+parallel region (x8 weights), decode_rows runs them over a batched step's B rows (matrows, the
+pool's batched attention). The steps take x and their buffers as [rows, ...]: one row at T == 1,
+B in decode_rows (after_qkv, whose per-head views are one row's, it calls row by row). A new op of
+a block is a change to the step it belongs to here, and its kernel; every driver runs it. The layer-by-layer path (nn/block.py and the layers) is the
 oracle the tests hold this recipe to (tests/nn/test_fused.py).
 
 Every function here takes the block's shape as a literal string (BlockShape.key()): its ints are
@@ -39,6 +41,7 @@ from pyml import quant
 from pyml.core import clock, ops
 from pyml.core.jit import FASTMATH
 from pyml.nn import attention_kernels
+from pyml.quant import interleaved_rows
 
 
 class BlockShape(NamedTuple):
@@ -242,9 +245,16 @@ def add_bias(out, bias):  # out += bias (a loop: no array expression for paralle
 
 
 @numba.njit(inline="always")
+def _rms(x, w, eps, unit, out):
+    """ops.rms_norm_rows with `unit` (a shape's 0/1 constant) as the bool the Python side passes: one
+    compile of it serves both (a literal int each was two more, the branch being per row anyway)."""
+    ops.rms_norm_rows(x, w, eps, unit != 0, out)
+
+
+@numba.njit(inline="always")
 def _norm(kind, unit_offset, x, w, b, eps, out):  # kind 0: RMSNorm, 1: LayerNorm; x, out [1, d]
     if kind == 0:
-        ops.rms_norm_rows(x, w, eps, unit_offset, out)
+        _rms(x, w, eps, unit_offset, out)
     else:
         ops.layer_norm_rows(x, w, b, eps, out)
 
@@ -254,9 +264,10 @@ def _branch_end(post, unit, y, w, eps, x, t, events, trace, timed, counters, tic
     """A branch's end: its output y normed when `post` (Gemma's sandwich norm; op's event at row
     r_post, from tick t), then x += y; the layer's tick `col` taken after it. Returns that tick."""
     if post:
-        ops.rms_norm_rows(y, w, eps, unit, y)
+        _rms(y, w, eps, unit, y)
         event(events, trace, r_post, op, li, t, now(trace, counters))
-    add_bias(x[0], y[0])
+    for b in range(x.shape[0]):  # every row: one at T == 1, a batched step's B
+        add_bias(x[b], y[b])
     t = now(timed, counters)
     if timed:
         ticks[layer, col] = t
@@ -288,6 +299,44 @@ def _matvec_overload(kind, layout, w, tail, x, out):
     def stored(kind, layout, w, tail, x, out):
         gemv(w, x, out)
     return stored
+
+
+def matrows(kind, layout, w, tail, x, out, chunks):
+    """out [B, R] = x W^T for B decode rows (2 .. interleaved_rows.ROWS_MAX), each row with the bits of
+    its GEMV alone, as quant.matmul's decode-rows branch computes it: the x8 layout (layout 1) by
+    interleaved_rows.rows_kernel (its groups shared out in `chunks`) and its tail rows by the GEMV
+    row by row, the file's layout (layout 0) by the type's KernelSet.gemv_rows."""
+
+
+@overload(matrows, prefer_literal=True)
+def _matrows_overload(kind, layout, w, tail, x, out, chunks):
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(layout, types.IntegerLiteral):
+        return None
+    kernels = quant.traits_of(kind.literal_value).kernels
+    if layout.literal_value == 1:
+        rows, gemv = interleaved_rows.rows_kernel(kind.literal_value), kernels.gemv
+
+        def packed(kind, layout, w, tail, x, out, chunks):
+            rows(w, x, out, chunks)
+            if tail.shape[0]:
+                head = 8 * w.shape[0]
+                for b in range(x.shape[0]):
+                    gemv(tail, x[b], out[b, head:])
+        return packed
+    gemv_rows = kernels.gemv_rows
+
+    def stored(kind, layout, w, tail, x, out, chunks):
+        gemv_rows(w, x, out)
+    return stored
+
+
+@numba.njit(inline="always")
+def linear_rows(kind, layout, w, tail, bias, x, out, chunks):
+    """out = x W^T + bias over B decode rows (matrows), untimed: a batched step is timed by the
+    layer-by-layer path (decode_kernels.decode_rows_kernel)."""
+    matrows(kind, layout, w, tail, x, out, chunks)
+    for b in range(out.shape[0]):
+        add_bias(out[b], bias)
 
 
 @numba.njit(inline="always")
@@ -337,10 +386,10 @@ def _after_qkv(s, e):
     def step(shape, pw, buf, kv, pos, t, events, trace, counters, li, r):
         q2, k2, q3, k3 = buf.q2, buf.k2, buf.q3, buf.k3
         if qk_norm:
-            ops.rms_norm_rows(q2, pw.q_norm_w, pw.qk_eps, qk_unit, q2)
+            _rms(q2, pw.q_norm_w, pw.qk_eps, qk_unit, q2)
             t_q = now(trace, counters)
             event(events, trace, r + e_qn, A_QNORM, li, t, t_q)
-            ops.rms_norm_rows(k2, pw.k_norm_w, pw.qk_eps, qk_unit, k2)
+            _rms(k2, pw.k_norm_w, pw.qk_eps, qk_unit, k2)
             t = now(trace, counters)
             event(events, trace, r + e_kn, A_KNORM, li, t_q, t)
         if rope:
@@ -389,7 +438,8 @@ def _after_up(s, e):
     act, gated, e_act = s.act, s.mlp != 0, e.act
 
     def step(shape, buf, t, events, trace, counters, li, r):
-        ops.act_row(buf.gu[0], act, gated, buf.a[0])
+        for b in range(buf.a.shape[0]):  # every row: one at T == 1, a batched step's B
+            ops.act_row(buf.gu[b], act, gated, buf.a[b])
         t1 = now(trace, counters)
         event(events, trace, r + e_act, B_ACT, li, t, t1)
         return t1

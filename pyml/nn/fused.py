@@ -6,8 +6,10 @@ decode step is written once, as decode_recipe.py's steps, and run by one of deco
 two drivers over the same kernels the layers call and buffers allocated once per block:
 FusedStep runs each stretch of like blocks (SmolLM2: all 30) as one call - decode_region, one
 parallel region, where every matrix is x8 with its projections fused, else decode_layers - and
-FusedBlock a block alone (decode_layers over one layer). The layer-by-layer path is the oracle:
-tests/nn/test_fused.py holds both drivers to it on every architecture and weight type.
+FusedBlock a block alone (decode_layers over one layer). FusedStep.rows runs a batched decode step
+(B sequences, one token each) the same way, one decode_rows call per run, untimed. The
+layer-by-layer path is the oracle: tests/nn/test_fused.py holds the one-row drivers to it on every
+architecture and weight type, tests/nlp/test_batch_fused.py decode_rows to its batched path.
 
 Kernels are made per block *shape* (BlockShape: which norms, which weight types and layouts, which
 activation), never per weight: their closures hold only the shape's key string and ints, and the
@@ -40,15 +42,15 @@ from pyml import quant
 from pyml.core import clock, ops, perf
 from pyml.nn import attention, attention_kernels, feed_forward, kv_cache, linear, rope
 from pyml.nn.attention import Attention
-from pyml.nn.decode_kernels import (addresses, clock_slot, decode_layers_kernel, decode_region_kernel,
-                                    region_counters, region_shape_ok)
+from pyml.nn.decode_kernels import (RowBuffers, addresses, clock_slot, decode_layers_kernel, decode_region_kernel,
+                                    decode_rows_kernel, region_counters, region_shape_ok)
 from pyml.nn.decode_recipe import (A_KNORM, A_MM, A_NORM, A_QNORM, A_ROPE_K, A_ROPE_Q, B_ACT, B_FFN, B_MM_1,
                                    B_MM_DOWN, B_MM_O, B_NORM, B_POST_ATTN, B_POST_FFN, N_POST_OPS, N_PRE_OPS,
                                    BlockShape, PostWeights, PreWeights, StepBuffers, event_slots)
 from pyml.nn.feed_forward import MLP, GatedMLP
 from pyml.nn.linear import Linear
 from pyml.nn.norm import LayerNorm, RMSNorm
-from pyml.quant import interleaved_gemv
+from pyml.quant import interleaved_gemv, interleaved_rows
 
 _perf = perf.get("pyml.nn.block")
 _ATTN_PERF = perf.get("pyml.nn.attention")
@@ -56,6 +58,7 @@ _KV_PERF, _SDPA_PERF = perf.get("pyml.nn.kv_cache"), attention_kernels.PERF
 _PAIRS = clock.clock_pairs()
 _ACT_IDS = {ops.gelu_tanh: 1, ops.gelu_erf: 2, ops.silu: 0}
 _EMPTY = np.zeros(0, np.float32)
+_NO_KV = np.zeros((0, 1, 1), np.float32)  # decode_rows' attention writes no key or value: after_qkv did
 
 
 def _weight(lin: Linear):
@@ -171,6 +174,27 @@ class FusedBlock:
         self.ticks = TickPool(1)  # a timed call's (start, middle, end)
         self.clock = clock_slot()  # decode_layers' latest tick (decode_recipe.now)
         self._run = None  # this block alone as a decode_layers run (_solo)
+        self._rows = {}  # B -> a batched step's buffers for B rows (row_buffers)
+        self._rows_max = None  # their ROWS_MAX-row arrays, made on the first batched step
+
+    def row_buffers(self, B: int) -> tuple:
+        """(StepBuffers of B rows, RowBuffers, output [B, d]) for decode_rows_kernel: views of one
+        ROWS_MAX-row set, so a step of any B allocates nothing."""
+        bufs = self._rows.get(B)
+        if bufs is None:
+            if self._rows_max is None:
+                R, attn, b = interleaved_rows.ROWS_MAX, self.block.attn, self.bufs
+                nq, nkv, d, f = b.nq, b.nkv, self.x.shape[1], self.a.shape[1]
+                n1, n_apart = (nq, nkv) if self.shape.n_proj == 3 else (nq + 2 * nkv, 0)
+                f_apart = f if self.shape.mlp == 2 else 0
+                z = lambda *shape: np.zeros((R,) + shape, np.float32)  # noqa: E731
+                self._rows_max = (z(d), z(self.gu.shape[1]), z(f), z(d), z(d), z(n1), z(n_apart), z(n_apart),
+                                  z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart))
+            h, gu, a, y, out, *rows = (v[:B] for v in self._rows_max)
+            b = self.bufs
+            bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a),
+                                    RowBuffers(*rows), out)
+        return bufs
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
         # generations on several threads may share a model: they take turns in a block (its
@@ -221,10 +245,11 @@ class FusedBlock:
         out = []
         if rows:
             i, n_pre, (pre, post) = self.block.index, self.n_pre, self.tables
-            attn_items = (clock.op_items({i: pre}, pos, rows[1:n_pre], cal)
-                         + clock.op_items({i: self._attention_ops(kv_type)}, pos, rows[n_pre:n_pre + 2], cal)
-                         + clock.op_items({i: post}, pos, rows[n_pre + 2:n_pre + 4], cal))
-            out += perf.nest(clock.op_items({i: pre}, pos, rows[:1], cal), up, up_depth, ctx, thread, floor)
+            # every piece converted by the pair the block's ticks use (op_items' `near`)
+            attn_items = (clock.op_items({i: pre}, pos, rows[1:n_pre], cal, t0)
+                         + clock.op_items({i: self._attention_ops(kv_type)}, pos, rows[n_pre:n_pre + 2], cal, t0)
+                         + clock.op_items({i: post}, pos, rows[n_pre + 2:n_pre + 4], cal, t0))
+            out += perf.nest(clock.op_items({i: pre}, pos, rows[:1], cal, t0), up, up_depth, ctx, thread, floor)
             if _ATTN_PERF.trace_on:
                 attn_id = perf.new_id()
                 attn = to_s(rows[1][2]), to_s(rows[n_pre + 3][3])  # the first projection's start .. o_proj's end
@@ -233,7 +258,8 @@ class FusedBlock:
                                         span_id=attn_id, floor=floor))
             else:
                 out += perf.nest(attn_items, up, up_depth, ctx, thread, floor)
-            out += perf.nest(clock.op_items({i: post}, pos, rows[n_pre + 4:], cal), up, up_depth, ctx, thread, floor)
+            out += perf.nest(clock.op_items({i: post}, pos, rows[n_pre + 4:], cal, t0), up, up_depth, ctx, thread,
+                             floor)
         if block_id is not None:  # its ends pushed out to the µs grid: its parts and ops fit inside
             b = self.block
             out.append(perf.span_at(_perf, logging.DEBUG, b.span_name, "", (),
@@ -376,6 +402,41 @@ class FusedStep:
                     if held is not None:
                         held.release()
                     held = run[0]._busy
+            return x.copy()
+        finally:
+            if held is not None:
+                held.release()
+
+
+    def rows(self, x: np.ndarray, batch) -> np.ndarray | None:
+        """A batched decode step (every row of `batch`, nn/batch.py, one token of its own sequence,
+        2 <= B <= ROWS_MAX) through all the blocks: one decode_rows call per run of like blocks, the
+        recipe's steps over the B rows, the products and the attention as the layer-by-layer path
+        runs them on B rows (the same kernels: the same bits). None where that path must run: a
+        block set to the reference path, or spans on (the batched step is not timed from inside)."""
+        if not all(b.fused_decode for b in self.blocks):
+            return None
+        if _perf.debug_on or any(p.trace_on for p in self.op_loggers):
+            return None
+        pool, B = batch.pool, len(batch)
+        x = np.ascontiguousarray(x, np.float32)  # the kernel's one argument type
+        kv_at = pool.addresses()
+        chunks = interleaved_rows.chunks_for(numba.get_num_threads())
+        seqs, ends = batch.decode_seqs, batch.decode_ends
+        held = None  # the runs' locks, taken in order as __call__ takes them
+        try:
+            for first, _, layers, pre_at, post_at, _ in self.runs:
+                first._busy.acquire()
+                try:
+                    buf, rows, out = first.row_buffers(B)
+                    x = decode_rows_kernel(first.shape)(
+                        x, first.pre_w, pre_at, buf, rows, first.bufs, first.post_w, post_at, pool.layer(layers[0]),
+                        kv_at[layers[0]:layers[-1] + 1], seqs, ends, first.window, first.block.attn.scale, chunks,
+                        _NO_KV, out, first.clock, first.events.events, first.ticks.untimed, layers[0])
+                finally:
+                    if held is not None:
+                        held.release()
+                    held = first._busy
             return x.copy()
         finally:
             if held is not None:

@@ -72,6 +72,11 @@ def allocate(c, lead: tuple) -> tuple:
     return k, v, k_scale, v_scale
 
 
+def layer_addresses(c) -> np.ndarray:
+    """int64 [n_layers, 4]: the data addresses of each layer's layer() arrays of `c` (a KVCache or KVPool)."""
+    return np.array([[a.ctypes.data for a in c.layer(i)] for i in range(c.n_layers)], np.int64)
+
+
 class KVCache:
     """Keys and values of `n_layers` layers for positions 0 .. max_len-1.
 
@@ -159,8 +164,7 @@ class KVCache:
         """int64 [n_layers, 4]: the data addresses of each layer's layer() arrays, for compiled code
         that walks the layers (nn/fused.py's FusedStep); the arrays are never reallocated."""
         if self._addresses is None:
-            self._addresses = np.array([[a.ctypes.data for a in self.layer(i)] for i in range(self.n_layers)],
-                                       np.int64)
+            self._addresses = layer_addresses(self)
         return self._addresses
 
     def claim(self, layer: int, pos: int, T: int = 1) -> None:
@@ -225,10 +229,17 @@ class KVPool:
         self.slots = layer_slots(max_len, self.windows)
         self.k, self.v, self.k_scale, self.v_scale = allocate(self, (n_seqs,))
         self._seqs = [None] * n_seqs
+        self._addresses = None
 
     def layer(self, layer: int):
         """(keys, k_scale, values, v_scale) of every sequence: [n_seqs, ...] each."""
         return self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer]
+
+    def addresses(self) -> np.ndarray:
+        """As KVCache.addresses, of the [n_seqs, ...] arrays (a batched step's compiled driver, nn/fused.py)."""
+        if self._addresses is None:
+            self._addresses = layer_addresses(self)
+        return self._addresses
 
     def sequence(self, s: int) -> KVCache:
         """Sequence s's cache (the same object each time: its length and rings are its own)."""

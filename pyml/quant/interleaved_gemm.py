@@ -130,8 +130,9 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
     def gemv(groups, x, out):
         xq, xd, xs, xp, xoff, y8 = gemv_buffers(x.size)
         y = gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
-        for g in prange(groups.shape[0]):
-            gemv_group_into(kind, groups, g, y, xq, xd, xs, xoff, out)
+        for g in prange(groups.shape[0]):  # prange's index is a uint64; decode_kernels' loop passes an
+            # int64: one type, so one compile of gemv_group_into per kind, not two of the same code
+            gemv_group_into(kind, groups, np.int64(g), y, xq, xd, xs, xoff, out)
         return out
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)

@@ -71,6 +71,20 @@ def test_log_cost_table(tmp_path, smollm2_gguf):
     assert "[perf]" not in r.stderr  # the lines went to os.devnull
 
 
+def test_any_gguf_file_by_its_path(tmp_path, smollm2_gguf):
+    """-m takes a GGUF file's path as llama-bench's -m does: the row names the file, and the quant column is
+    the file's general.file_type (SmolLM2's PyPI file: Q4_1)."""
+    r = run_bench("-m", str(smollm2_gguf), "--reps", "1", "--tests", "tg", "-n", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(row["model"], row["quant"], row["test"]) for row in rows] == [(smollm2_gguf.name, "Q4_1", "tg4")]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    one_line_error(run_bench("-m", str(bad), "--out", str(tmp_path)), "bad.gguf", "not a readable GGUF file")
+    one_line_error(run_bench("-m", str(tmp_path / "absent.gguf"), "--out", str(tmp_path)), "unknown model",
+                   "absent.gguf")
+
+
 def test_bad_flags_are_one_line(tmp_path):
     one_line_error(run_bench("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
     one_line_error(run_bench("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")

@@ -4,6 +4,7 @@ import math
 import time
 
 import numba
+import pytest
 import numpy as np
 
 from pyml.core import clock, perf
@@ -115,3 +116,22 @@ def test_a_deferred_span_past_its_ended_parent_is_kept_inside_it(records):
                                  1.0, 2.0, None, 1, {}, 0)
         perf.within_ended([unchanged], open_parent)  # still open: no end to hold to
         assert (unchanged.t0, unchanged.t1) == (1.0, 2.0)
+
+
+def test_a_calls_rows_converted_in_pieces_by_one_pair_stay_in_order(monkeypatch):
+    """Two reference pairs whose offsets disagree by 0.3 µs (a pair read across a preemption): a call's
+    rows converted in two pieces, each by its own nearest pair, put the second op's start before the
+    first one's, and nesting by time makes it the first one's parent. With one `near` for both
+    pieces they keep the ticks' order and stay siblings."""
+    cal = clock.Calibration()
+    cal.pairs, cal.rate = [(0, 0.0), (1000, 1e-6 - 0.3e-6)], 1e9  # 1 ns a tick; the second pair 0.3 µs early
+    monkeypatch.setattr(TABLE[0][1].perf, "trace_on", True)  # the ops' logger (one for all three)
+    first, second = [(1, 0, 300, 490)], [(2, 0, 510, 900)]  # square, then scale: 20 ticks apart
+    apart = clock.op_items(TABLE, 0, first, cal) + clock.op_items(TABLE, 0, second, cal)
+    assert apart[1][6] < apart[0][6]  # the second op "starts" before the first: the old fault
+    nested = perf.nest(apart, None, 0, {}, 1)
+    assert nested[0].parent == nested[1].id  # ... so the first became the second's child
+    together = clock.op_items(TABLE, 0, first, cal, near=300) + clock.op_items(TABLE, 0, second, cal, near=300)
+    assert together[1][6] - together[0][7] == pytest.approx(20e-9)
+    a, b = perf.nest(together, None, 0, {}, 1)
+    assert a.parent is None and b.parent is None  # siblings, as the ticks say

@@ -34,3 +34,20 @@ def test_a_plain_kernel_and_its_callee_are_two():
     assert caller(1) == 4
     assert len(caller.overloads) + len(callee.overloads) == 2
     assert compiles.kernels() - before == 2
+
+
+def _scaled_by(kind: int):
+    """A factory as kernel_set.block_kernels is: one dispatcher per constant, same argument types."""
+    @numba.njit
+    def scaled(x):
+        return x * kind
+    return scaled
+
+
+def test_a_factory_kernel_is_listed_with_the_constants_it_was_made_for():
+    """Two kernels a factory made for two kinds take the same argument types: without the closure's
+    constants in the name, the list read them as one kernel compiled twice."""
+    listed = len(compiles.compiled())
+    assert _scaled_by(2)(3.0) == 6.0 and _scaled_by(5)(3.0) == 15.0
+    names = [name for name, args in compiles.compiled()[listed:] if args == "(float64,)"]
+    assert names == ["test_compiles.scaled[kind=2]", "test_compiles.scaled[kind=5]"]

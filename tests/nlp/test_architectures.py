@@ -112,6 +112,15 @@ def test_gguf_matches_transformers(case, torch, tmp_path):
     assert full <= TOL and decode <= TOL
 
 
+def test_a_batch_equals_each_sequence_alone(case):
+    """Each architecture's batched pass (forward_batch over a KVPool): every sequence's logits are
+    those it gets alone, bit for bit, sequences of different lengths, a prompt joining mid-run."""
+    from tests.nlp.test_batch import check_batch_equals_alone
+    lm = pyml.load_model(safetensors=str(case[1]), threads=2, kv_type="f32", float_compute="f32")
+    prompts = [IDS[:7], IDS[7:9], [5, 60, 3, 91, 12, 8, 33, 2, 70, 44, 9], IDS[2:8]]
+    check_batch_equals_alone(lm.model, prompts, join_at=1, max_len=64)
+
+
 def test_unexpected_tensor_is_refused_in_both_formats(case, tmp_path):
     name, directory, hf = case
     stray = np.zeros(4, np.float32)

@@ -92,11 +92,21 @@ def test_real_gemma3_batch_equals_alone(gemma3_real):
     check_batch_equals_alone(gemma3_real, join_at=3)
 
 
-@pytest.mark.parametrize("target", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
+# a prompt of several tokens joins while the others decode: that pass runs each projection as two
+# matmuls (the decode rows' GEMVs, the prompt's GEMM), where PROMPTS' late [42] is one more decode row
+JOINING = PROMPTS[:3] + [[42, 7, 19, 3, 88, 5]]
+
+
+@pytest.mark.parametrize("target", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                                    "f16", "bf16", "f32"])
 def test_llama_weight_types_batch_equals_alone(tmp_path, target):
-    """The fused path's x8 types here; Gemma 3 270M's file adds Q4_K, Q5_0, Q6_K and Q8_0."""
-    path = write_llama_gguf(tmp_path / f"llama-{target}.gguf", "llama-tiny", target=target)
-    check_batch_equals_alone(pyml.load_model(gguf=str(path), threads=2, float_compute="f32").model, join_at=1)
+    """Every weight type pyml-quantize writes, in the x8 layout where it has one and the file's
+    otherwise: a batch's logits are each sequence's alone, bit for bit, a prompt joining mid-run.
+    The K-quants need rows of 256 values (llama-256)."""
+    name = "llama-256" if target.endswith("_k") else "llama-tiny"
+    path = write_llama_gguf(tmp_path / f"llama-{target}.gguf", name, target=target)
+    check_batch_equals_alone(pyml.load_model(gguf=str(path), threads=2, float_compute="f32").model, JOINING,
+                             join_at=1)
 
 
 def test_gpt2_learned_positions_batch_equals_alone(tmp_path):

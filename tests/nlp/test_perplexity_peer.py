@@ -1,9 +1,18 @@
 """pyml-perplexity against llama.cpp (the bench extra's llama-cpp-python): the same file, text and
 chunks, llama.cpp's logits scored as llama-perplexity scores them; and the KL divergence of a Q4_0
-file from its F32 reference against the one llama.cpp's logits give. `-m peer` runs them."""
+file from its F32 reference against the one llama.cpp's logits give. `-m peer` runs them.
+
+A quantized file's perplexity is compared as a mean over DRAWS copies of the file that differ by a
+perturbation far below any meaningful value (perturbed_copy): both engines round every activation of a
+quantized product to int8, a step function, so a one-ulp change anywhere re-draws the rounding of every
+later layer. On SmolLM2 Q4_0 at -c 256 x4 llama.cpp's own perplexity moves 13.33-13.49 (sd 0.42%) and its
+distributions by mean KL 4.4e-3 from its unperturbed ones - the whole of what separates it from pyml's
+(docs/perplexity.md, "The noise of one figure"): one figure per engine would test that draw, not the kernels."""
 
 import math
+import shutil
 
+import gguf
 import numpy as np
 import pytest
 
@@ -15,6 +24,8 @@ from tests.nlp.test_perplexity import text  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.peer
 N_CTX, N_CHUNKS = 256, 4
+DRAWS = 4  # the file and 3 perturbed copies; float files need one (their products round nothing to int8)
+PERTURBED = "blk.0.attn_norm.weight"  # F32 in every llama-family and Gemma GGUF: the first op of layer 0
 
 
 def llama_chunk_logp(path, tokens_of, n_ctx: int, n_chunks: int):
@@ -43,23 +54,52 @@ def llama_estimate(path, text, n_ctx=N_CTX, n_chunks=N_CHUNKS):
     return tokens, ppl.estimate(-logp[np.arange(len(targets)), targets])
 
 
-def check_against_llama(say, path, text, label):
-    lm = load_model(gguf=str(path), float_compute="f32")  # as pyml-perplexity: f32 attention
-    tokens, ref = llama_estimate(path, text)
-    assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
-    got = ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate
-    say(f"perplexity {label} -c {N_CTX} x{N_CHUNKS}: pyml {got.ppl:.4f}, llama.cpp {ref.ppl:.4f} "
-        f"({100 * (got.ppl / ref.ppl - 1):+.2f}%)")
-    assert got.ppl == pytest.approx(ref.ppl, rel=5e-3)
+def perturbed_copy(path, seed: int, dest):
+    """`path` copied to `dest` with PERTURBED's values times 1 + 1e-6 * N(0, 1) (numpy's generator,
+    `seed`): the same model to six digits, another draw of every int8 rounding after it."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == PERTURBED)
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, tensor.tensor_type
+    shutil.copyfile(path, dest)
+    w = np.memmap(dest, np.float32, "r+", int(tensor.data_offset), (int(tensor.n_elements),))
+    w[:] = w * (1 + 1e-6 * np.random.default_rng(seed).standard_normal(w.shape))
+    w.flush()
+    return dest
+
+
+def check_against_llama(say, path, text, label, tmp_path, draws=DRAWS):
+    """pyml's mean perplexity over `draws` copies of the file (the file itself, then perturbed copies)
+    within 0.5% of llama.cpp's mean over the same copies."""
+    ours, theirs = [], []
+    for seed in range(draws):
+        copy = path if seed == 0 else perturbed_copy(path, seed, tmp_path / f"draw{seed}.gguf")
+        lm = load_model(gguf=str(copy), float_compute="f32")  # as pyml-perplexity: f32 attention
+        tokens, ref = llama_estimate(copy, text)
+        assert ppl.text_tokens(lm, text).tolist() == tokens.tolist()
+        ours.append(ppl.perplexity(lm, text, N_CTX, N_CHUNKS).estimate.ppl)
+        theirs.append(ref.ppl)
+        del lm
+        if copy != path:
+            copy.unlink()
+    got, ref = float(np.mean(ours)), float(np.mean(theirs))
+    say(f"perplexity {label} -c {N_CTX} x{N_CHUNKS}, mean of {draws}: pyml {got:.4f} "
+        f"({min(ours):.4f}..{max(ours):.4f}), llama.cpp {ref:.4f} ({min(theirs):.4f}..{max(theirs):.4f}) "
+        f"({100 * (got / ref - 1):+.2f}%)")
+    assert got == pytest.approx(ref, rel=5e-3)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
-def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text):
-    check_against_llama(say, smollm2_gguf if kind == "q4_1" else requantized(kind), text, f"SmolLM2 {kind}")
+def test_smollm2_perplexity_matches_llama_cpp(kind, say, smollm2_gguf, requantized, text, tmp_path):
+    check_against_llama(say, smollm2_gguf if kind == "q4_1" else requantized(kind), text, f"SmolLM2 {kind}",
+                        tmp_path, draws=1 if kind == "f16" else DRAWS)
 
 
-def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text):
-    check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M")
+# Not noise: llama.cpp's mean is 0.63% above pyml's (6 draws each), and 0.52% above the F16 file of the same
+# weights, where the two engines agree to 0.001% (docs/perplexity.md, "The noise of one figure"). Not strict:
+# a mean of 4 draws lands within 0.5% about one time in four.
+@pytest.mark.xfail(strict=False, reason="Gemma 3 Q4_K_M: llama.cpp's quantized path 0.5% above its F16 "
+                                        "of the same weights (open)")
+def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text, tmp_path):
+    check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M", tmp_path)
 
 
 def test_q4_0_kld_from_f32_matches_llama_cpp(say, requantized, text, tmp_path):

@@ -19,6 +19,7 @@ from pyml.nn import KVCache
 from pyml.nn.batch import Batch
 from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, KVPool
+from pyml.quant.interleaved_rows import ROWS_MAX
 
 _perf = perf.get("pyml.nlp.model")
 
@@ -133,8 +134,13 @@ class DecoderModel:
             with span.part("embedding"):
                 x = self.embed(batch.tokens, batch.positions)
             with span.part("layers"):
-                for block in self.blocks:
-                    x = block(x, None, batch)
+                step = self._fused_step() if batch.n_decode == len(batch) <= ROWS_MAX else None
+                y = step.rows(x, batch) if step is not None else None  # a decode step: one call a run
+                if y is not None:
+                    x = y
+                else:
+                    for block in self.blocks:
+                        x = block(x, None, batch)
             with span.part("norm"):
                 x = self.final_norm(x if all_logits else x[batch.last_rows])
             with span.part("projection"), quant.decode_rows(batch.n_decode if all_logits else True):

@@ -1,0 +1,106 @@
+"""A batched decode step in one compiled call per run of like blocks (FusedStep.rows, decode_rows)
+against its oracle, the layer-by-layer batched path (TransformerBlock over a Batch: Attention._batched,
+the layers' own products over the rows), on every stand-in architecture (pyml/cli/standins.py), with
+f32 and f16 caches.
+
+Both paths run the same kernels on the same rows (each decode row its GEMV's bits, the batched
+attention over the pool), so the logits are equal bit for bit. Each sequence alone is the oracle of
+both (tests/nlp/test_batch.py: check_batch_equals_alone, whose decode steps now take this path).
+"""
+
+import numpy as np
+import pytest
+
+import pyml
+from pyml.cli.standins import write_gemma3, write_gemma3_gguf, write_gpt2, write_llama_gguf
+from pyml.core import perf
+from pyml.nn.fused import FusedStep
+
+PROMPTS = [[5, 9, 2, 77, 31, 64, 12], [8, 90], [1, 33, 47, 3, 100, 17, 4, 4, 60, 21, 2], [42]]
+STEPS = 6  # past gemma3-tiny's window of 8 for the 11-token prompt
+
+
+def _model(tmp_path, arch):
+    if arch == "gpt2":  # LayerNorm, a plain MLP, biases, learned positions; f32 weights (the file's layout)
+        return pyml.load_model(safetensors=str(write_gpt2(tmp_path, "gpt2-tiny", n_positions=64)), threads=2).model
+    if arch == "gemma3":  # q/k norms, sandwich norms, sliding and global layers apart; f32 weights
+        directory = write_gemma3(tmp_path / "g", "gemma3-tiny", max_position_embeddings=256)
+        return pyml.load_model(safetensors=str(directory), threads=2).model
+    if arch == "gemma3-q8_0":  # the same in x8 Q8_0
+        path = write_gemma3_gguf(tmp_path / "g.gguf", "gemma3-tiny", target="q8_0")
+        return pyml.load_model(gguf=str(path), threads=2).model
+    _, target = arch.split("-")  # llama: x8 Q4_0; Q6_K (llama-256's mix: the file's layout, K-quants); f16
+    name = "llama-256" if target.endswith("_k") else "llama-tiny"
+    path = write_llama_gguf(tmp_path / f"{arch}.gguf", name, target=target)
+    return pyml.load_model(gguf=str(path), threads=2, float_compute="f32").model
+
+
+def decode_steps(model, compiled: bool, kv_type: str) -> list:
+    """Logits of STEPS batched decode steps (every row one token) after each prompt's prefill, through
+    the compiled step (`compiled`) or the layer-by-layer one; the rows in another order each step and
+    one sequence left out of some steps (each row's own sequence and position)."""
+    pool = model.new_pool(len(PROMPTS), 64, kv_type=kv_type)
+    tokens = [int(np.argmax(model.forward_batch(pool, [(i, p, 0)])[0])) for i, p in enumerate(PROMPTS)]
+    out = []
+    for block in model.blocks:
+        block.fused_decode = compiled
+    try:
+        for step in range(STEPS):
+            seqs = [i for i in range(len(PROMPTS)) if not (step % 3 == 2 and i == 1)]
+            seqs = seqs[::-1] if step % 2 else seqs
+            logits = model.forward_batch(pool, [(i, [tokens[i]], pool.sequence(i).length) for i in seqs])
+            out.append(logits)
+            for i, row in zip(seqs, logits):
+                tokens[i] = int(np.argmax(row))
+    finally:
+        for block in model.blocks:
+            block.fused_decode = True
+    return out
+
+
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    """Counts the batched steps FusedStep.rows ran compiled (it returns None where it does not)."""
+    calls = []
+    rows = FusedStep.rows
+
+    def counted(self, x, batch):
+        out = rows(self, x, batch)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(FusedStep, "rows", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama-q4_0", "llama-q6_k", "llama-f16", "gpt2", "gemma3", "gemma3-q8_0"])
+def test_compiled_batched_step_equals_layer_by_layer(tmp_path, arch, compiled_steps):
+    model = _model(tmp_path, arch)
+    for kv_type in ("f32", "f16"):
+        compiled_steps.clear()
+        got = decode_steps(model, True, kv_type)
+        assert compiled_steps == [True] * STEPS  # every step took the compiled call
+        ref = decode_steps(model, False, kv_type)
+        assert compiled_steps == [True] * STEPS + [False] * STEPS  # the reference: never compiled
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert np.array_equal(a, b), f"{kv_type} step {step}: {np.abs(a - b).max():.2e}"
+
+
+def test_a_traced_decode_step_keeps_the_layer_by_layer_spans(tmp_path, compiled_steps):
+    """LOG=trace: the batched decode step takes the layer-by-layer path (its spans: each product over
+    the B rows, the attention with `batch=B`); logging off, the compiled call."""
+    model = _model(tmp_path, "llama-q4_0")
+    pool = model.new_pool(2, 64)
+    model.forward_batch(pool, [(0, [1, 2, 3], 0), (1, [4, 5], 0)])
+    got = []
+    perf.add_collector(got.append)
+    try:
+        model.forward_batch(pool, [(0, [7], 3), (1, [8], 2)])
+    finally:
+        perf.remove_collector(got.append)
+    n_layers = len(model.blocks)
+    assert compiled_steps == [False]
+    assert sum(r["name"] == "attention::sdpa" and r["details"].startswith("batch=2 ") for r in got) == n_layers
+    products = [r["details"] for r in got if r["name"] == "linear::forward"]
+    assert len(products) == 4 * n_layers + 1 and all(d.startswith("[2, ") for d in products)  # and the head
+    model.forward_batch(pool, [(0, [9], 4), (1, [10], 3)])
+    assert compiled_steps == [False, True]
