@@ -432,19 +432,20 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, window, scale, out):
+def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, splits, window, scale, out):
     # row b: sequence seqs[b] of a pool's layer arrays ([n_seqs, ...]) at position ends[b]-1; its
-    # k, v written there and its heads attended on one thread (the rows are the parallel work)
+    # k, v written there and its heads attended on one thread (the rows are the parallel work), its
+    # span cut in the splits[b] parts its decode step alone cuts it in (batch_splits): the same bits
     for b in numba.prange(q.shape[0]):
-        s, end = seqs[b], ends[b]
+        s, end, parts = seqs[b], ends[b], splits[b]
         ks, kss, vs, vss = keys[s], k_scale[s], values[s], v_scale[s]
         write_kv(k[b:b + 1], v[b:b + 1], end - 1, ks, kss, vs, vss)
         start = max(0, end - window) if window else 0
         n_kv = vs.shape[0]
-        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, 1, scale, end)
-        for item in range(n_kv):
-            decode_item(item, 1, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
-        decode_merge(n_kv, 1, group, m, l, acc, out[b])
+        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, parts, scale, end)
+        for item in range(n_kv * parts):
+            decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
+        decode_merge(n_kv, parts, group, m, l, acc, out[b])
     return out
 
 
@@ -529,6 +530,15 @@ def decode_plan(q_size: int, n_kv: int, span: int, threads: int | None = None) -
     return decode_splits(n_kv, span, threads) if q_size * span >= PARALLEL_MIN_WORK else 0
 
 
+def batch_splits(q_size: int, n_kv: int, ends: np.ndarray, window: int, threads: int | None = None) -> np.ndarray:
+    """int64 [B]: the parts each row of a batched decode step (positions ends-1) cuts its span into -
+    those its decode step alone would (decode_plan; on the calling thread: one), as the merge of the
+    parts rounds: each sequence gets the bits it gets alone, at any depth."""
+    threads = threads or numba.get_num_threads()
+    spans = np.minimum(ends, window) if window else ends
+    return np.array([decode_plan(q_size, n_kv, int(span), threads) or 1 for span in spans], np.int64)
+
+
 def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
                   v_scale: np.ndarray, start: int, end: int, scale: float, out: np.ndarray,
                   window: int = 0, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
@@ -565,7 +575,8 @@ def attend_decode_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer_array
     with PERF.trace(*BATCH_SPAN, q.shape[0], q.shape[1], q.shape[2], k.shape[1],
                     int(np.minimum(ends, window).sum() if window else ends.sum()), q.shape[2],
                     TYPE_NAMES[layer_arrays[2].dtype.type], op="sdpa"):
-        return _decode_batch(q, k, v, *layer_arrays, seqs, ends, window, np.float32(scale), out)
+        splits = batch_splits(q[0].size, layer_arrays[2].shape[1], ends, window)
+        return _decode_batch(q, k, v, *layer_arrays, seqs, ends, splits, window, np.float32(scale), out)
 
 
 def attend_queries(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
