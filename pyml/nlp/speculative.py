@@ -59,13 +59,22 @@ class SpeculativeConfig:
             raise PymlError("speculative decoding takes one drafter: --lookup-ngram N or --draft-model MODEL")
 
 
+# Prompt lookup drafts only from a match of at least this many tokens (unless --lookup-ngram 1):
+# replaying SmolLM2 Q8_0's greedy outputs of pyml-bench --spec's prompts through the drafter, a
+# one-token match's proposals kept 0.39 (free chat) to 0.66 (summarise) tokens each - less than a
+# verify pass's extra rows cost - where two- and three-token matches kept 1.2-3.6
+# (docs/speculative.md, "Choosing the drafts").
+LOOKUP_MIN_NGRAM = 2
+
+
 class PromptLookup:
-    """Proposals from the tokens so far: for n = ngram .. 1, the tokens that followed the last
-    earlier occurrence of the newest n tokens. Indexes are kept up to date as tokens arrive, so a
-    proposal costs O(ngram) whatever the length of the text."""
+    """Proposals from the tokens so far: for n = ngram .. LOOKUP_MIN_NGRAM, the tokens that followed
+    the last earlier occurrence of the newest n tokens. Indexes are kept up to date as tokens
+    arrive, so a proposal costs O(ngram) whatever the length of the text."""
 
     def __init__(self, ngram: int):
         self.ngram = ngram
+        self.min_n = min(ngram, LOOKUP_MIN_NGRAM)
         self.index = [dict() for _ in range(ngram + 1)]  # index[n][n-gram tuple] -> where its continuation starts
         self.seen = 0  # tokens whose n-grams ending there are indexed (their continuation known)
 
@@ -80,7 +89,7 @@ class PromptLookup:
         if len(tokens) < self.seen:  # the text was cut (a context shift): index it again
             self.index, self.seen = [dict() for _ in range(self.ngram + 1)], 0
         self._catch_up(tokens)
-        for n in range(min(self.ngram, len(tokens)), 0, -1):
+        for n in range(min(self.ngram, len(tokens)), self.min_n - 1, -1):
             start = self.index[n].get(tuple(tokens[-n:]))
             if start is not None:
                 return tokens[start:start + k]

@@ -121,7 +121,9 @@ def test_prompt_cache_holds_what_was_kept(model):
 def test_sampled_speculation_runs_with_penalties(model):
     sampling = SamplingConfig(temperature=0.8, top_k=40, seed=3, repetition_penalty=1.1)
     res = GenerationResult([])
-    tokens = Generator(model).generate(PROMPTS[0], 40, sampling, result=res, speculative=LOOKUP).tokens
+    # one-token matches draft too: sampled text from random weights seldom repeats two tokens
+    every_match = SpeculativeConfig(lookup_ngram=1, draft_max=6, adaptive=False)
+    tokens = Generator(model).generate(PROMPTS[0], 40, sampling, result=res, speculative=every_match).tokens
     assert len(tokens) == 40 and res.drafted
 
 
@@ -129,7 +131,9 @@ def test_prompt_lookup_proposes_the_last_continuation():
     lookup = PromptLookup(3)
     assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 4) == [8, 1, 2, 3]  # the newest earlier match
     assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3, 8, 5], 2) == []  # 5 never came before
-    assert lookup.propose([4, 5, 4], 3) == [5, 4]  # the index starts again on a shorter text
+    assert lookup.propose([4, 5, 6, 4, 5], 3) == [6, 4, 5]  # the index starts again on a shorter text
+    assert lookup.propose([4, 5, 6, 4, 5, 7, 5], 3) == []  # one token matched (5): too little to draft on
+    assert PromptLookup(1).propose([4, 5, 6, 4, 5, 7, 5], 3) == [7, 5]  # unless N is 1
     assert PromptLookup(2).propose([1], 3) == []
 
 
