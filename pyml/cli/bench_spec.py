@@ -33,7 +33,7 @@ def _decode_tok_s(res) -> float:
     return len(res.decode_s) / sum(res.decode_s) if res.decode_s else 0.0
 
 
-def spec_table(models: dict, names: list, threads: int, n_gen: int, reps: int, ngram: int = 3,
+def spec_table(models: dict, names: list, threads: int, n_gen: int, reps: int, ngram: int = 4,
                draft_max: int = MAX_DRAFT) -> str:
     lines = [f"## Speculative decoding: prompt lookup (--lookup-ngram {ngram} --draft-max {draft_max}, adaptive k) "
              f"vs plain, greedy, {n_gen} tokens, {threads} threads, median of {reps} alternating runs\n",

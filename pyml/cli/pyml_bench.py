@@ -514,6 +514,8 @@ def build_parser() -> Parser:
     p.add_argument("--spec", action="store_true",
                    help="instead of pp/tg: decode tok/s with prompt-lookup speculative decoding vs without, "
                         "alternating, on summarise / edit-code / free-chat prompts (-n tokens, --reps; bench_spec.py)")
+    p.add_argument("--lookup-ngram", type=int, default=4, metavar="N",
+                   help="with --spec: prompt lookup's longest n-gram (default 4, llama.cpp's lookup's largest)")
     p.add_argument("--cold", action="store_true",
                    help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
                         "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
@@ -558,7 +560,7 @@ def run_bench(args) -> int:
     if args.spec:
         if peers:
             raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: pyml's lookup against plain only")
-        table = spec_table(MODELS, models, threads[0], n_gens[0], reps)
+        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.md").write_text(table)
