@@ -558,9 +558,10 @@ def run_bench(args) -> int:
         sys.stdout.write(table)
         return 0
     if args.spec:
-        if peers:
-            raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: pyml's lookup against plain only")
-        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram)
+        if set(peers) - {"llama.cpp"}:
+            raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: llama.cpp's lookup is the one "
+                            "peer (llama-cpp-python's LlamaPromptLookupDecoding)")
+        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram, peers=tuple(peers))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.md").write_text(table)

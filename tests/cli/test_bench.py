@@ -223,3 +223,17 @@ def test_spec_table(tmp_path, smollm2_gguf):
         assert 0 <= kept <= made and row[6] == "yes"
     refused = run_bench("--spec", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --spec is not implemented" in refused.stderr
+
+
+@pytest.mark.peer
+def test_spec_table_beside_llama_cpp(tmp_path, smollm2_gguf):
+    """--spec --peers llama.cpp: llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding) on the same file
+    and prompts in four more columns: its plain and lookup rates, their ratio, whether its texts agreed."""
+    r = run_bench("--spec", "--models", "smollm2-135m-q4_1", "--peers", "llama.cpp", "--reps", "2", "--n-gen", "24",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert len(rows) == 3 and all(len(row) == 11 for row in rows)
+    for row in rows:
+        plain, lookup = float(row[7]), float(row[8])
+        assert plain > 0 and lookup > 0 and abs(float(row[9][:-1]) - lookup / plain) < 0.01
