@@ -76,14 +76,20 @@ class LlamaCppLookup:
 
 
 def spec_table(models: dict, names: list, threads: int, n_gen: int, reps: int, ngram: int = 4,
-               draft_max: int = MAX_DRAFT, peers: tuple = ()) -> str:
+               draft_max: int = MAX_DRAFT, peers: tuple = (), draft: str | None = None) -> str:
+    """The table; with `draft` (a name of `models`), that model drafts instead of prompt lookup."""
     peer = "llama.cpp" in peers
-    lines = [f"## Speculative decoding: prompt lookup (--lookup-ngram {ngram} --draft-max {draft_max}, adaptive k) "
-             f"vs plain, greedy, {n_gen} tokens, {threads} threads, median of {reps} alternating runs\n",
-             "| model | prompt | plain tok/s | lookup tok/s | speed-up | accepted / drafted | identical |"
+    how = (f"a draft model ({draft}, --draft-max {draft_max}, adaptive k)" if draft else
+           f"prompt lookup (--lookup-ngram {ngram} --draft-max {draft_max}, adaptive k)")
+    kind = "draft" if draft else "lookup"
+    lines = [f"## Speculative decoding: {how} vs plain, greedy, {n_gen} tokens, {threads} threads, median of "
+             f"{reps} alternating runs\n",
+             f"| model | prompt | plain tok/s | {kind} tok/s | speed-up | accepted / drafted | identical |"
              + (" llama.cpp plain | llama.cpp lookup | its speed-up | its identical |" if peer else ""),
              "|---|---|---:|---:|---:|---:|:---:|" + ("---:|---:|---:|:---:|" if peer else "")]
-    spec = SpeculativeConfig(lookup_ngram=ngram, draft_max=draft_max)
+    drafter = load_model(gguf=str(models[draft].locate()), threads=threads) if draft else None
+    spec = (SpeculativeConfig(draft_model=drafter, draft_max=draft_max) if draft else
+            SpeculativeConfig(lookup_ngram=ngram, draft_max=draft_max))
     for name in names:
         path = str(models[name].locate())
         lm = load_model(gguf=path, threads=threads)

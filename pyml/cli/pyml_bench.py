@@ -516,6 +516,8 @@ def build_parser() -> Parser:
                         "alternating, on summarise / edit-code / free-chat prompts (-n tokens, --reps; bench_spec.py)")
     p.add_argument("--lookup-ngram", type=int, default=4, metavar="N",
                    help="with --spec: prompt lookup's longest n-gram (default 4, llama.cpp's lookup's largest)")
+    p.add_argument("--draft-model", metavar="NAME", default=None,
+                   help="with --spec: this bench model (-m's names) drafts instead of prompt lookup")
     p.add_argument("--cold", action="store_true",
                    help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
                         "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
@@ -547,6 +549,11 @@ def run_bench(args) -> int:
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.batch is not None:
+        if args.draft_model is not None and args.draft_model not in MODELS:
+            raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
+        if args.draft_model is not None and peers:
+            raise PymlError("--peers with --spec --draft-model is not implemented: llama.cpp's peer column is its "
+                            "prompt lookup")
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
                             "implemented: its batched peer is llama.cpp")
@@ -558,10 +565,16 @@ def run_bench(args) -> int:
         sys.stdout.write(table)
         return 0
     if args.spec:
+        if args.draft_model is not None and args.draft_model not in MODELS:
+            raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
+        if args.draft_model is not None and peers:
+            raise PymlError("--peers with --spec --draft-model is not implemented: llama.cpp's peer column is its "
+                            "prompt lookup")
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: llama.cpp's lookup is the one "
                             "peer (llama-cpp-python's LlamaPromptLookupDecoding)")
-        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram, peers=tuple(peers))
+        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram, peers=tuple(peers),
+                           draft=args.draft_model)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.md").write_text(table)

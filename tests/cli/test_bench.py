@@ -225,6 +225,22 @@ def test_spec_table(tmp_path, smollm2_gguf):
     assert refused.returncode == 2 and "--peers transformers with --spec is not implemented" in refused.stderr
 
 
+def test_spec_table_with_a_draft_model(tmp_path, smollm2_gguf):
+    """--spec --draft-model: a model drafting for itself is right every time (greedy, each verify row
+    has its decode step's bits), so every draft is kept."""
+    r = run_bench("--spec", "--models", "smollm2-135m-q4_1", "--draft-model", "smollm2-135m-q4_1", "--reps", "1",
+                  "--n-gen", "24", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "a draft model (smollm2-135m-q4_1" in r.stdout and "| draft tok/s |" in r.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert len(rows) == 3
+    for row in rows:
+        kept, made = (int(x) for x in row[5].split(" / "))
+        assert made > 0 and kept == made and row[6] == "yes"
+    refused = run_bench("--spec", "--draft-model", "nope", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "unknown --draft-model nope" in refused.stderr
+
+
 @pytest.mark.peer
 def test_spec_table_beside_llama_cpp(tmp_path, smollm2_gguf):
     """--spec --peers llama.cpp: llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding) on the same file
