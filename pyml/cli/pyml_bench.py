@@ -525,6 +525,14 @@ def build_parser() -> Parser:
     return p
 
 
+def _table_out(out: str, name: str, table: str) -> int:
+    """A table mode's output: written to OUT/name and to stdout."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(table)
+    sys.stdout.write(table)
+    return 0
+
+
 def run_bench(args) -> int:
     if args.memory_probe:
         print(json.dumps(memory_probe(args.memory_probe, int(args.threads.split(",")[0]), int(args.n_prompt),
@@ -549,21 +557,12 @@ def run_bench(args) -> int:
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     if args.batch is not None:
-        if args.draft_model is not None and args.draft_model not in MODELS:
-            raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
-        if args.draft_model is not None and peers:
-            raise PymlError("--peers with --spec --draft-model is not implemented: llama.cpp's peer column is its "
-                            "prompt lookup")
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
                             "implemented: its batched peer is llama.cpp")
-        table = batch_table(MODELS, models, threads[0], _int_list(args.batch, "--batch", 1), n_prompts[0],
-                            n_gens[0], reps, tuple(peers))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "batch.md").write_text(table)
-        sys.stdout.write(table)
-        return 0
+        batches = _int_list(args.batch, "--batch", 1)
+        return _table_out(args.out, "batch.md", batch_table(MODELS, models, threads[0], batches, n_prompts[0],
+                                                            n_gens[0], reps, tuple(peers)))
     if args.spec:
         if args.draft_model is not None and args.draft_model not in MODELS:
             raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
@@ -573,13 +572,9 @@ def run_bench(args) -> int:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: llama.cpp's lookup is the one "
                             "peer (llama-cpp-python's LlamaPromptLookupDecoding)")
-        table = spec_table(MODELS, models, threads[0], n_gens[0], reps, ngram=args.lookup_ngram, peers=tuple(peers),
-                           draft=args.draft_model)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "spec.md").write_text(table)
-        sys.stdout.write(table)
-        return 0
+        return _table_out(args.out, "spec.md", spec_table(MODELS, models, threads[0], n_gens[0], reps,
+                                                          ngram=args.lookup_ngram, peers=tuple(peers),
+                                                          draft=args.draft_model))
     if args.cold:
         sys.stdout.write(bench_cold.cold(models, MODELS, reps, peers, threads[0], Path(args.out)))
         return 0
