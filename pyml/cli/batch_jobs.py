@@ -134,10 +134,11 @@ def _output(job: Job, result) -> dict:
             "timings": result.timings()}
 
 
-def run_job(lm, job: Job) -> dict:
-    """The output line of one job on a loaded LanguageModel (an error line if it cannot run)."""
+def run_job(lm, job: Job, speculative: dict | None = None) -> dict:
+    """The output line of one job on a loaded LanguageModel (an error line if it cannot run);
+    `speculative`: LanguageModel.generate's speculative keyword (pyml-batch --lookup-ngram), or none."""
     try:
-        result = lm.generate(_prompt(lm, job), **job.options)
+        result = lm.generate(_prompt(lm, job), **job.options, **(speculative or {}))
     except PymlError as e:
         return error_line(job.line, str(e), job.id)
     except Exception as e:  # one line's failure is that line's output, never the batch's end

@@ -11,7 +11,8 @@ import sys
 from contextlib import nullcontext
 
 from pyml.core.errors import PymlError, check_text
-from pyml.nlp.api import DEFAULT_MODEL
+from pyml.nlp.api import DEFAULT_MODEL, LanguageModel, load_model
+from pyml.nlp.speculative import MAX_DRAFT, SpeculativeConfig
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
 from pyml.nn.attention_kernels import KV_TYPES
@@ -82,6 +83,37 @@ def sampling_options(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                 ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
+
+
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the same tokens when greedy, the same distribution "
+                             "when sampling; docs/speculative.md)")
+    g.add_argument("--lookup-ngram", type=int, default=0, metavar="N",
+                   help="draft from the prompt and the text so far: the continuation of the last earlier "
+                        "occurrence of the newest N..1 tokens (0 = off; 3 is a good start)")
+    g.add_argument("--draft-model", metavar="MODEL", default=None,
+                   help="draft with a smaller model of the same tokenizer (a file or name, as -m)")
+    g.add_argument("--draft-max", type=int, default=MAX_DRAFT, metavar="K",
+                   help=f"tokens drafted per step at most, 1..{MAX_DRAFT} (default {MAX_DRAFT}; fewer after rejections)")
+
+
+def check_speculative(args: argparse.Namespace) -> None:
+    """Bad speculative options fail here, before any model loads."""
+    if args.lookup_ngram or args.draft_model is not None:
+        SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=args.draft_max,
+                          draft_model=object() if args.draft_model is not None else None)
+
+
+def speculative_options(args: argparse.Namespace, target: LanguageModel) -> dict:
+    """LanguageModel.stream's `speculative` keyword (empty without the options); loads --draft-model
+    with the target's threads and KV type."""
+    if not args.lookup_ngram and args.draft_model is None:
+        return {}
+    draft = None
+    if args.draft_model is not None:
+        draft = load_model(args.draft_model, threads=args.threads, kv_type=args.kv_type)
+    return {"speculative": SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=args.draft_max,
+                                             draft_model=draft)}
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ from contextlib import nullcontext
 
 from pyml.cli.batch_jobs import OrderedWriter, id_key, read_jobs, resume, run_job, run_jobs_batched
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, add_sampling_options, model_options, profiling, sampling_options
+from pyml.cli.options import (add_model_options, add_sampling_options, add_speculative_options, check_speculative,
+                              model_options, profiling, sampling_options, speculative_options)
 from pyml.core import perf, progress
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
@@ -41,6 +42,7 @@ def build_parser() -> Parser:
                    "(default 2 workers; -t defaults to the cores shared out among them)")
     p.add_argument("--address", default=None,
                    help="a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
+    add_speculative_options(p)
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level or filters (as pyml-infer's)")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="record every worker's perf events into DIR and write one report over all of them")
@@ -85,6 +87,12 @@ def run(args) -> int:
         raise PymlError(f"--workers must be at least 1, got {args.workers}")
     if args.batch < 1:
         raise PymlError(f"--batch must be at least 1, got {args.batch}")
+    check_speculative(args)
+    if args.lookup_ngram or args.draft_model is not None:  # drafting serves one sequence in one process
+        for flag, given in (("--batch N > 1", args.batch > 1), ("--ray", args.ray)):
+            if given:
+                raise PymlError(f"speculative decoding with {flag} is not implemented: it runs one prompt at a "
+                                "time in this process (--batch 1, no --ray)")
     jobs, errors = read_jobs(args.input, sampling_options(args), args.chat, args.system)
     # Ray is reached (or found missing) before the output file is touched
     with _ray_runner().session(args.address) if args.ray else nullcontext():
@@ -117,7 +125,9 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
     if prof is not None:
         prof.set_model(lm)
     tally.start()
-    outputs = ((job, run_job(lm, job)) for job in jobs) if args.batch == 1 else run_jobs_batched(lm, jobs, args.batch)
+    speculative = speculative_options(args, lm)
+    outputs = (((job, run_job(lm, job, speculative)) for job in jobs) if args.batch == 1 else
+               run_jobs_batched(lm, jobs, args.batch))
     for job, out in outputs:
         writer.add(job.line, out)
         tally.add(out)

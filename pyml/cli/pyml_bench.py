@@ -43,6 +43,7 @@ from pyml.cli import bench_cold
 from pyml.cli.bench_batch import batch_table
 from pyml.cli.bench_engines import ENGINES
 from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
+from pyml.cli.bench_spec import spec_table
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
 from pyml.cli.main import Parser, run_command
 from pyml.core import ops, perf
@@ -510,11 +511,26 @@ def build_parser() -> Parser:
     p.add_argument("--batch", metavar="B,B,...", default=None,
                    help="instead of pp/tg: B sequences a step for each B (e.g. 1,4,16): prefill and aggregate "
                         "decode tokens/s, llama-batched-bench's table (-p, -n, --reps as for pp/tg)")
+    p.add_argument("--spec", action="store_true",
+                   help="instead of pp/tg: decode tok/s with prompt-lookup speculative decoding vs without, "
+                        "alternating, on summarise / edit-code / free-chat prompts (-n tokens, --reps; bench_spec.py)")
+    p.add_argument("--lookup-ngram", type=int, default=4, metavar="N",
+                   help="with --spec: prompt lookup's longest n-gram (default 4, llama.cpp's lookup's largest)")
+    p.add_argument("--draft-model", metavar="NAME", default=None,
+                   help="with --spec: this bench model (-m's names) drafts instead of prompt lookup")
     p.add_argument("--cold", action="store_true",
                    help="instead of pp/tg: one-shot 16-token runs, each a fresh process (wall, first token, "
                         "load, warm-up, peak RSS, model memory; --peers llama.cpp beside), and the PSS of "
                         "two processes on one model (bench_cold.py)")
     return p
+
+
+def _table_out(out: str, name: str, table: str) -> int:
+    """A table mode's output: written to OUT/name and to stdout."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(table)
+    sys.stdout.write(table)
+    return 0
 
 
 def run_bench(args) -> int:
@@ -544,13 +560,21 @@ def run_bench(args) -> int:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
                             "implemented: its batched peer is llama.cpp")
-        table = batch_table(MODELS, models, threads[0], _int_list(args.batch, "--batch", 1), n_prompts[0],
-                            n_gens[0], reps, tuple(peers))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "batch.md").write_text(table)
-        sys.stdout.write(table)
-        return 0
+        batches = _int_list(args.batch, "--batch", 1)
+        return _table_out(args.out, "batch.md", batch_table(MODELS, models, threads[0], batches, n_prompts[0],
+                                                            n_gens[0], reps, tuple(peers)))
+    if args.spec:
+        if args.draft_model is not None and args.draft_model not in MODELS:
+            raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
+        if args.draft_model is not None and peers:
+            raise PymlError("--peers with --spec --draft-model is not implemented: llama.cpp's peer column is its "
+                            "prompt lookup")
+        if set(peers) - {"llama.cpp"}:
+            raise PymlError(f"--peers {','.join(peers)} with --spec is not implemented: llama.cpp's lookup is the one "
+                            "peer (llama-cpp-python's LlamaPromptLookupDecoding)")
+        return _table_out(args.out, "spec.md", spec_table(MODELS, models, threads[0], n_gens[0], reps,
+                                                          ngram=args.lookup_ngram, peers=tuple(peers),
+                                                          draft=args.draft_model))
     if args.cold:
         sys.stdout.write(bench_cold.cold(models, MODELS, reps, peers, threads[0], Path(args.out)))
         return 0

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, add_sampling_options, model_options, sampling_options
+from pyml.cli.options import (add_model_options, add_sampling_options, add_speculative_options, check_speculative,
+                              model_options, sampling_options, speculative_options)
 from pyml.cli.request_profile import profile_summary, recording, split_line
 from pyml.core import perf
 from pyml.core.version import __version__
@@ -25,6 +26,7 @@ def build_parser() -> Parser:
     p = Parser(prog="pyml-chat", description="Chat with a model in the terminal. " + HELP)
     add_model_options(p)
     add_sampling_options(p, max_tokens=512, ctx_size=4096)
+    add_speculative_options(p)
     p.add_argument("--verbose", action="store_true", help="add the attention/FFN/head split to each timing line")
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level (or env PYML_LOG / LOG)")
     p.add_argument("--version", action="version", version=f"pyml {__version__}")
@@ -34,7 +36,7 @@ def build_parser() -> Parser:
 class Chat:
     def __init__(self, lm: LanguageModel, args, out=None):
         self.lm, self.args, self.out = lm, args, out or sys.stdout
-        self.options = sampling_options(args)
+        self.options = dict(sampling_options(args), **speculative_options(args, lm))
         self.cache = lm.new_prompt_cache(min(args.ctx_size, lm.model.max_positions))
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.history = list(self.system)
@@ -77,6 +79,8 @@ class Chat:
 def timing_line(result: GenerationResult) -> str:
     cached = f" ({result.cached_tokens} cached)" if result.cached_tokens else ""
     end = " | interrupted" if result.stop_reason == "interrupted" else ""
+    if result.drafted:
+        end = f" | drafted {result.drafted}, accepted {result.accepted} ({100 * result.acceptance:.0f}%)" + end
     return (f"[prompt {result.prefilled_tokens} tokens{cached} in {result.prefill_s * 1e3:.0f} ms | "
             f"generated {len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s{end}]")
 
@@ -84,6 +88,7 @@ def timing_line(result: GenerationResult) -> str:
 def run(args) -> int:
     perf.configure(args.log)
     sampling_options(args)  # bad options fail before the model loads
+    check_speculative(args)
     lm = load_model(**model_options(args))
     chat = Chat(lm, args)
     interactive = sys.stdin.isatty()

@@ -6,8 +6,9 @@ import json
 import sys
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import (add_model_options, add_prompt_options, add_sampling_options, model_options,
-                              profiling, read_prompt, sampling_options)
+from pyml.cli.options import (add_model_options, add_prompt_options, add_sampling_options, add_speculative_options,
+                              check_speculative, model_options, profiling, read_prompt, sampling_options,
+                              speculative_options)
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.core.version import __version__
@@ -22,6 +23,7 @@ def build_parser() -> Parser:
     add_prompt_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_options(p, max_tokens=32)
+    add_speculative_options(p)
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", default=None,
                        help="the output must be JSON valid against this JSON schema (docs/structured-output.md)")
@@ -43,6 +45,7 @@ def build_parser() -> Parser:
 def run(args) -> int:
     perf.configure(args.log)
     options = sampling_options(args)
+    check_speculative(args)
     prompt = read_prompt(args)
     grammar = read_grammar(args)  # a bad file is refused before the model loads
     ctx = profiling(args.profile)
@@ -74,6 +77,7 @@ def _generate(args, prompt: str, options: dict, prof, grammar: tuple[str, str] |
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = lm.chat_prompt(system + [{"role": "user", "content": prompt}])
+    options = dict(options, **speculative_options(args, lm))
     ids = lm.encode(prompt)
     if grammar is not None:
         options["constraint"] = Constraint(lm.tokenizer, *grammar)

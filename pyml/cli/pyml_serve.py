@@ -15,7 +15,8 @@ from pathlib import Path
 import uvicorn
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, model_options
+from pyml.cli.options import add_model_options, add_speculative_options, check_speculative, model_options, \
+    speculative_options
 from pyml.cli.serve_app import Limits, Server
 from pyml.cli.serve_guard import is_loopback, timed_h11
 from pyml.core import perf, runtime
@@ -54,6 +55,7 @@ def build_parser() -> Parser:
     p.add_argument("--alias", default=None, help="the model id clients name (default: the model's name)")
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level (or env PYML_LOG / LOG)")
     p.add_argument("--version", action="version", version=f"pyml {__version__}")
+    add_speculative_options(p)
     return p
 
 
@@ -83,6 +85,10 @@ def check_limits(args) -> Limits:
     for flag, (value, least) in positive.items():
         if value is not None and value < least:
             raise PymlError(f"{flag} must be >= {least}, got {value}")
+    check_speculative(args)
+    if (args.lookup_ngram or args.draft_model is not None) and args.parallel != 1:
+        raise PymlError(f"speculative decoding with --parallel {args.parallel} is not implemented: it drafts for one "
+                        "sequence at a time (--parallel 1)")
     for flag, value in (("--timeout", args.timeout), ("--read-timeout", args.read_timeout)):
         if not value > 0:
             raise PymlError(f"{flag} must be > 0 seconds, got {value:g}")
@@ -113,7 +119,9 @@ def run(args) -> int:
     lm = runtime.in_passing_thread(load_model, **model_options(args))  # the model thread alone launches kernels
     limits = dataclasses.replace(limits, threads=lm.runtime.threads)
     ctx = min(args.ctx_size, lm.model.max_positions)
-    server = Server(lm, args.alias or model_id(args), ctx, api_key, limits, loopback_only=is_loopback(args.host))
+    speculative = runtime.in_passing_thread(speculative_options, args, lm).get("speculative")  # a draft model too
+    server = Server(lm, args.alias or model_id(args), ctx, api_key, limits, loopback_only=is_loopback(args.host),
+                    speculative=speculative)
     config = uvicorn.Config(server.app(), host=args.host, port=port, log_level="warning",
                             timeout_graceful_shutdown=3, limit_concurrency=limits.connections,
                             http=timed_h11(limits.read_timeout), timeout_keep_alive=5)

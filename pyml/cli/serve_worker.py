@@ -60,6 +60,9 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("pyml_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
+        # speculative decoding (pyml-serve --lookup-ngram / --draft-model): llama-server's counters
+        self.drafted = Counter("pyml_draft_tokens", "tokens drafted by speculative decoding", registry=r)
+        self.accepted = Counter("pyml_draft_tokens_accepted", "drafted tokens the model kept", registry=r)
 
 
 @dataclass
@@ -145,8 +148,10 @@ class JobQueue:
 class Worker:
     """The one thread that runs the model, one job at a time, in arrival order."""
 
-    def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics, threads: int, max_queue: int):
+    def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics, threads: int, max_queue: int,
+                 speculative=None):
         self.lm, self.metrics, self.threads = lm, metrics, threads
+        self.speculative = speculative  # a SpeculativeConfig server-wide, or None
         self.cache = lm.new_prompt_cache(ctx_size)
         self.jobs = JobQueue(max_queue)
         self.current: Job | None = None
@@ -214,11 +219,15 @@ class Worker:
             self.cache.reset()
         result = GenerationResult(job.ids)
         records = []
+        # a request speculation cannot serve (a grammar, logprobs: Generator.stream refuses them with it)
+        # runs plainly: the server's speculation is its own speed, never a request's error
+        plain = req.constraint is not None or req.logprobs is not None
+        speculative = {} if self.speculative is None or plain else {"speculative": self.speculative}
         with recording(records, req.profile):
             stream = self.lm.stream(job.ids, req.max_tokens, stop=req.stop, cache=self.cache, result=result,
                                     cancelled=lambda: job.cancelled is not None, constraint=req.constraint,
                                     logprobs=req.logprobs, echo=req.echo and req.logprobs is not None,
-                                    **req.sampling)
+                                    **req.sampling, **speculative)
             job.put("started")
             sent, first = 0, True  # the result's logprobs sent so far
             for event in stream:
@@ -242,6 +251,8 @@ class Worker:
         m.prompt_tokens.inc(result.prefilled_tokens)
         m.cached_tokens.inc(result.cached_tokens)
         m.generated_tokens.inc(sum(len(r.tokens) for r in results))
+        m.drafted.inc(sum(r.drafted for r in results))
+        m.accepted.inc(sum(r.accepted for r in results))
         if result.decode_s:
             m.decode_tok_s.set(result.decode_tok_s)
         if job.cancelled:

@@ -28,6 +28,7 @@ from pyml.nlp.models import GGUF_ARCHITECTURES, HF_ARCHITECTURES, GPT2Config
 from pyml.nlp.models.base import DecoderConfig, DecoderModel
 from pyml.nlp.constrained import Constraint
 from pyml.nlp.sampling import SamplingConfig
+from pyml.nlp.speculative import SpeculativeConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, check_kv_type
@@ -120,6 +121,7 @@ class LanguageModel:
                result: GenerationResult | None = None, ctx_size: int | None = None, context_shift: bool = False,
                n_keep: int = 0, cancelled=None, json_schema=None, grammar: str | None = None,
                constraint: Constraint | None = None, logprobs: int | None = None, echo: bool = False,
+               speculative: SpeculativeConfig | None = None,
                **sampling) -> Iterator[StreamEvent]:
         """Generate from a prompt (text, or token ids), yielding text as it becomes final.
 
@@ -129,13 +131,16 @@ class LanguageModel:
         half of the rest instead of stopping; `cancelled()`: asked before each decode step, true
         ends the generation (stop reason "cancelled"); `json_schema` (a dict or its JSON text) or
         `grammar` (GBNF or Lark text): the text generated must match it (constrained.py), as must
-        a prebuilt `constraint`'s; `sampling`: SamplingConfig's fields (temperature,
+        a prebuilt `constraint`'s; `speculative`: draft and verify several tokens a step
+        (nlp/speculative.py; a draft model must tokenize as this one does); `sampling`: SamplingConfig's fields (temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed).
         `logprobs`: each generated token's log-probability, with that many likeliest tokens, in
         `result.logprobs` (as each token's event comes); `echo`: the prompt's in `result.prompt_logprobs`.
         The prompt and the options are checked here, before the first event is asked for.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if speculative is not None and isinstance(speculative.draft_model, LanguageModel):
+            self._check_draft(speculative.draft_model)
         if json_schema is not None or grammar is not None:
             if constraint is not None:
                 raise PymlError("give a constraint, or a JSON schema or grammar to build one, not both")
@@ -146,8 +151,15 @@ class LanguageModel:
         tokens = Generator(self.model).stream(ids, max_tokens, SamplingConfig(**sampling), stop_ids=eos,
                                               cache=cache, result=result, ctx_size=ctx_size,
                                               context_shift=context_shift, n_keep=n_keep, cancelled=cancelled,
-                                              constraint=constraint, logprobs=logprobs, echo=echo)
+                                              constraint=constraint, logprobs=logprobs, echo=echo,
+                                              speculative=speculative)
         return self._text_events(tokens, result, eos, StopStrings(stop))
+
+    def _check_draft(self, draft: "LanguageModel") -> None:
+        """One line when a draft model's tokens are not this model's (ids mean other text)."""
+        sample = "Speculative decoding: the draft's ids must mean the same text, 123 + 4 = 127.\n\t<b>é</b>"
+        if self.tokenizer is not None and draft.tokenizer is not None and draft.encode(sample) != self.encode(sample):
+            raise PymlError("the draft model's tokenizer is not the target's: it splits text into other tokens")
 
     def _text_events(self, tokens: Iterator[int], result: GenerationResult, eos, stops: StopStrings):
         text_out = TextOut(self.tokenizer, result, eos, stops)
@@ -207,6 +219,8 @@ class LanguageModel:
         `seed`, prompt i samples from seed + i. Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
+        if "speculative" in sampling or any("speculative" in o for o in options or ()):
+            raise UnsupportedError("speculative decoding is not done for batched generation (stream_batch)")
         if options is not None and len(options) != len(prompts):
             raise PymlError(f"{len(options)} option sets for {len(prompts)} prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]

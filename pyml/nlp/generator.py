@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyml.core import perf
-from pyml.core.errors import PymlError, check_text, was_interrupted
+from pyml.core.errors import PymlError, UnsupportedError, check_text, was_interrupted
 from pyml.nlp.logprobs import check_top, prompt_logprobs, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
+from pyml.nlp.speculative import SpeculativeConfig, Speculator
 from pyml.nn import KVCache
 
 _perf = perf.get("pyml.nlp.generator")
@@ -35,6 +36,8 @@ class GenerationResult:
     stop_reason: str = ""                           # eos | stop | max_tokens | context | interrupted | cancelled
     cached_tokens: int = 0                          # prompt tokens whose KV came from a PromptCache
     context_shifts: int = 0                         # times the full cache dropped half its history
+    drafted: int = 0                                # speculative decoding: tokens proposed, and kept
+    accepted: int = 0
     logprobs: list | None = None                    # TokenLogprob per generated token, when asked for
     prompt_logprobs: list | None = None             # TokenLogprob per prompt token after the first (echo)
 
@@ -72,13 +75,21 @@ class GenerationResult:
             "predicted_n": predicted_n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": self.decode_ms_per_token,
             "predicted_per_second": self.decode_tok_s,
+            **({"draft_n": self.drafted, "draft_n_accepted": self.accepted} if self.drafted else {}),
         }
+
+    @property
+    def acceptance(self) -> float:
+        """The share of speculative drafts the target kept."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (f"prompt {len(self.prompt_tokens)} tokens{cached}, generated {len(self.tokens)} tokens | "
                 f"prefill {self.prefill_s * 1e3:.1f} ms ({self.prefill_tok_s:.1f} tok/s) | "
-                f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)")
+                f"decode {self.decode_ms_per_token:.2f} ms/token ({self.decode_tok_s:.1f} tok/s)"
+                + (f" | drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance:.0f}%)"
+                   if self.drafted else ""))
 
 
 def reusable_prefix(held: list, prompt_ids: list) -> int:
@@ -215,13 +226,15 @@ class Generator:
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                  stop_ids=(), on_token=None, cache: KVCache | PromptCache | None = None,
-                 result: GenerationResult | None = None) -> GenerationResult:
+                 result: GenerationResult | None = None,
+                 speculative: SpeculativeConfig | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` sees each token chosen.
 
         `result` may be passed in so a caller still holds the partial result after Ctrl-C.
         """
         result = result if result is not None else GenerationResult(list(prompt_ids))
-        for token in self.stream(prompt_ids, max_new_tokens, sampling, stop_ids, cache, result):
+        for token in self.stream(prompt_ids, max_new_tokens, sampling, stop_ids, cache, result,
+                                 speculative=speculative):
             if on_token is not None:
                 on_token(token)
         return result
@@ -230,7 +243,8 @@ class Generator:
                stop_ids=(), cache: KVCache | PromptCache | None = None,
                result: GenerationResult | None = None, ctx_size: int | None = None,
                context_shift: bool = False, n_keep: int = 0, cancelled=None, constraint=None,
-               logprobs: int | None = None, echo: bool = False) -> Iterator[int]:
+               logprobs: int | None = None, echo: bool = False,
+               speculative: SpeculativeConfig | None = None) -> Iterator[int]:
         """The generated ids, one at a time, filling `result` as they come.
 
         Stops at a stop id, at max_new_tokens, or when the cache is full (stop reason "context").
@@ -245,6 +259,9 @@ class Generator:
         `result.logprobs` (0: its own only; nlp/logprobs.py). `echo`: `result.prompt_logprobs` holds
         the prompt's tokens' log-probabilities (with `logprobs`' top); the whole prompt is prefilled
         then, none of it taken from a PromptCache: a cached position has no logits.
+        `speculative`: draft and verify several tokens a step (nlp/speculative.py); the same tokens
+        when greedy, the same distribution when sampling (not with a constraint, logprobs or echo:
+        refused by name).
         """
         prompt_ids = check_prompt(self.model, prompt_ids, max_new_tokens)
         if ctx_size is not None and ctx_size < 1:
@@ -270,10 +287,17 @@ class Generator:
         res.cached_tokens = prompt_cache.reusable(prompt_ids) if prompt_cache is not None and not echo else 0
         res.logprobs = [] if logprobs is not None else None
         shift = n_keep if context_shift else None
+        kv = prompt_cache.kv if prompt_cache is not None else cache
+        speculator = None
+        if speculative is not None:
+            if constraint is not None or logprobs is not None or echo:
+                raise UnsupportedError("speculative decoding is not done with a grammar/JSON schema or logprobs/echo")
+            speculator = Speculator(self.model, speculative, kv.max_len, res)
         return self._run(prompt_ids, max_new_tokens, Sampler(sampling, constraint), set(stop_ids), cache, res, shift,
-                         cancelled, logprobs, echo)
+                         cancelled, logprobs, echo, speculator)
 
-    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, top, echo):
+    def _run(self, prompt_ids, max_new_tokens, sampler, stop_ids, cache, res, n_keep, cancelled, top, echo,
+             speculator=None):
         prompt_cache = cache if isinstance(cache, PromptCache) else None
         kv = prompt_cache.kv if prompt_cache is not None else cache
         if max_new_tokens == 0 and not echo:
@@ -304,8 +328,9 @@ class Generator:
                         res.logprobs.append(token_logprob(logits, token, top))
             made = drained() - d0
             res.prefill_s, res.prefill_log_s = perf.clock() - t0 - made, res.prefill_log_s + made
-            step = 0
+            step, chosen = 0, [token]  # a speculative step chooses several
             while True:
+                token = chosen.pop(0)
                 res.tokens.append(token)
                 history.append(token)
                 yield token
@@ -315,6 +340,8 @@ class Generator:
                 if len(res.tokens) >= max_new_tokens:
                     res.stop_reason = "max_tokens"
                     break
+                if chosen:  # already chosen, its time already counted
+                    continue
                 if cancelled is not None and cancelled():
                     res.stop_reason = "cancelled"
                     break
@@ -329,16 +356,19 @@ class Generator:
                 pos = len(cached)
                 with perf.context(phase="decode", step=step), \
                         _perf.debug("generator::decode_step", "token={}", pos, op="generator") as span:
-                    with span.part("model"):
-                        logits = self.model.forward([token], kv, pos=pos)
-                        cached.append(token)
-                    with span.part("sample"):
-                        token = sampler(logits, history)
-                    if top is not None:
-                        with span.part("logprobs"):
-                            res.logprobs.append(token_logprob(logits, token, top))
+                    if speculator is not None:
+                        chosen = speculator.step(token, kv, cached, history, sampler, max_new_tokens - len(res.tokens))
+                    else:
+                        with span.part("model"):
+                            logits = self.model.forward([token], kv, pos=pos)
+                            cached.append(token)
+                        with span.part("sample"):
+                            chosen = [sampler(logits, history)]
+                        if top is not None:
+                            with span.part("logprobs"):
+                                res.logprobs.append(token_logprob(logits, chosen[0], top))
                 made = drained() - d0
-                res.decode_s.append(perf.clock() - t0 - made)
+                res.decode_s += [(perf.clock() - t0 - made) / len(chosen)] * len(chosen)  # per token chosen
                 res.decode_log_s += made
         except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
             if was_interrupted(e):

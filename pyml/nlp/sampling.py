@@ -77,6 +77,14 @@ class Sampler:
         return token
 
     def _choose(self, logits: np.ndarray, history) -> int:
+        logits = self.penalised(logits, history)
+        if self.config.temperature == 0.0:
+            return int(np.argmax(logits))
+        ids, probs = self.distribution(logits)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def penalised(self, logits: np.ndarray, history=()) -> np.ndarray:
+        """The logits after logit_bias and the repetition, frequency and presence penalties of `history`."""
         c = self.config
         if len(self.bias_ids):  # first, as llama.cpp's sampler chain: the penalties see biased logits
             logits = logits.astype(np.float32, copy=True)
@@ -90,8 +98,12 @@ class Sampler:
             logits = logits.astype(np.float32, copy=True)
             seen, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
             logits[seen] -= c.frequency_penalty * counts + c.presence_penalty
-        if c.temperature == 0.0:
-            return int(np.argmax(logits))
+        return logits
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probs): the tokens a temperature > 0 draw may choose from penalised logits, and
+        their probabilities after temperature, top-k, min-p and top-p (summing to 1)."""
+        c = self.config
         ids = np.arange(logits.shape[0])
         if 0 < c.top_k < logits.shape[0]:
             ids = np.argpartition(logits, -c.top_k)[-c.top_k:]
@@ -103,7 +115,7 @@ class Sampler:
             ids, probs = ids[keep], probs[keep] / probs[keep].sum()
         if c.top_p < 1.0:
             ids, probs = _top_p(ids, probs, c.top_p)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, probs
 
 
 def _top_p(ids: np.ndarray, probs: np.ndarray, p: float):

@@ -44,6 +44,8 @@ PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and th
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
 # a batched step's: sequences, H, hd, Hkv, positions attended over all of them, hd, kv type
 BATCH_SPAN = ("attention::sdpa", "batch={} q=[{}, {}] kv=[{}, {}, {}] {}")
+# a verify pass's: queries, H, hd, Hkv, positions attended over all of them, hd, kv type
+QUERIES_SPAN = ("attention::sdpa", "queries={} q=[{}, {}] kv=[{}, {}, {}] {}")
 
 BLOCK = 8       # positions per key tile: one F32x8 of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
@@ -430,20 +432,78 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, window, scale, out):
+def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, splits, window, scale, out):
     # row b: sequence seqs[b] of a pool's layer arrays ([n_seqs, ...]) at position ends[b]-1; its
-    # k, v written there and its heads attended on one thread (the rows are the parallel work)
+    # k, v written there and its heads attended on one thread (the rows are the parallel work), its
+    # span cut in the splits[b] parts its decode step alone cuts it in (batch_splits): the same bits
     for b in numba.prange(q.shape[0]):
-        s, end = seqs[b], ends[b]
+        s, end, parts = seqs[b], ends[b], splits[b]
         ks, kss, vs, vss = keys[s], k_scale[s], values[s], v_scale[s]
         write_kv(k[b:b + 1], v[b:b + 1], end - 1, ks, kss, vs, vss)
         start = max(0, end - window) if window else 0
         n_kv = vs.shape[0]
-        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, 1, scale, end)
-        for item in range(n_kv):
-            decode_item(item, 1, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
-        decode_merge(n_kv, 1, group, m, l, acc, out[b])
+        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, parts, scale, end)
+        for item in range(n_kv * parts):
+            decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
+        decode_merge(n_kv, parts, group, m, l, acc, out[b])
     return out
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _queries_setup(q, values, ends, items, scale):
+    # the buffers of _decode_queries' items and every query's scaled rows (decode_begin)
+    T, H = q.shape[0], q.shape[1]
+    n_kv, hd = values.shape[0], values.shape[2]
+    R = (H // n_kv + ROWS - 1) // ROWS * ROWS
+    qs = np.zeros((T, n_kv, R, hd), np.float32)  # hd: the cache's, padded to 16 with zeros
+    qpos = np.empty((T, R), np.int64)
+    group = H // n_kv
+    for t in range(T):
+        decode_begin(q[t], scale, ends[t], qs[t], qpos[t])
+    return (group, qs, qpos, np.empty((items, R), np.float32), np.empty((items, R), np.float32),
+            np.empty((items, R, hd), np.float32), np.empty((items, R, CHUNK), np.float32))
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _query_item(i, item_query, offsets, splits, qs, qpos, group, keys, k_scale, values, v_scale, starts, ends,
+                m, l, acc, scores):
+    t = item_query[i]
+    o = offsets[t]
+    decode_item(i - o, splits[t], qs[t], qpos[t], group, keys, k_scale, values, v_scale, starts[t], ends[t], 0,
+                m[o:], l[o:], acc[o:], scores[o:])
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _queries_merge(n_kv, offsets, splits, group, m, l, acc, out):
+    for t in range(out.shape[0]):  # the merges are small: on this thread, not a second parallel region
+        o = offsets[t]
+        decode_merge(n_kv, splits[t], group, m[o:], l[o:], acc[o:], out[t])
+    return out
+
+
+# query t of one sequence at position ends[t]-1, over starts[t] .. ends[t]-1, its span cut in
+# splits[t] parts as a decode step of it cuts it; items offsets[t] .. offsets[t+1]-1 are its
+# (kv head, part) pairs (item_query: each item's query). Every query's items in one call, each item
+# and merge a decode step's; in parallel, or on the calling thread when there is too little work.
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_queries(q, keys, k_scale, values, v_scale, starts, ends, splits, offsets, item_query, scale, out):
+    items = item_query.shape[0]
+    group, qs, qpos, m, l, acc, scores = _queries_setup(q, values, ends, items, scale)
+    for i in numba.prange(items):
+        _query_item(i, item_query, offsets, splits, qs, qpos, group, keys, k_scale, values, v_scale, starts, ends,
+                    m, l, acc, scores)
+    return _queries_merge(values.shape[0], offsets, splits, group, m, l, acc, out)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
+def _decode_queries_serial(q, keys, k_scale, values, v_scale, starts, ends, splits, offsets, item_query, scale,
+                           out):
+    items = item_query.shape[0]
+    group, qs, qpos, m, l, acc, scores = _queries_setup(q, values, ends, items, scale)
+    for i in range(items):
+        _query_item(i, item_query, offsets, splits, qs, qpos, group, keys, k_scale, values, v_scale, starts, ends,
+                    m, l, acc, scores)
+    return _queries_merge(values.shape[0], offsets, splits, group, m, l, acc, out)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -468,6 +528,15 @@ def decode_plan(q_size: int, n_kv: int, span: int, threads: int | None = None) -
     """How a decode step over `span` positions runs: 0 on the calling thread (too little work to pay
     for waking the others), else the number of parts the span is cut into (decode_splits)."""
     return decode_splits(n_kv, span, threads) if q_size * span >= PARALLEL_MIN_WORK else 0
+
+
+def batch_splits(q_size: int, n_kv: int, ends: np.ndarray, window: int, threads: int | None = None) -> np.ndarray:
+    """int64 [B]: the parts each row of a batched decode step (positions ends-1) cuts its span into -
+    those its decode step alone would (decode_plan; on the calling thread: one), as the merge of the
+    parts rounds: each sequence gets the bits it gets alone, at any depth."""
+    threads = threads or numba.get_num_threads()
+    spans = np.minimum(ends, window) if window else ends
+    return np.array([decode_plan(q_size, n_kv, int(span), threads) or 1 for span in spans], np.int64)
 
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
@@ -506,4 +575,31 @@ def attend_decode_batch(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer_array
     with PERF.trace(*BATCH_SPAN, q.shape[0], q.shape[1], q.shape[2], k.shape[1],
                     int(np.minimum(ends, window).sum() if window else ends.sum()), q.shape[2],
                     TYPE_NAMES[layer_arrays[2].dtype.type], op="sdpa"):
-        return _decode_batch(q, k, v, *layer_arrays, seqs, ends, window, np.float32(scale), out)
+        splits = batch_splits(q[0].size, layer_arrays[2].shape[1], ends, window)
+        return _decode_batch(q, k, v, *layer_arrays, seqs, ends, splits, window, np.float32(scale), out)
+
+
+def attend_queries(q: np.ndarray, keys: np.ndarray, k_scale: np.ndarray, values: np.ndarray,
+                   v_scale: np.ndarray, pos: int, window: int, scale: float, out: np.ndarray) -> np.ndarray:
+    """A speculative verify pass's attention: q [T, H, hd], the queries of one sequence at positions
+    pos .. pos+T-1 (their keys and values already written), out [T, H, hd] - in one call, each query
+    with the bits a decode step of it alone gets (attend_decode, the fused step): its span cut in
+    the parts decode_plan gives that span (0, on the calling thread, is one part: the same sums)."""
+    T, n_kv = q.shape[0], values.shape[0]
+    ends = np.arange(pos + 1, pos + T + 1, dtype=np.int64)
+    starts = np.maximum(ends - window, 0) if window else np.zeros(T, np.int64)
+    threads = numba.get_num_threads()
+    plans = [decode_plan(q[0].size, n_kv, int(e - s), threads) for s, e in zip(starts, ends)]
+    splits = np.array([plan or 1 for plan in plans], np.int64)
+    offsets = np.zeros(T + 1, np.int64)
+    np.cumsum(n_kv * splits, out=offsets[1:])
+    item_query = np.repeat(np.arange(T, dtype=np.int64), n_kv * splits)
+    span = int((ends - starts).sum())
+    # in parallel where the longest query's decode step would be (one launch then; measured at depth
+    # 160, 8 queries, loaded 2 cores: the parallel call 260 us, on this thread 84 us, 8 decode calls 98 us);
+    # which kernel changes only where items run, not their sums: the bits are the same
+    kernel = _decode_queries if plans[-1] else _decode_queries_serial
+    with PERF.trace(*QUERIES_SPAN, T, q.shape[1], q.shape[2], n_kv, span, q.shape[2],
+                    TYPE_NAMES[values.dtype.type], op="sdpa"):
+        return kernel(q, keys, k_scale, values, v_scale, starts, ends, splits, offsets, item_query,
+                      np.float32(scale), out)

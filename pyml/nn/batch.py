@@ -51,3 +51,25 @@ class Batch:
 
     def cache(self, seq: int):
         return self.pool.sequence(seq)
+
+
+class _OneSequence:
+    """A KVCache seen as a pool of one sequence (KVPool.layer's [n_seqs, ...] arrays, its addresses)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def layer(self, layer: int) -> tuple:
+        return tuple(a[None] for a in self.cache.layer(layer))
+
+    def addresses(self) -> np.ndarray:
+        return self.cache.addresses()
+
+
+def sequence_rows(cache, pos: int, T: int) -> tuple:
+    """(pool, seqs, ends) for FusedStep.rows: positions pos .. pos+T-1 of one KVCache as T decode rows
+    (a speculative verify pass: each attends up to its own position, as its decode step would),
+    claimed in every layer (the kernel writes them)."""
+    for layer in range(cache.n_layers):
+        cache.claim(layer, pos, T)
+    return _OneSequence(cache), np.zeros(T, np.int64), np.arange(pos + 1, pos + T + 1, dtype=np.int64)

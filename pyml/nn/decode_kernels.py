@@ -166,7 +166,8 @@ def decode_rows_kernel(shape: BlockShape):
     (`buf`'s arrays [B, ...]) except after_qkv, run row by row on the one-row buffers `one` (each row
     its own position and sequence); every product is decode_recipe.matrows (each row its GEMV's
     bits) and the attention attention_kernels' batched decode over the pool's layer arrays (`seqs`,
-    `ends` per row). Untimed: a timed batched step takes the layer-by-layer path (nn/fused.py)."""
+    `ends`, `splits` per row: attention_kernels.batch_splits). Untimed: a timed batched step takes
+    the layer-by-layer path (nn/fused.py)."""
     key, s = shape.key(), shape  # the closure holds the key and ints only
     sep_qkv, sep_up = s.n_proj == 3, s.mlp == 2
     kind_q, lay_q, kind_k, lay_k, kind_v, lay_v = s.q_kind, s.q_layout, s.k_kind, s.k_layout, s.v_kind, s.v_layout
@@ -174,8 +175,8 @@ def decode_rows_kernel(shape: BlockShape):
     kind_2, lay_2, kind_d, lay_d = s.up2_kind, s.up2_layout, s.down_kind, s.down_layout
 
     @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-    def decode_rows(x, pre_w, pre_at, buf, rows, one, post_w, post_at, kv, kv_at, seqs, ends, window, scale, chunks,
-                    no_kv, out, counters, events, ticks, layer0):
+    def decode_rows(x, pre_w, pre_at, buf, rows, one, post_w, post_at, kv, kv_at, seqs, ends, splits, window, scale,
+                    chunks, no_kv, out, counters, events, ticks, layer0):
         h, y, gu, a = buf.h, buf.y, buf.gu, buf.a
         p1, pk, pv, q, ctx, g1, g2 = rows
         qkv, nq, nkv = one.qkv, one.nq, one.nkv
@@ -202,8 +203,8 @@ def decode_rows_kernel(shape: BlockShape):
                           False, counters, li, 0)
                 q[b] = qkv[:nq]
             # every row's k, v written above: the batched attention only reads (no_kv: [0, Hkv, hd])
-            attention_kernels._decode_batch(q3, no_kv, no_kv, keys, k_scale, values, v_scale, seqs, ends, window,
-                                            scale, ctx)
+            attention_kernels._decode_batch(q3, no_kv, no_kv, keys, k_scale, values, v_scale, seqs, ends, splits,
+                                            window, scale, ctx)
             linear_rows(kind_o, lay_o, qw.wo, qw.to, qw.bo, flat_ctx, y, chunks)
             after_o(key, qw, buf, out, 0, events, False, False, counters, ticks, layer, li, 0)
             if sep_up:

@@ -361,7 +361,9 @@ class FusedStep:
         first, _, layers, pre_at, post_at, _ = run
         start = _claim(first, layers, pos, cache)
         attn = first.block.attn
-        splits = attention_kernels.decode_splits(attn.n_kv_heads, pos + 1 - start, n_threads)
+        # the span cut as attend_decode cuts it (one part where that runs serially): the parts' merge
+        # rounds, and a speculative verify pass attends through attend_decode and must get these bits
+        splits = attention_kernels.decode_plan(first.ctx.size, attn.n_kv_heads, pos + 1 - start, n_threads) or 1
         scratch = self._attention_scratch(region, first, cache, layers[0], attn.n_kv_heads * splits)
         events, row = _event_rows(first, layers, ops_on)
         out = region[0](x, first.pre_w, pre_at, first.bufs, first.post_w, post_at,
@@ -406,9 +408,11 @@ class FusedStep:
                 held.release()
 
 
-    def rows(self, x: np.ndarray, batch) -> np.ndarray | None:
-        """A batched decode step (every row of `batch`, nn/batch.py, one token of its own sequence,
-        2 <= B <= ROWS_MAX) through all the blocks: one decode_rows call per run of like blocks, the
+    def rows(self, x: np.ndarray, pool, seqs: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """Decode rows through all the blocks: row b one token of sequence seqs[b] of `pool` (a KVPool,
+        or a OneSequence) at position ends[b]-1, 2 <= B <= ROWS_MAX - a batched decode step (nn/batch.py),
+        or a speculative verify pass (one sequence's consecutive positions: every row's keys and
+        values are written before any row attends). One decode_rows call per run of like blocks, the
         recipe's steps over the B rows, the products and the attention as the layer-by-layer path
         runs them on B rows (the same kernels: the same bits). None where that path must run: a
         block set to the reference path, or spans on (the batched step is not timed from inside)."""
@@ -416,20 +420,23 @@ class FusedStep:
             return None
         if _perf.debug_on or any(p.trace_on for p in self.op_loggers):
             return None
-        pool, B = batch.pool, len(batch)
+        B = len(seqs)
         x = np.ascontiguousarray(x, np.float32)  # the kernel's one argument type
         kv_at = pool.addresses()
-        chunks = interleaved_rows.chunks_for(numba.get_num_threads())
-        seqs, ends = batch.decode_seqs, batch.decode_ends
+        threads = numba.get_num_threads()
+        chunks = interleaved_rows.chunks_for(threads)
         held = None  # the runs' locks, taken in order as __call__ takes them
         try:
             for first, _, layers, pre_at, post_at, _ in self.runs:
                 first._busy.acquire()
                 try:
                     buf, rows, out = first.row_buffers(B)
+                    attn = first.block.attn
+                    splits = attention_kernels.batch_splits(first.ctx.size, attn.n_kv_heads, ends, first.window,
+                                                            threads)
                     x = decode_rows_kernel(first.shape)(
                         x, first.pre_w, pre_at, buf, rows, first.bufs, first.post_w, post_at, pool.layer(layers[0]),
-                        kv_at[layers[0]:layers[-1] + 1], seqs, ends, first.window, first.block.attn.scale, chunks,
+                        kv_at[layers[0]:layers[-1] + 1], seqs, ends, splits, first.window, attn.scale, chunks,
                         _NO_KV, out, first.clock, first.events.events, first.ticks.untimed, layers[0])
                 finally:
                     if held is not None:

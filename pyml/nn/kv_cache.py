@@ -128,6 +128,17 @@ class KVCache:
             for dst, src in zip((self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]), arrays):
                 dst[...] = src
 
+    def rollback(self, length: int) -> None:
+        """Forget the positions from `length` on (a speculative step's rejected drafts); the next
+        write there overwrites them. Every stored type keeps each position apart (a q8_0 scale
+        covers 32 values of one position), so nothing else changes. A ring's writes past `length`
+        overwrote the slots of positions one ring back, older than any later query's window while
+        the rollback is at most RING_SLACK positions; claim() refuses a write that needs them."""
+        if not 0 <= length <= self.length:
+            raise PymlError(f"cannot roll the KV cache back to {length}: it holds {self.length} positions")
+        with _perf.debug("kv_cache::rollback", "from={} to={}", self.length, length, op="kv_cache"):
+            self.length = length
+
     def is_ring(self, layer: int) -> bool:
         """Whether the layer keeps only its last slots positions (a sliding window's ring)."""
         return self.slots[layer] < self.max_len

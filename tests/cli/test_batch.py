@@ -91,6 +91,29 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys,
     assert ("3 sequences a step" in err) == (batch == 3)
 
 
+def test_speculation_gives_the_same_lines_and_counts_its_drafts(tiny, tiny_lm, tmp_path):
+    """--lookup-ngram 1: every line's text is the library's plain greedy answer; the drafts are in its timings."""
+    src = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "24", "-t", "1",
+                            "--lookup-ngram", "1"]) == 0
+    lines = read_output(out)
+    for o in lines:
+        expected = tiny_lm.generate(PROMPTS[o["id"]], 24)
+        assert (o["text"], o["tokens"]) == (expected.text, expected.tokens)
+        assert 0 <= o["timings"].get("draft_n_accepted", 0) <= o["timings"].get("draft_n", 0)
+    assert sum(o["timings"].get("draft_n", 0) for o in lines) > 0
+
+
+@pytest.mark.parametrize("flags, named", [(["--batch", "2"], "--batch N > 1"), (["--ray"], "--ray")])
+def test_speculation_with_batching_or_ray_is_refused_by_name(tiny, tmp_path, capsys, flags, named):
+    src = write_input(tmp_path / "in.jsonl")
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "out.jsonl"), "-m", str(tiny), "--lookup-ngram", "2",
+                            *flags]) == 2
+    assert f"speculative decoding with {named} is not implemented" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_resume_skips_the_ids_done_and_reruns_errors(tiny, tmp_path, monkeypatch, capsys):
     src = write_input(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"
@@ -98,7 +121,7 @@ def test_resume_skips_the_ids_done_and_reruns_errors(tiny, tmp_path, monkeypatch
     # an earlier run: "a" done, "b" failed, 3 cut off while being written
     out.write_text(json.dumps(done) + "\n" + json.dumps({"id": "b", "line": 2, "error": "boom"}) + '\n{"id": 3, "te')
     ran = []
-    monkeypatch.setattr(pyml_batch, "run_job", lambda lm, job: ran.append(job.id) or
+    monkeypatch.setattr(pyml_batch, "run_job", lambda lm, job, speculative=None: ran.append(job.id) or
                         {"id": job.id, "text": "", "tokens": [], "stop_reason": "eos", "timings": {}})
     assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny)]) == 0
     assert ran == ["b", 3, "d"]

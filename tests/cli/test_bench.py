@@ -205,3 +205,51 @@ def test_batch_table_beside_llama_cpp(tmp_path, smollm2_gguf):
     for row in rows:
         assert float(row[6]) > 0 and float(row[7]) > 0
         assert abs(float(row[8][:-1]) - float(row[3]) / float(row[7])) < 0.02 * float(row[8][:-1]) + 0.01
+
+
+def test_spec_table(tmp_path, smollm2_gguf):
+    """--spec: a row per prompt with plain and lookup rates, their ratio, the drafts kept of those made,
+    and the tokens identical (greedy speculation changes nothing but the speed); a peer is refused by name."""
+    r = run_bench("--spec", "--models", "smollm2-135m-q4_1", "--reps", "2", "--n-gen", "24", "--lookup-ngram", "3",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "spec.md").read_text() == r.stdout and "--lookup-ngram 3" in r.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert [row[1] for row in rows] == ["summarise-text", "edit-code", "free-chat"]
+    for row in rows:
+        plain, lookup = float(row[2]), float(row[3])
+        assert plain > 0 and lookup > 0 and abs(float(row[4][:-1]) - lookup / plain) < 0.01
+        kept, made = (int(x) for x in row[5].split(" / "))
+        assert 0 <= kept <= made and row[6] == "yes"
+    refused = run_bench("--spec", "--peers", "transformers", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "--peers transformers with --spec is not implemented" in refused.stderr
+
+
+def test_spec_table_with_a_draft_model(tmp_path, smollm2_gguf):
+    """--spec --draft-model: a model drafting for itself is right every time (greedy, each verify row
+    has its decode step's bits), so every draft is kept."""
+    r = run_bench("--spec", "--models", "smollm2-135m-q4_1", "--draft-model", "smollm2-135m-q4_1", "--reps", "1",
+                  "--n-gen", "24", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "a draft model (smollm2-135m-q4_1" in r.stdout and "| draft tok/s |" in r.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert len(rows) == 3
+    for row in rows:
+        kept, made = (int(x) for x in row[5].split(" / "))
+        assert made > 0 and kept == made and row[6] == "yes"
+    refused = run_bench("--spec", "--draft-model", "nope", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "unknown --draft-model nope" in refused.stderr
+
+
+@pytest.mark.peer
+def test_spec_table_beside_llama_cpp(tmp_path, smollm2_gguf):
+    """--spec --peers llama.cpp: llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding) on the same file
+    and prompts in four more columns: its plain and lookup rates, their ratio, whether its texts agreed."""
+    r = run_bench("--spec", "--models", "smollm2-135m-q4_1", "--peers", "llama.cpp", "--reps", "2", "--n-gen", "24",
+                  "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("| smollm2")]
+    assert len(rows) == 3 and all(len(row) == 11 for row in rows)
+    for row in rows:
+        plain, lookup = float(row[7]), float(row[8])
+        assert plain > 0 and lookup > 0 and abs(float(row[9][:-1]) - lookup / plain) < 0.01

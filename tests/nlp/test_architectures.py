@@ -121,6 +121,20 @@ def test_a_batch_equals_each_sequence_alone(case):
     check_batch_equals_alone(lm.model, prompts, join_at=1, max_len=64)
 
 
+def test_greedy_speculation_equals_plain_decoding(case):
+    """Each architecture's speculative decoding (prompt lookup; its verify pass a batched step of one
+    sequence, nlp/speculative.py): the tokens of plain greedy decoding, with drafts made and kept."""
+    from pyml.nlp.generator import GenerationResult, Generator
+    from pyml.nlp.speculative import SpeculativeConfig
+    lm = pyml.load_model(safetensors=str(case[1]), threads=2, kv_type="f32", float_compute="f32")
+    prompt = IDS + IDS[:8] + IDS + IDS[:6]  # repeats; one-token matches draft too, so every reply drafts
+    plain = Generator(lm.model).generate(prompt, 40)
+    res = GenerationResult(list(prompt))
+    spec = Generator(lm.model).generate(prompt, 40, result=res, speculative=SpeculativeConfig(
+        lookup_ngram=1, draft_max=6, adaptive=False))
+    assert spec.tokens == plain.tokens and res.drafted > 0
+
+
 def test_unexpected_tensor_is_refused_in_both_formats(case, tmp_path):
     name, directory, hf = case
     stray = np.zeros(4, np.float32)

@@ -8,6 +8,7 @@ import pytest
 
 from pyml.nn import attention_kernels
 from pyml.nn.kv_cache import KVPool
+from tests.kernel_state import assert_same_bits
 from tests.nn.test_attention_kernels import BOUND_VS_F32, TYPES, reference
 
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
@@ -79,3 +80,37 @@ def test_batch_writes_what_update_writes(kv_type):
         ref.sequence(s).update(0, 0, k, v)
     for a, b in zip(pool.layer(0), ref.layer(0)):
         np.testing.assert_array_equal(a, b)
+
+
+def batch_and_alone(kv_type, threads, window):
+    """(attend_decode_batch's rows, attend_decode's of each row's sequence alone): rows at 5, 129, 300
+    and 700 positions, at `threads` threads."""
+    import numba
+    saved = numba.get_num_threads()
+    numba.set_num_threads(min(threads, saved))
+    try:
+        lengths = [5, 129, 300, 700]
+        got, _, _, pool, seqs = _run(kv_type, SHAPES["smollm2"], lengths, window=window, seed=11)
+        rng = np.random.default_rng(11)  # _run's query draws, after its permutation and keys/values
+        rng.permutation(len(lengths) + 2)
+        for m in lengths * 2:
+            rng.standard_normal((m, 3, 64), np.float32)
+        q = rng.standard_normal((len(lengths), 9, 64), np.float32)
+        alone = np.empty_like(got)
+        for b, (s, n) in enumerate(zip(seqs, lengths)):
+            start = max(0, n - window) if window else 0
+            attention_kernels.attend_decode(q[b], *pool.sequence(s).layer(0), start, n, 0.125, alone[b])
+    finally:
+        numba.set_num_threads(saved)
+    return got, alone
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_each_row_has_its_decode_steps_bits(kv_type, threads, window):
+    """Each row gets the bits attend_decode gives its sequence alone (the decode step's parts: its span
+    cut in two past 128 positions at 2 threads, merged as that step merges) - shallow and deep rows,
+    a window: what makes a batch's greedy tokens those of each prompt alone at any depth (judged with
+    both kernels in one compile state: tests/kernel_state.py)."""
+    assert_same_bits(__name__, "batch_and_alone", kv_type, threads, window)

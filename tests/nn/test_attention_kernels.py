@@ -4,6 +4,7 @@ tiled prefill against softmax(q K^T s + mask) V on the same stored keys (float32
 against the float32 keys within each type's documented bound; the prefill's bf16 path (vdpbf16ps,
 where the CPU has AVX-512 BF16) against the same float64 reference within bf16's bound."""
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -11,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 from pyml.core import isa
 from pyml.nn.kv_cache import KVCache
 from pyml.nn import attention_kernels, attention_prefill
+from tests.kernel_state import assert_same_bits
 
 TYPES = ["f32", "f16", "q8_0"]
 # max |error| of a context vector (unit-normal keys, values and queries, scale 1/8) against float32
@@ -206,3 +208,42 @@ def test_decode_writes_the_new_position_in_the_same_call(kv_type):
     for a, b in zip(part.layer(0), whole.layer(0)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(got, attention_kernels.attend_decode(q, *whole.layer(0), 0, 150, 0.125, np.empty_like(q)))
+
+
+def queries_and_decode_steps(kv_type, pos, T, window, threads):
+    """(attend_queries' T outputs, attend_decode's of each query alone) on the test's random cache."""
+    rng = np.random.default_rng(pos * 10 + T)
+    n = pos + T
+    cache, _, _ = filled(kv_type, 3, 64, n, rng, max_len=n + 40)
+    q = rng.standard_normal((T, 9, 64), np.float32)
+    saved = numba.get_num_threads()
+    numba.set_num_threads(min(threads, saved))
+    try:
+        got = attention_kernels.attend_queries(q, *cache.layer(0), pos, window, 0.125, np.empty_like(q))
+        alone = np.empty_like(got)
+        for t in range(T):
+            end = pos + t + 1
+            start = max(0, end - window) if window else 0
+            attention_kernels.attend_decode(q[t], *cache.layer(0), start, end, 0.125, alone[t])
+    finally:
+        numba.set_num_threads(saved)
+    return got, alone
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("pos,T,window", [(0, 2, 0), (40, 8, 0), (120, 5, 0), (300, 8, 0), (700, 3, 0),
+                                          (300, 8, 100), (127, 2, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_queries_have_their_decode_steps_bits(kv_type, pos, T, window, threads):
+    """A verify pass's attention (attend_queries: T queries of one sequence in one call) gives each
+    query the bits attend_decode gives it alone, whatever the span's parts (decode_plan cuts spans
+    past 128 positions at 2 threads; tests/kernel_state.py: judged with both kernels in one compile
+    state), and matches the float64 reference on the stored keys."""
+    got = assert_same_bits(__name__, "queries_and_decode_steps", kv_type, pos, T, window, threads)
+    rng = np.random.default_rng(pos * 10 + T)
+    n = pos + T
+    cache, _, _ = filled(kv_type, 3, 64, n, rng, max_len=n + 40)
+    q = rng.standard_normal((T, 9, 64), np.float32)
+    stored_k, stored_v = cache.view(0, n)
+    expect = reference(q, stored_k, stored_v, np.arange(pos, n), 0.125, window)
+    np.testing.assert_allclose(got, expect, rtol=2e-5, atol=2e-6)

@@ -56,5 +56,5 @@ def test_rows_with_products_apart_equal_layer_by_layer(pack):
         with quant.decode_rows(len(rows)):
             for b in blocks:
                 ref = b(ref, None, batch)
-        got = step.rows(x, batch)  # rewrites the same keys and values, then attends over them
+        got = step.rows(x, pool, batch.decode_seqs, batch.decode_ends)  # rewrites the same keys and values, then attends over them
         assert np.array_equal(got, ref), np.abs(got - ref).max()

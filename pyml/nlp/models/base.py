@@ -16,7 +16,7 @@ from pyml import quant
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
-from pyml.nn.batch import Batch
+from pyml.nn.batch import Batch, sequence_rows
 from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, KVPool
 from pyml.quant.interleaved_rows import ROWS_MAX
@@ -87,12 +87,17 @@ class DecoderModel:
             with span.part("embedding"):
                 x = self.embed(tokens, np.arange(pos, pos + T))
             with span.part("layers"):
-                step = self._fused_step() if T == 1 else None
-                if step is not None:  # a decode step: a compiled call per run of like blocks
+                # a decode step, or a verify pass's rows as decode steps (quant.decode_rows()): compiled
+                step = self._fused_step() if T == 1 or (T <= ROWS_MAX and quant.as_decode_rows(T)) else None
+                if step is not None and T == 1:  # one call per run of like blocks
                     x = step(x, pos, cache)
                 else:
-                    for block in self.blocks:
-                        x = block(x, pos, cache)
+                    y = step.rows(x, *sequence_rows(cache, pos, T)) if step is not None else None
+                    if y is not None:
+                        x = y
+                    else:
+                        for block in self.blocks:
+                            x = block(x, pos, cache)
             if not head:
                 cache.length = pos + T
                 return None
@@ -135,7 +140,7 @@ class DecoderModel:
                 x = self.embed(batch.tokens, batch.positions)
             with span.part("layers"):
                 step = self._fused_step() if batch.n_decode == len(batch) <= ROWS_MAX else None
-                y = step.rows(x, batch) if step is not None else None  # a decode step: one call a run
+                y = step.rows(x, pool, batch.decode_seqs, batch.decode_ends) if step is not None else None
                 if y is not None:
                     x = y
                 else:
