@@ -54,7 +54,8 @@ def say(record_property):
 
 
 _COMPILED = {}  # worker id -> (kernels, seconds, [(kernel, argument types)], (CPU s, its commands' CPU s))
-_TIMED = []  # with PYML_COMPILED_LIST: (kernel, argument types, seconds including its callees, depth)
+_TIMED = []  # with PYML_COMPILED_LIST: (kernel, argument types, seconds including its callees, depth, test)
+_RUNNING = [""]  # the nodeid of the test being set up, run or torn down: whom a compile is charged to
 
 
 class _TimedCompiles(event.Listener):
@@ -70,7 +71,17 @@ class _TimedCompiles(event.Listener):
         started = self.open.pop()
         data = ev.data if isinstance(ev.data, dict) else {}
         name = compiles.kernel_name(data.get("dispatcher"))
-        _TIMED.append((name, str(data.get("args", "")), time.perf_counter() - started, len(self.open)))
+        _TIMED.append((name, str(data.get("args", "")), time.perf_counter() - started, len(self.open),
+                       _RUNNING[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Charges each compile to the test whose setup, call or teardown triggered it (a module- or
+    session-scoped fixture's compiles go to the first test that needs it)."""
+    _RUNNING[0] = item.nodeid
+    yield
+    _RUNNING[0] = ""
 
 
 def pytest_sessionfinish(session):

@@ -118,7 +118,7 @@ def test_a_batch_equals_each_sequence_alone(case):
     from tests.nlp.test_batch import check_batch_equals_alone
     lm = pyml.load_model(safetensors=str(case[1]), threads=2, kv_type="f32", float_compute="f32")
     prompts = [IDS[:7], IDS[7:9], [5, 60, 3, 91, 12, 8, 33, 2, 70, 44, 9], IDS[2:8]]
-    check_batch_equals_alone(lm.model, prompts, join_at=1, max_len=64)
+    check_batch_equals_alone(lm.model, prompts, kv_type="f32", join_at=1, max_len=64)
 
 
 def test_greedy_speculation_equals_plain_decoding(case):

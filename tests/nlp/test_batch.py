@@ -60,7 +60,9 @@ def greedy_batched(model, prompts, steps, kv_type, join_at=None, max_len=64):
     return tokens, logits
 
 
-def check_batch_equals_alone(model, prompts=PROMPTS, kv_type="f32", join_at=None, max_len=64, tol=TOL):
+# f16, load_model's own cache type: its warm-up compiles the fused decode step for it, and a test in
+# another type compiles the step (a minute of a core for an x8 model) again. f32 and q8_0: below.
+def check_batch_equals_alone(model, prompts=PROMPTS, kv_type="f16", join_at=None, max_len=64, tol=TOL):
     got_tokens, got_logits = greedy_batched(model, prompts, STEPS, kv_type, join_at, max_len)
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_logits = greedy_alone(model, prompt, STEPS, kv_type, max_len)
@@ -97,12 +99,23 @@ def test_real_gemma3_batch_equals_alone(gemma3_real):
 JOINING = PROMPTS[:3] + [[42, 7, 19, 3, 88, 5]]
 
 
-@pytest.mark.parametrize("target", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-                                    "f16", "bf16", "f32"])
+# Every weight type x the compiled batched step is the deep tier's breadth: each type is a block shape
+# of its own, so a decode_rows, a decode_layers and (x8) a decode_region compile (~1 min of a core
+# with an empty kernel cache). The default tier keeps the stand-ins tests/nlp/test_batch_fused.py
+# compiles too (llama-tiny Q4_0 in x8, llama-256 Q6_K in the file's layout, llama-tiny F16); each other
+# type's batched rows are its GEMV's bits in tests/quant/test_matmul.py and test_interleaved.py
+# (test_a_few_rows_give_each_row_the_gemv_bits), its fused step the layer-by-layer path's in
+# tests/nn/test_fused.py (test_fused_decode_equals_layer_by_layer_on_every_weight_type).
+_BATCH_DEFAULT = ("q4_0", "q6_k", "f16")
+
+
+@pytest.mark.parametrize("target", [t if t in _BATCH_DEFAULT else pytest.param(t, marks=pytest.mark.deep)
+                                    for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
+                                              "q6_k", "f16", "bf16", "f32")])
 def test_llama_weight_types_batch_equals_alone(tmp_path, target):
     """Every weight type pyml-quantize writes, in the x8 layout where it has one and the file's
     otherwise: a batch's logits are each sequence's alone, bit for bit, a prompt joining mid-run.
-    The K-quants need rows of 256 values (llama-256)."""
+    The K-quants need rows of 256 values (llama-256). Deep but for _BATCH_DEFAULT (see above)."""
     name = "llama-256" if target.endswith("_k") else "llama-tiny"
     path = write_llama_gguf(tmp_path / f"llama-{target}.gguf", name, target=target)
     check_batch_equals_alone(pyml.load_model(gguf=str(path), threads=2, float_compute="f32").model, JOINING,
@@ -124,25 +137,31 @@ def test_gemma3_sliding_window_and_a_ring_that_wraps(tmp_path):
     long = [int(t) for t in rng.integers(3, 500, 280)]  # past the ring's 264 slots
     prompts = [long, [5, 9, 2], long[:150]]
     # float weights: a pass of 283 rows takes the panel GEMM, [5, 9, 2] alone the tiles (module doc)
-    check_batch_equals_alone(model, prompts, join_at=1, max_len=300, tol=1e-5)
+    # an f32 cache: an f16 one rounds the two GEMMs' float32 differences into its keys (1.4e-5)
+    check_batch_equals_alone(model, prompts, kv_type="f32", join_at=1, max_len=300, tol=1e-5)
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+# f32 on the real model is deep: a fused decode step of its own to compile; an f32 pool's batched
+# step is held to the layer-by-layer path on every stand-in in tests/nlp/test_batch_fused.py
+# (test_compiled_batched_step_equals_layer_by_layer), the one-sequence f32 step to transformers in
+# tests/nlp/test_architectures.py (test_safetensors_matches_transformers).
+@pytest.mark.parametrize("kv_type", [pytest.param("f32", marks=pytest.mark.deep), "q8_0"])
 def test_stored_cache_types_batch_equals_alone(smollm2, kv_type):
-    """An f16 or q8_0 cache stores the same rounded keys and values either way, and the batched
-    attention reads them in the same order as the one-sequence kernel: nothing changes."""
+    """An f32 or q8_0 cache (f16, the default: the tests above) stores the same keys and values
+    either way, and the batched attention reads them in the same order as the one-sequence kernel:
+    nothing changes."""
     check_batch_equals_alone(smollm2, kv_type=kv_type)
 
 
 def test_a_copied_sequence_continues_as_the_original(smollm2):
     """n > 1 completions of one prompt: the prompt prefilled once, its cache copied to the others."""
-    pool = smollm2.new_pool(3, 64, kv_type="f32")
+    pool = smollm2.new_pool(3, 64, kv_type="f16")
     prompt = PROMPTS[0]
     first = smollm2.forward_batch(pool, [(0, prompt, 0)])[0]
     pool.copy(0, 2)
     token = int(np.argmax(first))
     out = smollm2.forward_batch(pool, [(0, [token], len(prompt)), (2, [token], len(prompt))])
-    ref_tokens, ref_logits = greedy_alone(smollm2, prompt, 1, "f32")
+    ref_tokens, ref_logits = greedy_alone(smollm2, prompt, 1, "f16")
     assert np.array_equal(out[0], out[1]) and np.abs(out[0] - ref_logits[1]).max() <= 1e-5 * np.abs(ref_logits[1]).max()
     pool.clear(2)
     assert pool.sequence(2).length == 0 and pool.sequence(0).length == len(prompt) + 1
