@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyml import quant
 from pyml.core import perf
 from pyml.nn import attention_kernels, attention_prefill
 from pyml.nn.batch import Batch
@@ -12,10 +13,11 @@ from pyml.nn.linear import Linear
 
 _perf = perf.get("pyml.nn.attention")
 FORWARD_SPAN = ("attention::forward", "layer={} {} tokens={} pos={}")  # layer, kind, T, pos
-# Up to this many queries (a speculative verify pass) attend as decode steps do, all in one call
-# (attention_kernels.attend_queries): the tiled prefill kernel (and its bf16 copy of the whole span)
-# cost ~1 ms a layer for 4 queries at depth 744 (SmolLM2, 1 thread), 4 decode calls ~0.3 ms; and
-# each query gets a decode step's bits.
+# Up to this many queries of a speculative verify pass (quant.decode_rows() with no count) attend as
+# their decode steps do, all in one call (attention_kernels.attend_queries): each query gets a decode
+# step's bits, and the tiled prefill kernel (and its bf16 copy of the whole span) cost ~1 ms a layer
+# for 4 queries at depth 744 (SmolLM2, 1 thread), 4 decode calls ~0.3 ms. A prompt that short still
+# takes the tiled kernel.
 FEW_QUERIES = 8
 
 
@@ -81,7 +83,7 @@ class Attention:
     def _prefill(self, q, k, v, pos: int, cache: KVCache, layer: int, out: np.ndarray) -> np.ndarray:
         """KV write + causal attention of T > 1 positions pos .. of one sequence, into out [T, H, hd]."""
         T = q.shape[0]
-        if T <= FEW_QUERIES:  # a verify pass: each query as a decode step attends (its items, its bits)
+        if T <= FEW_QUERIES and quant.every_row_decodes():  # a verify pass: each query as its decode step attends
             cache.update(layer, pos, k, v)
             return attention_kernels.attend_queries(q, *cache.layer(layer), pos, self.window or 0, self.scale, out)
         # a ring keeps window + slack positions: write and attend in pieces that fit beside the window

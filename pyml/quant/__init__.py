@@ -20,7 +20,7 @@ from __future__ import annotations
 from pyml.core.isa import BF16 as BF16_AVAILABLE
 from pyml.quant.bf16_gemm import BF16Packed
 from pyml.quant.dispatch import (FLOAT_COMPUTE, as_decode_rows, attention_compute, decode_row_count, decode_rows, dequantize,
-                                 dequantize_rows, float_compute,
+                                 dequantize_rows, every_row_decodes, float_compute,
                                  kernel_view, matmul, pack, pack_bf16, packed_from_cache, packs, quantize, row_reader,
                                  warmup, warmup_steps)
 from pyml.quant.ggml_types import QuantType
@@ -30,7 +30,8 @@ from pyml.quant.reference import dequantize_reference, matmul_reference
 from pyml.quant.traits import FLOAT_TYPES, TRAITS, Traits, is_supported, row_bytes, traits_of
 
 __all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "traits_of", "row_bytes",
-           "as_decode_rows", "decode_row_count", "decode_rows", "dequantize", "dequantize_rows", "kernel_view", "matmul", "pack", "packs",
+           "as_decode_rows", "decode_row_count", "decode_rows", "dequantize", "dequantize_rows", "every_row_decodes",
+           "kernel_view", "matmul", "pack", "packs",
            "packed_from_cache", "Packed",
            "BF16Packed", "BF16_AVAILABLE", "FLOAT_COMPUTE", "float_compute", "attention_compute", "pack_bf16",
            "row_reader", "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference",

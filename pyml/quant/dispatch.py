@@ -90,6 +90,12 @@ def decode_row_count(T: int) -> int:
     return T if n is True or T == 1 else min(int(n), T)
 
 
+def every_row_decodes() -> bool:
+    """Whether every row here is a decode row (`quant.decode_rows()` with no count: a speculative
+    verify pass's positions), not only a batch's first n (forward_batch's decode_rows(n))."""
+    return getattr(_rows, "n", 0) is True
+
+
 def as_decode_rows(T: int) -> bool:
     """Whether every row of a T-row matmul here (T > 1) gives each row its GEMV's bits (decode_rows())."""
     return T > 1 and decode_row_count(T) == T
