@@ -89,8 +89,8 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same tokens when greedy, the same distribution "
                              "when sampling; docs/speculative.md)")
     g.add_argument("--lookup-ngram", type=int, default=0, metavar="N",
-                   help="draft from the prompt and the text so far: the continuation of the last earlier "
-                        "occurrence of the newest N..1 tokens (0 = off; 3 is a good start)")
+                   help="draft from the prompt and the text so far: the continuation of the first earlier "
+                        "occurrence of the newest N..2 tokens (0 = off; 4 is a good start)")
     g.add_argument("--draft-model", metavar="MODEL", default=None,
                    help="draft with a smaller model of the same tokenizer (a file or name, as -m)")
     g.add_argument("--draft-max", type=int, default=MAX_DRAFT, metavar="K",

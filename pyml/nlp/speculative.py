@@ -11,9 +11,8 @@ kept, one more is drawn from p. Each token is then distributed exactly as p. A p
 draft is deterministic (q puts all its mass on d): d is kept with probability p(d), a refusal
 draws from p without d.
 
-Drafters: PromptLookup (the continuation of the last earlier occurrence of the newest n-gram of
-the prompt and the text so far, as transformers' prompt_lookup_num_tokens and llama.cpp's lookup
-decoding) and DraftModel (a smaller model with the same vocabulary and its own KV cache, kept
+Drafters: PromptLookup (the continuation of the first earlier occurrence of the newest n-gram of
+the prompt and the text so far, as transformers' prompt_lookup_num_tokens) and DraftModel (a smaller model with the same vocabulary and its own KV cache, kept
 holding a prefix of the target's tokens). `Speculator.step` is the generator's decode step when
 speculation is on (nlp/generator.py).
 """
@@ -69,7 +68,11 @@ LOOKUP_MIN_NGRAM = 2
 
 class PromptLookup:
     """Proposals from the tokens so far: for n = ngram .. LOOKUP_MIN_NGRAM, the tokens that followed
-    the last earlier occurrence of the newest n tokens. Indexes are kept up to date as tokens
+    the first earlier occurrence of the newest n tokens (transformers' rule: where text is copied,
+    the prompt holds the original; in pyml-bench --spec's runs on SmolLM2 Q8_0, --lookup-ngram 4, the
+    first occurrence kept 180 of 261 drafts on edit-code and 51 of 111 on summarise, the last 152 of
+    255 and 45 of 103).
+    Indexes are kept up to date as tokens
     arrive, so a proposal costs O(ngram) whatever the length of the text."""
 
     def __init__(self, ngram: int):
@@ -82,7 +85,7 @@ class PromptLookup:
         # an n-gram ending at i - 1 is indexed once token i (its continuation) exists
         for i in range(max(self.seen, 1), len(tokens)):
             for n in range(1, min(self.ngram, i) + 1):
-                self.index[n][tuple(tokens[i - n:i])] = i
+                self.index[n].setdefault(tuple(tokens[i - n:i]), i)
         self.seen = len(tokens)
 
     def propose(self, tokens: list, k: int) -> list:

@@ -127,13 +127,13 @@ def test_sampled_speculation_runs_with_penalties(model):
     assert len(tokens) == 40 and res.drafted
 
 
-def test_prompt_lookup_proposes_the_last_continuation():
+def test_prompt_lookup_proposes_the_first_continuation():
     lookup = PromptLookup(3)
-    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 4) == [8, 1, 2, 3]  # the newest earlier match
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 4) == [9, 1, 2, 3]  # the first earlier match
     assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3, 8, 5], 2) == []  # 5 never came before
     assert lookup.propose([4, 5, 6, 4, 5], 3) == [6, 4, 5]  # the index starts again on a shorter text
     assert lookup.propose([4, 5, 6, 4, 5, 7, 5], 3) == []  # one token matched (5): too little to draft on
-    assert PromptLookup(1).propose([4, 5, 6, 4, 5, 7, 5], 3) == [7, 5]  # unless N is 1
+    assert PromptLookup(1).propose([4, 5, 6, 4, 5, 7, 5], 3) == [6, 4, 5]  # unless N is 1
     assert PromptLookup(2).propose([1], 3) == []
 
 
