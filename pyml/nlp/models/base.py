@@ -87,8 +87,9 @@ class DecoderModel:
             with span.part("embedding"):
                 x = self.embed(tokens, np.arange(pos, pos + T))
             with span.part("layers"):
-                # a decode step, or a verify pass's rows as decode steps (quant.decode_rows()): compiled
-                step = self._fused_step() if T == 1 or (T <= ROWS_MAX and quant.as_decode_rows(T)) else None
+                # a decode step, or a verify pass's rows as decode steps (quant.every_row_decodes(), the
+                # attention's test too: a prompt of T tokens is never taken for one): compiled
+                step = self._fused_step() if T == 1 or (T <= ROWS_MAX and quant.every_row_decodes()) else None
                 if step is not None and T == 1:  # one call per run of like blocks
                     x = step(x, pos, cache)
                 else:
