@@ -39,9 +39,10 @@ def build_parser() -> Parser:
     d = Limits()
     p.add_argument("-n", "--max-tokens", type=int, default=d.max_tokens,
                    help=f"a reply's tokens when the request names no max_tokens (default {d.max_tokens})")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="generations run at once, each step one batched pass over all of them; a request "
-                        "joins at the next step, each slot with its own prompt cache (default 1: one at a time)")
+                        f"joins at the next step, each slot with its own prompt cache (default {d.parallel}, "
+                        "as llama-server's; 1 with --lookup-ngram or --draft-model, which draft for one)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for the model; more get 503 (default 16 per core)")
     p.add_argument("--max-connections", type=int, default=None,
@@ -86,7 +87,10 @@ def check_limits(args) -> Limits:
         if value is not None and value < least:
             raise PymlError(f"{flag} must be >= {least}, got {value}")
     check_speculative(args)
-    if (args.lookup_ngram or args.draft_model is not None) and args.parallel != 1:
+    speculative = bool(args.lookup_ngram or args.draft_model is not None)
+    if args.parallel is None:
+        args.parallel = 1 if speculative else Limits.parallel
+    if speculative and args.parallel != 1:
         raise PymlError(f"speculative decoding with --parallel {args.parallel} is not implemented: it drafts for one "
                         "sequence at a time (--parallel 1)")
     for flag, value in (("--timeout", args.timeout), ("--read-timeout", args.read_timeout)):

@@ -54,7 +54,8 @@ class Limits:
     timeout: float = 600.0           # --timeout: seconds from arrival to the last token
     read_timeout: float = 30.0       # --read-timeout: seconds for a request's headers, and for its body
     max_tokens: int = 1024           # --max-tokens: a reply's tokens when the request names none
-    parallel: int = 1                # --parallel: generations run at once, one batched step at a time
+    parallel: int = 4                # --parallel: generations run at once, one batched step at a time
+                                     # (llama-server -np's default: concurrent clients share a step's weight reads)
 
     @property
     def queue(self) -> int:

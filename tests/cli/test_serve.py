@@ -278,7 +278,7 @@ def malformed():
     bad_fields = {"max_tokens": [-1, 0, 10**9, "2", 2.5, True], "messages": [[], "hi", [{}], [{"role": "x", "content": "a"}],
                   [{"role": "user"}], [{"role": "user", "content": 5}], [{"role": "tool", "content": "a"}], None],
                   "temperature": [-1, 3, "hot"], "top_p": [0, 1.5], "top_k": [-3, 1.5], "min_p": [2, -0.1],
-                  "stop": [5, [1], ["a"] * 5], "model": ["no-such-model", 12], "seed": ["x", 1.5], "n": [2],
+                  "stop": [5, [1], ["a"] * 5], "model": ["no-such-model", 12], "seed": ["x", 1.5], "n": [5],
                   "frequency_penalty": [5], "presence_penalty": [-3], "stream": ["yes"], "pyml": ["x"],
                   "repetition_penalty": [0, -1]}
     for name, values in bad_fields.items():

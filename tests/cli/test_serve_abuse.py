@@ -46,7 +46,7 @@ def error_of(status_and_data):
 # --- refused by name --------------------------------------------------------------------------
 REFUSED = [  # (endpoint body, field, value): what OpenAI's API would honour and pyml does not
     (COMPLETION, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "echo", True), (CHAT, "n", 2), (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "echo", True), (CHAT, "n", 5), (CHAT, "functions", [{"name": "f"}]),  # n: beyond --parallel 4
     (CHAT, "function_call", "auto"), (CHAT, "modalities", ["audio"]),
     (CHAT, "prediction", {"type": "content", "content": "x"}), (CHAT, "reasoning_effort", "low"),
     (CHAT, "made_up_field", 1), (CHAT, "prompt", "a completions field"),

@@ -9,6 +9,7 @@ import subprocess
 import openai
 import pytest
 
+from pyml.cli.pyml_serve import build_parser, check_limits
 from pyml.cli.standins import write_gpt2
 from tests.cli.test_serve import SERVE, serve_env, start_server, stop_server
 
@@ -20,7 +21,7 @@ PROMPTS = ["one two three four one two three four one two", "the cat sat on the 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     model = write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256)
-    plain = start_server(model)
+    plain = start_server(model, "--parallel", "1")  # the mode speculation runs in: same arithmetic
     try:
         spec = start_server(model, "--lookup-ngram", "2")
     except BaseException:
@@ -79,3 +80,11 @@ def test_speculation_with_parallel_slots_is_refused_by_name(tmp_path):
     assert done.stderr.splitlines() == ["pyml-serve: error: speculative decoding with --parallel 2 is not "
                                         "implemented: it drafts for one sequence at a time (--parallel 1)"]
 
+
+
+@pytest.mark.parametrize("flags, slots", [([], 4), (["--parallel", "2"], 2), (["--lookup-ngram", "3"], 1),
+                                          (["--draft-model", "x.gguf"], 1)])
+def test_slots_default_to_four_and_to_one_where_speculation_drafts(flags, slots):
+    """llama-server's default -np 4; speculation drafts for one sequence, so its default is 1."""
+    args = build_parser().parse_args(["-m", "x.gguf", *flags])
+    assert check_limits(args).parallel == slots
