@@ -36,8 +36,18 @@ recompile in every later run), and both could pick the same data file number, le
 entry that names the other signature's machine code. So the index is rewritten under a lock file of
 its own, held only while it is read, extended and written.
 
-Importing this module installs the locators; every kernel module imports FASTMATH from here,
-so the locators are in place before any kernel is decorated.
+A kernel calls its own copies of the kernels it calls. Numba links a callee's code into each
+caller's module as a weak symbol, and the process's dynamic linker binds every weak symbol to the
+first definition of that name it loaded: the callee's own library when it was compiled (or loaded)
+before the caller, else the caller's copy - which LLVM optimised again inside the caller's module,
+so its machine code, and its float results, can differ from the callee's own compile. A kernel's
+bits then depended on which kernels the process had compiled or loaded first: a first run (every
+callee compiled, so loaded, before its callers) differed from a run on a warm cache by one ulp, and
+a half-warm cache mixed the two. After optimisation, the copies linked into a module are renamed
+for that module alone (_own_linked_copies), so a kernel runs the same machine code in every process.
+
+Importing this module installs the locators and that renaming; every kernel module imports
+FASTMATH from here, so both are in place before any kernel is decorated.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ import pickle
 import threading
 from pathlib import Path
 
-from numba.core import caching, dispatcher
+from numba.core import caching, codegen, dispatcher
 
 from pyml.core.isa import ISA
 
@@ -230,4 +240,29 @@ def _drop_stale_kernels() -> None:
             pass
 
 
+def _own_linked_copies() -> None:
+    """Rename, in every module Numba finalises, the functions linked in from other kernels'
+    libraries (linkonce_odr copies of Numba-mangled functions) to names of that module alone:
+    its calls then bind to its own copies, never to another library's (module docstring)."""
+    finalize = codegen.CPUCodeLibrary._finalize_final_module
+    if getattr(finalize, "_pyml", False):
+        return
+
+    def finalize_final_module(self):
+        module = self._final_module
+        copies = [fn for fn in module.functions if not fn.is_declaration and fn.name.startswith("_ZN")
+                  and fn.linkage == codegen.ll.Linkage.linkonce_odr]
+        if copies:
+            own = sorted(fn.name for fn in module.functions
+                         if not fn.is_declaration and fn.linkage == codegen.ll.Linkage.external)
+            tag = hashlib.sha1("\n".join(own).encode()).hexdigest()[:16]
+            for fn in copies:
+                fn.name = f"{fn.name}.in.{tag}"
+        return finalize(self)
+
+    finalize_final_module._pyml = True
+    codegen.CPUCodeLibrary._finalize_final_module = finalize_final_module
+
+
 install()
+_own_linked_copies()

@@ -148,3 +148,37 @@ def test_two_entries_of_one_function_saved_at_once_both_stay_in_its_index(tmp_pa
         t.join(timeout=60)
     assert index.load("sig a") == "code for sig a"
     assert index.load("sig b") == "code for sig b"
+
+
+# Decode attention on fixed inputs; with "callee-first", the kernel it calls (attend_rows) is run on its
+# own first, so its own library is in the process before _decode_serial's.
+_ORDER_PROBE = textwrap.dedent("""
+    import hashlib, sys
+    import numpy as np
+    from pyml.nn import attention_kernels as ak
+    from pyml.nn.kv_cache import KVCache
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((125, 3, 64), np.float32), rng.standard_normal((125, 3, 64), np.float32)
+    cache = KVCache(1, 3, 64, 165, "f32")
+    cache.update(0, 0, k, v)
+    q = rng.standard_normal((9, 64), np.float32)
+    if sys.argv[1] == "callee-first":
+        keys, k_scale, values, v_scale = cache.layer(0)
+        ak.attend_rows(np.zeros((4, 64), np.float32), np.zeros(4, np.int64), 3, keys, k_scale, values, v_scale,
+                       0, 0, 8, 0, np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros((4, 64), np.float32),
+                       np.zeros((4, 64), np.float32))
+    nothing = np.zeros((0, 3, 64), np.float32)
+    out = ak._decode_serial(q, nothing, nothing, *cache.layer(0), 0, 125, 0, np.float32(0.125), 1, np.empty_like(q))
+    print(hashlib.sha1(out.tobytes()).hexdigest())
+""")
+
+
+def test_a_kernel_has_the_same_bits_whichever_kernels_the_process_loaded_first():
+    """Numba links a callee into each caller as a weak symbol bound to the first definition the
+    process loaded: the callee's own compile or the caller's copy, one ulp apart here before
+    core/jit.py renamed each module's copies for itself (journal: "Fresh and cached kernels")."""
+    runs = [subprocess.run([sys.executable, "-c", _ORDER_PROBE, order], capture_output=True, text=True, timeout=600,
+                           cwd=PACKAGE.parent, env=dict(os.environ, NUMBA_NUM_THREADS="1"))
+            for order in ("plain", "callee-first", "plain")]
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-800:] for run in runs]
+    assert len({run.stdout for run in runs}) == 1, [run.stdout for run in runs]
