@@ -149,9 +149,10 @@ def run_job(lm, job: Job, speculative: dict | None = None) -> dict:
 BATCH_ONLY = ("ctx_size", "context_shift", "n_keep")  # the options a batch shares (not per line)
 
 
-def run_jobs_batched(lm, jobs: list, batch: int):
+def run_jobs_batched(lm, jobs: list, batch: int, speculative: dict | None = None):
     """(job, output line) of every job, `batch` sequences a step on one model (LanguageModel.stream_batch),
-    as each ends. A line that cannot run (its prompt, its options) is its own error line first."""
+    as each ends. A line that cannot run (its prompt, its options) is its own error line first.
+    `speculative`: stream_batch's speculative keyword (pyml-batch --lookup-ngram), or none."""
     shared = {k: v for k, v in (jobs[0].options if jobs else {}).items() if k in BATCH_ONLY}
     if shared.get("context_shift"):
         raise PymlError("--context-shift is not available with --batch > 1: each sequence stops at a full cache")
@@ -169,7 +170,8 @@ def run_jobs_batched(lm, jobs: list, batch: int):
         options.append(ask)
     if not ready:
         return
-    for index, event in lm.stream_batch(prompts, batch=batch, ctx_size=shared.get("ctx_size"), options=options):
+    for index, event in lm.stream_batch(prompts, batch=batch, ctx_size=shared.get("ctx_size"), options=options,
+                                        **(speculative or {})):
         if event.result is not None:
             yield ready[index], _output(ready[index], event.result)
 

@@ -88,11 +88,12 @@ def run(args) -> int:
     if args.batch < 1:
         raise PymlError(f"--batch must be at least 1, got {args.batch}")
     check_speculative(args)
-    if args.lookup_ngram or args.draft_model is not None:  # drafting serves one sequence in one process
-        for flag, given in (("--batch N > 1", args.batch > 1), ("--ray", args.ray)):
-            if given:
-                raise PymlError(f"speculative decoding with {flag} is not implemented: it runs one prompt at a "
-                                "time in this process (--batch 1, no --ray)")
+    if (args.lookup_ngram or args.draft_model is not None) and args.ray:
+        raise PymlError("speculative decoding with --ray is not implemented: it drafts in this process "
+                        "(--batch N, no --ray)")
+    if args.draft_model is not None and args.batch > 1:
+        raise PymlError("--draft-model with --batch N > 1 is not implemented: a draft model drafts for one "
+                        "sequence at a time (--batch 1), prompt lookup (--lookup-ngram) for a batch")
     jobs, errors = read_jobs(args.input, sampling_options(args), args.chat, args.system)
     # Ray is reached (or found missing) before the output file is touched
     with _ray_runner().session(args.address) if args.ray else nullcontext():
@@ -127,7 +128,7 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
     tally.start()
     speculative = speculative_options(args, lm)
     outputs = (((job, run_job(lm, job, speculative)) for job in jobs) if args.batch == 1 else
-               run_jobs_batched(lm, jobs, args.batch))
+               run_jobs_batched(lm, jobs, args.batch, speculative))
     for job, out in outputs:
         writer.add(job.line, out)
         tally.add(out)

@@ -42,7 +42,7 @@ def build_parser() -> Parser:
     p.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="generations run at once, each step one batched pass over all of them; a request "
                         f"joins at the next step, each slot with its own prompt cache (default {d.parallel}, "
-                        "as llama-server's; 1 with --lookup-ngram or --draft-model, which draft for one)")
+                        "as llama-server's; 1 with --draft-model, which drafts for one sequence)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for the model; more get 503 (default 16 per core)")
     p.add_argument("--max-connections", type=int, default=None,
@@ -87,12 +87,11 @@ def check_limits(args) -> Limits:
         if value is not None and value < least:
             raise PymlError(f"{flag} must be >= {least}, got {value}")
     check_speculative(args)
-    speculative = bool(args.lookup_ngram or args.draft_model is not None)
     if args.parallel is None:
-        args.parallel = 1 if speculative else Limits.parallel
-    if speculative and args.parallel != 1:
-        raise PymlError(f"speculative decoding with --parallel {args.parallel} is not implemented: it drafts for one "
-                        "sequence at a time (--parallel 1)")
+        args.parallel = 1 if args.draft_model is not None else Limits.parallel
+    if args.draft_model is not None and args.parallel != 1:
+        raise PymlError(f"--draft-model with --parallel {args.parallel} is not implemented: a draft model drafts "
+                        "for one sequence at a time (--parallel 1); --lookup-ngram drafts for a batch")
     for flag, value in (("--timeout", args.timeout), ("--read-timeout", args.read_timeout)):
         if not value > 0:
             raise PymlError(f"{flag} must be > 0 seconds, got {value:g}")

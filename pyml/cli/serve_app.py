@@ -86,16 +86,18 @@ def usage(results: list) -> dict:
 class Server:
     def __init__(self, lm: LanguageModel, model_id: str, ctx_size: int, api_key: str | None = None,
                  limits: Limits = Limits(), loopback_only: bool = True, speculative=None):
-        """speculative: a SpeculativeConfig every request's generation drafts with (--parallel 1 only)."""
+        """speculative: a SpeculativeConfig every request's generation drafts with (a draft model at
+        --parallel 1 only: it drafts for one sequence at a time)."""
         self.lm, self.model_id, self.ctx_size, self.limits = lm, model_id, ctx_size, limits
         self.api_key, self.loopback_only = api_key, loopback_only
         self.metrics = Metrics()
-        if speculative is not None and limits.parallel != 1:
-            raise PymlError(f"speculative decoding with --parallel {limits.parallel} is not implemented: it drafts "
-                            "for one sequence at a time (--parallel 1)")
+        if speculative is not None and speculative.draft_model is not None and limits.parallel != 1:
+            raise PymlError(f"--draft-model with --parallel {limits.parallel} is not implemented: a draft model "
+                            "drafts for one sequence at a time (--parallel 1); --lookup-ngram drafts for a batch")
         self.worker = (Worker(lm, ctx_size, self.metrics, limits.threads, limits.queue, speculative)
                        if limits.parallel == 1 else
-                       BatchWorker(lm, ctx_size, self.metrics, limits.threads, limits.queue, limits.parallel))
+                       BatchWorker(lm, ctx_size, self.metrics, limits.threads, limits.queue, limits.parallel,
+                                   speculative))
         self.max_prompt_chars = ctx_size * longest_token_chars(lm)
         self.created = int(time.time())
         # parsing, templates and tokenizing: off the event loop, a few at a time

@@ -270,8 +270,8 @@ class BatchWorker(Worker):
     whose client leaves or whose time runs out is cancelled there and its slot freed."""
 
     def __init__(self, lm: LanguageModel, ctx_size: int, metrics: Metrics, threads: int, max_queue: int,
-                 parallel: int):
-        super().__init__(lm, ctx_size, metrics, threads, max_queue)
+                 parallel: int, speculative=None):
+        super().__init__(lm, ctx_size, metrics, threads, max_queue, speculative)
         self.parallel, self.ctx_size = parallel, ctx_size
         self.active: dict = {}  # Request -> (Job, TextOut, choice index)
         self.choices: dict = {}  # id(Job) -> [results], None where a choice still runs
@@ -291,7 +291,7 @@ class BatchWorker(Worker):
             self.lm.warm_up(prefill=True)
         except Exception as e:
             _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
-        gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
+        gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size, speculative=self.speculative)
         self._started.set()
         while True:
             job = self.jobs.get_nowait() if self.active else self.jobs.get()  # idle: wait for work
@@ -318,7 +318,7 @@ class BatchWorker(Worker):
                 self.sent.clear()
                 self.profiles.clear()
                 self.echoes.clear()
-                gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size)
+                gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size, speculative=self.speculative)
         self.current = None
         self.metrics.busy.set(0)
 
@@ -363,6 +363,8 @@ class BatchWorker(Worker):
             self.profiles[job_id][0].extend(records)
             self.profiles[job_id][1][gen.steps] = (own, *gen.last_shape)
         for request, token in chosen:
+            if request not in self.active:  # a speculative step chose tokens past its stop string
+                continue
             job, text_out, index = self.active[request]
             self._send_prompt(request)
             text = text_out.push(token)

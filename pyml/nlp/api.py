@@ -210,17 +210,20 @@ class LanguageModel:
 
     def stream_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
                      ctx_size: int | None = None, options: list | None = None,
-                     **sampling) -> Iterator[tuple[int, StreamEvent]]:
+                     speculative: SpeculativeConfig | None = None, **sampling) -> Iterator[tuple[int, StreamEvent]]:
         """Generate from many prompts at once (text, or token ids each), `batch` sequences a step
         (default: all of them, at most 16), a prompt joining as another ends: (prompt index, event)
         as text becomes final, each prompt's last event with its `result`. Options as `stream`'s,
         for every prompt, or per prompt in `options` (a dict each: max_tokens, stop and sampling
         fields that replace the shared ones, and `json_schema` or `grammar` as `stream`'s); with a
-        `seed`, prompt i samples from seed + i. Every prompt and option is checked before the first step."""
+        `seed`, prompt i samples from seed + i. `speculative`: prompt lookup (a SpeculativeConfig without
+        a draft model) drafting for every sequence, verified in one batched step (BatchGenerator).
+        Every prompt and option is checked before the first step."""
         if not prompts:
             return iter(())
-        if "speculative" in sampling or any("speculative" in o for o in options or ()):
-            raise UnsupportedError("speculative decoding is not done for batched generation (stream_batch)")
+        if any("speculative" in o for o in options or ()):
+            raise UnsupportedError("speculative decoding is one setting for the whole batch (stream_batch's "
+                                   "`speculative`), not a per-prompt option")
         if options is not None and len(options) != len(prompts):
             raise PymlError(f"{len(options)} option sets for {len(prompts)} prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -231,7 +234,7 @@ class LanguageModel:
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         slots = min(len(ids), BATCH_DEFAULT) if batch is None else batch
         max_len = ctx_size if ctx_size is not None else min(longest, self.model.max_positions)
-        gen = BatchGenerator(self.model, slots, max_len)
+        gen = BatchGenerator(self.model, slots, max_len, speculative=speculative)
         requests, stops = [], []
         for i, (prompt, ask) in enumerate(zip(ids, asks)):
             shape = {k: ask.get(k) for k in ("json_schema", "grammar")}
@@ -246,24 +249,31 @@ class LanguageModel:
 
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):
         outs = {id(r): TextOut(self.tokenizer, r.result, eos, s) for r, s in zip(requests, stops)}
+        ended = set()
         try:
             for r in [r for r in requests if r.done]:  # max_tokens 0: ended before a step
                 outs[id(r)].close()
+                ended.add(id(r))
                 yield r.index, StreamEvent("", r.result)
             while gen.busy:
-                for r, token in gen.step():
+                chosen = gen.step()
+                last = {id(r): i for i, (r, _) in enumerate(chosen)}  # a speculative step chooses several
+                for i, (r, token) in enumerate(chosen):
+                    if id(r) in ended:  # tokens a speculative step chose past its stop string
+                        continue
                     out = outs[id(r)]
                     text = out.push(token)
                     if text:
                         yield r.index, StreamEvent(text)
                     if out.stopped:
                         r.cancel()  # its slot is freed at the next step; the reason stays "stop"
-                    if out.stopped or r.done:
+                    if out.stopped or (r.done and last[id(r)] == i):
                         if not out.stopped:
                             text = out.end()
                             if text:
                                 yield r.index, StreamEvent(text)
                         out.close()
+                        ended.add(id(r))
                         yield r.index, StreamEvent("", r.result)
         finally:
             for r in requests:
@@ -272,11 +282,11 @@ class LanguageModel:
 
     def generate_batch(self, prompts: list, max_tokens: int = 64, *, batch: int | None = None, stop=(),
                        ctx_size: int | None = None, options: list | None = None,
-                       **sampling) -> list[GenerationResult]:
+                       speculative: SpeculativeConfig | None = None, **sampling) -> list[GenerationResult]:
         """`stream_batch`, collected: a GenerationResult per prompt, in the prompts' order."""
         results = [None] * len(prompts)
         for index, event in self.stream_batch(prompts, max_tokens, batch=batch, stop=stop, ctx_size=ctx_size,
-                                               options=options, **sampling):
+                                               options=options, speculative=speculative, **sampling):
             if event.result is not None:
                 results[index] = event.result
         return results

@@ -14,6 +14,12 @@ prefills only the rest (`cached_tokens`), as a PromptCache does for one sequence
 Each Request keeps its own GenerationResult: its prefill time is the wall time of the steps that
 carried its prompt, each decode step's the wall time of the step that chose its token - what its
 client waited, the other sequences' rows included.
+
+With `speculative` (prompt lookup), a step where every running sequence decodes is a verify pass of
+them all: each sequence's last token and the drafts its own prompt lookup proposes, every token a
+decode row of one compiled batched step (DecoderModel.verify_batch, at most ROWS_MAX rows: drafts are
+trimmed to fit), each sequence then keeping the drafts its target agrees with (nlp/speculative.py's
+rule) - the tokens of decoding without drafts, several a step where the text repeats its input.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ from pyml.nlp.generator import GenerationResult, check_prompt, reusable_prefix
 from pyml.nlp.logprobs import check_top, chunk_rows, rows_logprobs, token_logprob
 from pyml.nlp.models.base import DecoderModel
 from pyml.nlp.sampling import Sampler, SamplingConfig
+from pyml.nlp.speculative import PromptLookup, SpeculativeConfig, Throttle, accept
+from pyml.quant.interleaved_rows import ROWS_MAX
 
 _perf = perf.get("pyml.nlp.generator")
+_spec_perf = perf.get("pyml.nlp.speculative")  # a verify step's drafting, as the one-sequence speculator's
 PREFILL_CHUNK = 256  # prompt tokens a step takes over all joining sequences
 
 
@@ -50,6 +59,7 @@ class Request:
         self.echo = False  # the prompt's own log-probabilities into result.prompt_logprobs (its whole prompt prefilled)
         self.done = False
         self._cancel = False
+        self.lookup = self.throttle = None  # speculative: this sequence's drafter and its adaptive k
 
     def cancel(self) -> None:
         """End the request at the next step (stop reason "cancelled"): its client left."""
@@ -62,9 +72,17 @@ class Request:
 
 class BatchGenerator:
     def __init__(self, model: DecoderModel, slots: int, max_len: int | None = None, kv_type: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, max_waiting: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, max_waiting: int | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if slots < 1:
             raise PymlError(f"--batch must be >= 1, got {slots}")
+        if speculative is not None and speculative.draft_model is not None:
+            raise PymlError("a draft model drafts for one sequence at a time: with several sequences a step "
+                            "only prompt lookup (--lookup-ngram) drafts")
+        self.speculative = speculative
+        # whether drafting pays is a question about the whole step (every sequence's tokens for its
+        # time): one Throttle times it; each sequence's own Throttle only sizes its drafts (its k)
+        self.throttle = Throttle(speculative.draft_max, speculative.adaptive) if speculative is not None else None
         if prefill_chunk < 1:
             raise PymlError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
         self.model, self.prefill_chunk, self.max_waiting = model, prefill_chunk, max_waiting
@@ -118,6 +136,9 @@ class BatchGenerator:
             request.reuse, request.echo = reuse and not echo, echo  # echo scores every prompt token
             if logprobs is not None:
                 request.top, request.result.logprobs = logprobs, []
+            if self.speculative is not None:
+                request.lookup = PromptLookup(self.speculative.lookup_ngram)
+                request.throttle = Throttle(self.speculative.draft_max, self.speculative.adaptive)
             self._submitted += 1
             requests.append(request)
         if max_new_tokens == 0 and not echo:
@@ -167,6 +188,11 @@ class BatchGenerator:
                 rows.append((r, r.prompt[r.fed:r.fed + n]))
             else:
                 rows.append((r, [r.result.tokens[-1]]))
+        every_row_decodes = all(r.fed >= len(r.prompt) for r in self.running) and len(rows) == len(self.running)
+        if self.speculative is not None and every_row_decodes and self.throttle.wants_draft():
+            chosen = self._speculative_step()
+            if chosen is not None:
+                return chosen
         # a step where any sequence decodes is a decode step to that sequence (its time per token);
         # only a step of prompt chunks alone is prefill
         decoding = sum(1 for r, _ in rows if r.fed >= len(r.prompt))
@@ -180,6 +206,8 @@ class BatchGenerator:
                                               all_logits=scoring)
         made = perf.drain_seconds() - d0
         elapsed = perf.clock() - t0 - made
+        if self.throttle is not None and every_row_decodes:
+            self.throttle.plain(elapsed / len(rows))  # seconds per token of a step without drafts
         chosen = []
         for (r, tokens), row in zip(rows, logits):
             prefilling = r.fed < len(r.prompt)
@@ -215,6 +243,63 @@ class BatchGenerator:
                     self._leave([choice], "eos")
                 elif len(choice.result.tokens) >= choice.max_new_tokens:
                     self._leave([choice], "max_tokens")
+        return chosen
+
+    def _speculative_step(self) -> list | None:
+        """A verify pass over every running sequence (all decoding), or None where this step decodes
+        without drafts: a sequence still prefilling, one that wants log-probabilities, a grammar or
+        echo (as Generator's speculation refuses them), no drafts, or a pass the compiled step cannot
+        take. Each sequence: its last token and its drafts, trimmed so that the pass has at most
+        ROWS_MAX rows (the longest cut first)."""
+        running = self.running
+        if any(r.fed < len(r.prompt) or r.top is not None or r.echo or r.sampler.constraint is not None
+               for r in running):
+            return None
+        drafts = []
+        with _spec_perf.debug("speculative::draft", "seqs={}", len(running), op="speculative"):
+            for r in running:
+                k = min(r.throttle.k, r.max_new_tokens - len(r.result.tokens) - 1, self.pool.max_len - r.fed - 1)
+                drafts.append(r.lookup.propose(r.history, k) if k >= 1 else [])
+        while len(running) + sum(map(len, drafts)) > ROWS_MAX:
+            longest = max(range(len(drafts)), key=lambda i: len(drafts[i]))
+            drafts[longest] = drafts[longest][:-1]
+        if not any(drafts):
+            return None
+        self.steps, self.last_shape = self.steps + 1, (len(running) + sum(map(len, drafts)), len(running))
+        t0, d0 = perf.clock(), perf.drain_seconds()
+        with perf.context(phase="decode", step=self.steps), \
+                _perf.debug("generator::batch_step", "rows={} seqs={} decoding={} drafted={}", self.last_shape[0],
+                            len(running), len(running), sum(map(len, drafts)), op="generator"):
+            rows = self.model.verify_batch(self.pool, [(r.slot, [r.result.tokens[-1]] + d, r.fed)
+                                                       for r, d in zip(running, drafts)])
+        if rows is None:
+            return None
+        made = perf.drain_seconds() - d0
+        elapsed = perf.clock() - t0 - made
+        chosen, kept_total = [], 0
+        for r, draft, row in zip(list(running), drafts, rows):
+            picked, kept = accept(row, draft, [None] * len(draft), r.history, r.sampler)
+            kept_total += kept
+            r.fed += 1 + kept
+            if kept < len(draft):
+                self.pool.sequence(r.slot).rollback(r.fed)
+            r.result.drafted += len(draft)
+            r.result.accepted += kept
+            r.result.decode_s += [elapsed / len(picked)] * len(picked)  # per token chosen, as Generator's
+            r.result.decode_log_s += made
+            if draft:  # its next k (never timed: no plain figure of its own, so only the kept count speaks)
+                r.throttle.speculated(0.0, len(picked), len(draft), kept)
+            for token in picked:
+                r.result.tokens.append(token)
+                r.history.append(token)
+                chosen.append((r, token))
+                if token in r.stop_ids:
+                    self._leave([r], "eos")
+                    break
+                if len(r.result.tokens) >= r.max_new_tokens:
+                    self._leave([r], "max_tokens")
+                    break
+        self.throttle.speculated(elapsed, len(chosen), sum(map(len, drafts)), kept_total)
         return chosen
 
     def _follow(self, leader: Request, r: Request) -> None:

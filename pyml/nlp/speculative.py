@@ -251,7 +251,7 @@ class Speculator:
             with quant.decode_rows():  # each row's matmuls its GEMV's bits, as its decode step's
                 rows = self.model.forward([token] + draft, kv, pos=pos, all_logits=True)  # [k + 1, vocab]
             with span.part("accept"):
-                chosen, kept = self._accept(rows, draft, q_dists, history, sampler)
+                chosen, kept = accept(rows, draft, q_dists, history, sampler)
         cached += [token] + draft[:kept]
         if kept < len(draft):
             kv.rollback(len(cached))
@@ -262,17 +262,21 @@ class Speculator:
         self.throttle.speculated(perf.clock() - t0, len(chosen), len(draft), kept)
         return chosen
 
-    def _accept(self, rows: np.ndarray, draft: list, q_dists: list, history: list, sampler):
-        # row i's logits come after the first i drafts: the penalties see those too
-        if sampler.config.temperature == 0.0:  # the longest prefix the target agrees with, then its own choice
-            for i in range(len(draft) + 1):
-                choice = sampler(rows[i], history + draft[:i])
-                if i == len(draft) or choice != draft[i]:
-                    return draft[:i] + [choice], i
-        p_dists = []
+
+def accept(rows: np.ndarray, draft: list, q_dists: list, history: list, sampler) -> tuple[list, int]:
+    """(tokens chosen, drafts kept) from a verify pass's rows [len(draft) + 1, vocab]: greedy, the
+    longest prefix the target agrees with and then its own choice; sampled, the rejection rule
+    (accept_sampled). q_dists: the drafter's distributions (None: a point mass, prompt lookup)."""
+    # row i's logits come after the first i drafts: the penalties see those too
+    if sampler.config.temperature == 0.0:  # the longest prefix the target agrees with, then its own choice
         for i in range(len(draft) + 1):
-            ids, probs = sampler.distribution(sampler.penalised(rows[i], history + draft[:i]))
-            p = np.zeros(rows.shape[1])
-            p[ids] = probs
-            p_dists.append(p)
-        return accept_sampled(p_dists, draft, q_dists, sampler.rng)
+            choice = sampler(rows[i], history + draft[:i])
+            if i == len(draft) or choice != draft[i]:
+                return draft[:i] + [choice], i
+    p_dists = []
+    for i in range(len(draft) + 1):
+        ids, probs = sampler.distribution(sampler.penalised(rows[i], history + draft[:i]))
+        p = np.zeros(rows.shape[1])
+        p[ids] = probs
+        p_dists.append(p)
+    return accept_sampled(p_dists, draft, q_dists, sampler.rng)

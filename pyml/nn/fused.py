@@ -408,6 +408,11 @@ class FusedStep:
                 held.release()
 
 
+    def takes_rows(self) -> bool:
+        """Whether rows() runs now: every block on the fused path, and no spans on."""
+        return all(b.fused_decode for b in self.blocks) and not (
+            _perf.debug_on or any(p.trace_on for p in self.op_loggers))
+
     def rows(self, x: np.ndarray, pool, seqs: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
         """Decode rows through all the blocks: row b one token of sequence seqs[b] of `pool` (a KVPool,
         or a OneSequence) at position ends[b]-1, 2 <= B <= ROWS_MAX - a batched decode step (nn/batch.py),
@@ -416,9 +421,7 @@ class FusedStep:
         recipe's steps over the B rows, the products and the attention as the layer-by-layer path
         runs them on B rows (the same kernels: the same bits). None where that path must run: a
         block set to the reference path, or spans on (the batched step is not timed from inside)."""
-        if not all(b.fused_decode for b in self.blocks):
-            return None
-        if _perf.debug_on or any(p.trace_on for p in self.op_loggers):
+        if not self.takes_rows():
             return None
         B = len(seqs)
         x = np.ascontiguousarray(x, np.float32)  # the kernel's one argument type

@@ -91,12 +91,14 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys,
     assert ("3 sequences a step" in err) == (batch == 3)
 
 
-def test_speculation_gives_the_same_lines_and_counts_its_drafts(tiny, tiny_lm, tmp_path):
-    """--lookup-ngram 1: every line's text is the library's plain greedy answer; the drafts are in its timings."""
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_speculation_gives_the_same_lines_and_counts_its_drafts(tiny, tiny_lm, tmp_path, batch):
+    """--lookup-ngram 1: every line's text is the library's plain greedy answer; the drafts are in its
+    timings - one prompt at a time, or three a step with their drafts verified together."""
     src = write_input(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"
     assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "24", "-t", "1",
-                            "--lookup-ngram", "1"]) == 0
+                            "--lookup-ngram", "1", "--batch", batch]) == 0
     lines = read_output(out)
     for o in lines:
         expected = tiny_lm.generate(PROMPTS[o["id"]], 24)
@@ -105,12 +107,12 @@ def test_speculation_gives_the_same_lines_and_counts_its_drafts(tiny, tiny_lm, t
     assert sum(o["timings"].get("draft_n", 0) for o in lines) > 0
 
 
-@pytest.mark.parametrize("flags, named", [(["--batch", "2"], "--batch N > 1"), (["--ray"], "--ray")])
-def test_speculation_with_batching_or_ray_is_refused_by_name(tiny, tmp_path, capsys, flags, named):
+@pytest.mark.parametrize("flags, named", [(["--lookup-ngram", "2", "--ray"], "speculative decoding with --ray"),
+                                          (["--draft-model", "x.gguf", "--batch", "2"], "--draft-model with --batch N > 1")])
+def test_a_draft_model_with_batching_or_speculation_on_ray_is_refused_by_name(tiny, tmp_path, capsys, flags, named):
     src = write_input(tmp_path / "in.jsonl")
-    assert pyml_batch.main([str(src), "--out", str(tmp_path / "out.jsonl"), "-m", str(tiny), "--lookup-ngram", "2",
-                            *flags]) == 2
-    assert f"speculative decoding with {named} is not implemented" in capsys.readouterr().err
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "out.jsonl"), "-m", str(tiny), *flags]) == 2
+    assert f"{named} is not implemented" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
 
 

@@ -1,10 +1,12 @@
-"""pyml-serve --lookup-ngram N: every request's generation drafts by prompt lookup (server-wide,
---parallel 1). The oracle is the same requests on a server without it (greedy: the same text);
-llama-server's draft counters appear in `timings` and /metrics; a request speculation cannot serve
-(logprobs, a grammar) runs plainly rather than failing; --parallel > 1 with it is refused by name."""
+"""pyml-serve --lookup-ngram N: every request's generation drafts by prompt lookup (server-wide), one
+generation at a time (--parallel 1) or several verified in one batched step (--parallel N). The oracle
+is the same requests on a server without it in the same mode (greedy: the same text); llama-server's
+draft counters appear in `timings` and /metrics; a request speculation cannot serve (logprobs, a
+grammar) runs plainly rather than failing; --draft-model with --parallel > 1 is refused by name."""
 
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -18,12 +20,12 @@ PROMPTS = ["one two three four one two three four one two", "the cat sat on the 
            "a b c d e f a b c d e f a b c"]
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "4"], ids=["one-at-a-time", "parallel"])
+def servers(request, tmp_path_factory):
     model = write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256)
-    plain = start_server(model, "--parallel", "1")  # the mode speculation runs in: same arithmetic
+    plain = start_server(model, "--parallel", request.param)  # the same mode: the same arithmetic
     try:
-        spec = start_server(model, "--lookup-ngram", "2")
+        spec = start_server(model, "--parallel", request.param, "--lookup-ngram", "2")
     except BaseException:
         stop_server(plain)
         raise
@@ -73,18 +75,29 @@ def test_a_request_with_logprobs_runs_plainly(servers):
     assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
 
 
-def test_speculation_with_parallel_slots_is_refused_by_name(tmp_path):
+def test_concurrent_requests_each_get_the_plain_servers_text(servers):
+    """With --parallel 4 the requests decode together, each drafting from its own text: one pass
+    verifies every sequence's drafts."""
+    plain, spec = servers
+    ask = [dict(model="tiny", prompt=p, max_tokens=40, temperature=0) for p in PROMPTS * 2]
+    with ThreadPoolExecutor(len(ask)) as pool:
+        got = list(pool.map(lambda a: _client(spec).completions.create(**a).choices[0].text, ask))
+    assert got == [_client(plain).completions.create(**a).choices[0].text for a in ask]
+
+
+def test_a_draft_model_with_parallel_slots_is_refused_by_name(tmp_path):
     done = subprocess.run([*SERVE, "-m", str(tmp_path / "any.gguf"), "--port", "0", "--parallel", "2",
-                           "--lookup-ngram", "3"], env=serve_env(), capture_output=True, text=True, timeout=120)
+                           "--draft-model", str(tmp_path / "draft.gguf")], env=serve_env(), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.splitlines() == ["pyml-serve: error: speculative decoding with --parallel 2 is not "
-                                        "implemented: it drafts for one sequence at a time (--parallel 1)"]
+    assert done.stderr.splitlines() == ["pyml-serve: error: --draft-model with --parallel 2 is not implemented: a "
+                                        "draft model drafts for one sequence at a time (--parallel 1); "
+                                        "--lookup-ngram drafts for a batch"]
 
 
-
-@pytest.mark.parametrize("flags, slots", [([], 4), (["--parallel", "2"], 2), (["--lookup-ngram", "3"], 1),
+@pytest.mark.parametrize("flags, slots", [([], 4), (["--parallel", "2"], 2), (["--lookup-ngram", "3"], 4),
                                           (["--draft-model", "x.gguf"], 1)])
-def test_slots_default_to_four_and_to_one_where_speculation_drafts(flags, slots):
-    """llama-server's default -np 4; speculation drafts for one sequence, so its default is 1."""
+def test_slots_default_to_four_and_to_one_for_a_draft_model(flags, slots):
+    """llama-server's default -np 4; a draft model drafts for one sequence, so its default is 1."""
     args = build_parser().parse_args(["-m", "x.gguf", *flags])
     assert check_limits(args).parallel == slots

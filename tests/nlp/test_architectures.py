@@ -135,6 +135,33 @@ def test_greedy_speculation_equals_plain_decoding(case):
     assert spec.tokens == plain.tokens and res.drafted > 0
 
 
+def test_greedy_batched_speculation_equals_plain_batch(case):
+    """Prompt lookup for several sequences at once (BatchGenerator's verify pass: every sequence's
+    last token and drafts as decode rows of one compiled batched step): each sequence's tokens are
+    those of the batch without drafts, with drafts of several sequences verified in one pass."""
+    from pyml.nlp.batch_generator import BatchGenerator
+    from pyml.nlp.sampling import SamplingConfig
+    from pyml.nlp.speculative import SpeculativeConfig
+    lm = pyml.load_model(safetensors=str(case[1]), threads=2, kv_type="f32", float_compute="f32")
+    prompts = [IDS + IDS[:8] + IDS + IDS[:6], IDS[3:9] * 3, [5, 60, 3, 91, 12, 8, 33, 5, 60, 3]]
+    greedy = SamplingConfig(temperature=0.0)
+
+    def run(speculative):
+        gen = BatchGenerator(lm.model, 3, 96, speculative=speculative)
+        requests = [gen.submit(p, 30, greedy) for p in prompts]
+        passes = 0
+        while gen.busy:
+            steps = gen.steps
+            gen.step()
+            passes += gen.steps > steps and gen.last_shape[0] > gen.last_shape[1] >= 2  # drafts of a batch
+        return [r.result for r in requests], passes
+
+    plain, _ = run(None)
+    spec, verified = run(SpeculativeConfig(lookup_ngram=1, draft_max=6, adaptive=False))
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert verified > 0 and all(r.drafted > 0 for r in spec)
+
+
 def test_unexpected_tensor_is_refused_in_both_formats(case, tmp_path):
     name, directory, hf = case
     stray = np.zeros(4, np.float32)

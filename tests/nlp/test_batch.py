@@ -198,3 +198,24 @@ def test_a_traced_batched_step_names_its_rows_and_sequences(smollm2):
     products = [r["details"] for r in got if r["name"] == "linear::forward"]
     assert len(products) == 4 * 30 + 1 and all(d.startswith("[6, ") for d in products[:-1])  # every row
     assert products[-1].startswith("[3, 576]")  # the head: each sequence's last row only
+
+
+def test_real_smollm2_batched_speculation_keeps_each_text_and_its_stop(smollm2_gguf):
+    """Prompt lookup over a batch (lm.generate_batch's `speculative`) on the real SmolLM2: each text is the
+    batch's without drafts, a stop string met inside a step's kept drafts ends the text where it would
+    end without them (nothing past it shown), and max_tokens likewise."""
+    from pyml.nlp.speculative import SpeculativeConfig
+    lm = pyml.load_model(gguf=str(smollm2_gguf), threads=2)
+    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    prompts = [lm.chat_prompt([{"role": "user", "content": f"Copy this code exactly:\n{code}"}]),
+               "one two three four five one two three four five one two three",
+               lm.chat_prompt([{"role": "user", "content": "Say hello."}])]
+    lookup = SpeculativeConfig(lookup_ngram=3)
+    plain = lm.generate_batch(prompts, 40, batch=3)
+    spec = lm.generate_batch(prompts, 40, batch=3, speculative=lookup)
+    assert [r.text for r in spec] == [r.text for r in plain] and sum(r.drafted for r in spec) > 0
+    stop = plain[0].text[len(plain[0].text) // 2:][:6]  # a stop string inside the copied code
+    plain = lm.generate_batch(prompts, 40, batch=3, stop=[stop])
+    spec = lm.generate_batch(prompts, 40, batch=3, stop=[stop], speculative=lookup)
+    assert [(r.text, r.stop_reason) for r in spec] == [(r.text, r.stop_reason) for r in plain]
+    assert plain[0].stop_reason == "stop"

@@ -165,6 +165,40 @@ class DecoderModel:
         out[batch.order] = logits  # back in the order the rows were given
         return out
 
+    def verify_batch(self, pool: KVPool, rows: list) -> list | None:
+        """Speculative verify passes of several sequences in one compiled batched step: rows are
+        (sequence of `pool`, token ids, position of the first), each token a decode row - it attends
+        up to its own position and its products get its GEMV's bits, as a decode step of it alone
+        (FusedStep.rows). Returns each row's logits [len(tokens), vocab], in order; None, with
+        nothing written, where the compiled step cannot take the pass (more than ROWS_MAX tokens,
+        a block off the fused path, spans on): then decode without drafts."""
+        tokens = np.concatenate([np.asarray(t, np.int64).reshape(-1) for _, t, _ in rows])
+        step = self._fused_step() if len(tokens) <= ROWS_MAX else None
+        if step is None or not step.takes_rows():
+            return None
+        positions = np.concatenate([np.arange(pos, pos + len(t)) for _, t, pos in rows])
+        seqs = np.concatenate([np.full(len(t), seq, np.int64) for seq, t, _ in rows])
+        with runtime.kernel_lock(), quant.decode_rows(), \
+                _perf.debug("model::forward", "tokens={} verify={}", len(tokens), len(rows), op="model",
+                            module="model") as span:
+            for seq, t, pos in rows:  # every row's keys and values are written before any row attends
+                cache = pool.sequence(seq)
+                for layer in range(cache.n_layers):
+                    cache.claim(layer, pos, len(t))
+            with span.part("embedding"):
+                x = self.embed(tokens, positions)
+            with span.part("layers"):
+                x = step.rows(x, pool, seqs, positions + 1)
+            with span.part("norm"):
+                x = self.final_norm(x)
+            with span.part("projection"):
+                logits = self.lm_head(x)
+                if self.logit_softcap:
+                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+        for seq, t, pos in rows:
+            pool.sequence(seq).length = pos + len(t)
+        return np.split(logits, np.cumsum([len(t) for _, t, _ in rows])[:-1])
+
     def _fused_step(self):
         """The blocks' FusedStep, made on the first decode step (after load has packed the weights);
         None when a block is not one the fused kernels implement."""
