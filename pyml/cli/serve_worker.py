@@ -301,8 +301,7 @@ class BatchWorker(Worker):
                 self._admit(gen, job)
                 job = self.jobs.get_nowait() if len(gen.running) + len(gen.waiting) < self.parallel else None
             self.metrics.queue.set(len(self.jobs))
-            self.current = next(iter(self.active.values()))[0] if self.active else None
-            self.metrics.busy.set(int(bool(self.active)))
+            self._note_busy()
             if not self.active:
                 continue
             try:
@@ -319,8 +318,14 @@ class BatchWorker(Worker):
                 self.profiles.clear()
                 self.echoes.clear()
                 gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size, speculative=self.speculative)
+            self._note_busy()  # before waiting for the next job: /health says idle while the model is
         self.current = None
         self.metrics.busy.set(0)
+
+    def _note_busy(self) -> None:
+        """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""
+        self.current = next(iter(self.active.values()))[0] if self.active else None
+        self.metrics.busy.set(int(bool(self.active)))
 
     def _admit(self, gen: BatchGenerator, job: Job) -> None:
         if job.cancelled:

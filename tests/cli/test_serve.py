@@ -324,7 +324,12 @@ def test_health_and_metrics(server, client):
     status, data = server.request("GET", "/health")
     assert status == 200 and json.loads(data)["status"] == "ok"
     client.completions.create(model="tiny", prompt="count me", max_tokens=4)
+    deadline = time.monotonic() + 5  # the answer is sent as the batch ends its last step: idle soon after
+    while json.loads(server.request("GET", "/health")[1])["busy"]:
+        assert time.monotonic() < deadline, "busy long after the only request was answered"
+        time.sleep(0.01)
     text = server.request("GET", "/metrics")[1].decode()
+    assert re.search(r"^pyml_busy 0\.0$", text, re.M), "pyml_busy should be 0 once idle"
     for name in ("pyml_requests_total", "pyml_generated_tokens_total", "pyml_queue_length",
                  "pyml_request_seconds_bucket", "pyml_time_to_first_token_seconds_bucket",
                  "pyml_decode_tokens_per_second"):
