@@ -2,10 +2,13 @@
 
 Reading Gemma 3's GGUF with the gguf package (GGUFReader parses its 262,144-token vocabulary one
 field part at a time) and transformers' GGUF tokenizer converter take ~15 s each on 2 cores, in
-every run. Their results depend only on the file and the library's version, so they are made once
-per machine and kept under the pyml cache beside the models (PYML_CACHE or ~/.cache/pyml): the
-oracle is still gguf's or transformers' own output, only not recomputed. A changed file (size,
-mtime) or library version makes a new entry.
+every run; transformers' model of a GGUF file 15-40 s. Their results depend only on the file and
+the libraries' versions, so they are made once per machine and kept under the pyml cache beside the
+models (PYML_CACHE or ~/.cache/pyml, test-oracles/<kind>/): the oracle is still gguf's or
+transformers' own output, only not recomputed. A changed file (size, mtime) or library version
+makes a new entry. Kinds: gguf-metadata and gguf-tensor-table (gguf's reader), gguf-tokenizer and
+hf-gguf-model (transformers'; the models are float32 checkpoints, ~0.5 GB for SmolLM2, ~1.1 GB for
+Gemma 3 270M).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 
-def folder(kind: str, source: Path, library: str) -> Path:
-    """The entry for `kind` made from `source` by `library` (at its installed version)."""
+def folder(kind: str, source: Path, library: str | tuple[str, ...]) -> Path:
+    """The entry for `kind` made from `source` by `library` (at its installed version; a tuple: the
+    libraries that all have a hand in it, each at its version)."""
     stat = source.stat()
-    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{library}=={version(library)}"
+    libraries = (library,) if isinstance(library, str) else library
+    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|" + "|".join(f"{n}=={version(n)}" for n in libraries)
     root = os.environ.get("PYML_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pyml")
     return Path(root) / "test-oracles" / kind / hashlib.sha1(key.encode()).hexdigest()[:20]
 
