@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import resource
@@ -18,6 +20,7 @@ from numba.core import event
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pyml.core import compiles  # noqa: E402 (the checkout the tests run from, put first above)
+from tests import oracle_cache  # noqa: E402
 
 
 def pytest_configure(config):
@@ -184,9 +187,30 @@ def requantized(smollm2_gguf):
     return lambda kind: build(smollm2_gguf, kind)
 
 
+@functools.lru_cache(maxsize=2)  # a file's tests come one after another: its oracle is loaded once
 def hf_gguf_model(path: Path):
-    """transformers' model for a GGUF file, dequantized to float32 (an independent oracle)."""
+    """transformers' model for a GGUF file, dequantized to float32 (an independent oracle).
+
+    transformers reads the file with gguf's reader (its whole vocabulary, for the config and again
+    for the weights) and dequantizes every tensor in NumPy: 15-30 s a file on 2 cores, in every run.
+    What it builds depends only on the file and the two libraries' versions, so it is kept on disk
+    (tests/oracle_cache.py) as a float32 checkpoint of its own - its weights and its config, saved
+    as they are (transformers will not save a model it loaded from GGUF itself) - and later runs
+    load that: the same weights and config, not recomputed."""
     import torch
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+
+    def make():
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+
+    def save(model, entry):
+        config = copy.deepcopy(model.config)
+        del config.quantization_config  # the weights saved are float32: nothing quantized to describe
+        config.save_pretrained(entry)
+        save_model(model, str(entry / "model.safetensors"))  # a tied head once, as save_pretrained does
+
+    def load(entry):
+        return AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+
+    return oracle_cache.kept("hf-gguf-model", Path(path), ("transformers", "gguf"), make, save, load).eval()

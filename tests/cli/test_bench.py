@@ -1,4 +1,5 @@
-"""pyml-bench as a user runs it: a real process writing its three tables."""
+"""pyml-bench as a user runs it: a real process writing its three tables (its refusals of bad
+flags and files: main(argv) in this process, tests/cli/test_infer.py's in_process)."""
 
 import csv
 import json
@@ -8,12 +9,17 @@ import sys
 
 import pytest
 
-from tests.cli.test_infer import ROOT, one_line_error
+from pyml.cli import pyml_bench
+from tests.cli.test_infer import ROOT, in_process, one_line_error
 
 
 def run_bench(*args, timeout=600):
     return subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-bench"), *args], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def bench_here(*args):
+    return in_process(*args, main=pyml_bench.main)
 
 
 def test_bench_writes_markdown_csv_json(tmp_path, smollm2_gguf):
@@ -80,14 +86,14 @@ def test_any_gguf_file_by_its_path(tmp_path, smollm2_gguf):
     assert [(row["model"], row["quant"], row["test"]) for row in rows] == [(smollm2_gguf.name, "Q4_1", "tg4")]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF but not really")
-    one_line_error(run_bench("-m", str(bad), "--out", str(tmp_path)), "bad.gguf", "not a readable GGUF file")
-    one_line_error(run_bench("-m", str(tmp_path / "absent.gguf"), "--out", str(tmp_path)), "unknown model",
+    one_line_error(bench_here("-m", str(bad), "--out", str(tmp_path)), "bad.gguf", "not a readable GGUF file")
+    one_line_error(bench_here("-m", str(tmp_path / "absent.gguf"), "--out", str(tmp_path)), "unknown model",
                    "absent.gguf")
 
 
 def test_bad_flags_are_one_line(tmp_path):
-    one_line_error(run_bench("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
-    one_line_error(run_bench("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
+    one_line_error(bench_here("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
+    one_line_error(bench_here("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
 
 
 @pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json
@@ -118,8 +124,8 @@ def test_lists_of_prompt_lengths_and_depths(tmp_path, smollm2_gguf):
     assert [row["test"] for row in data["rows"]] == ["pp8@d0", "pp16@d0", "tg4@d0", "pp8@d24", "pp16@d24",
                                                       "tg4@d24"]
     assert data["info"]["kv_bytes_per_position"]["smollm2-135m-q4_1"] > 0
-    one_line_error(run_bench("-d", "-1", "--out", str(tmp_path)), "--depth takes integers >= 0")
-    one_line_error(run_bench("-p", "x", "--out", str(tmp_path)), "--n-prompt takes comma-separated integers")
+    one_line_error(bench_here("-d", "-1", "--out", str(tmp_path)), "--depth takes integers >= 0")
+    one_line_error(bench_here("-p", "x", "--out", str(tmp_path)), "--n-prompt takes comma-separated integers")
 
 
 def test_openvino_peer_has_a_matching_precision_for_every_bench_model(tmp_path):
@@ -189,7 +195,7 @@ def test_batch_table(tmp_path, smollm2_gguf):
     assert [row[1] for row in rows] == ["1", "2", "4"] and rows[0][5] == "1.00x"
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
     assert all(abs(float(row[4]) - float(row[3]) / int(row[1])) < 0.2 for row in rows)  # per sequence
-    refused = run_bench("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
+    refused = bench_here("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --batch is not implemented" in refused.stderr
 
 
@@ -221,7 +227,7 @@ def test_spec_table(tmp_path, smollm2_gguf):
         assert plain > 0 and lookup > 0 and abs(float(row[4][:-1]) - lookup / plain) < 0.01
         kept, made = (int(x) for x in row[5].split(" / "))
         assert 0 <= kept <= made and row[6] == "yes"
-    refused = run_bench("--spec", "--peers", "transformers", "--out", str(tmp_path))
+    refused = bench_here("--spec", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --spec is not implemented" in refused.stderr
 
 
@@ -237,7 +243,7 @@ def test_spec_table_with_a_draft_model(tmp_path, smollm2_gguf):
     for row in rows:
         kept, made = (int(x) for x in row[5].split(" / "))
         assert made > 0 and kept == made and row[6] == "yes"
-    refused = run_bench("--spec", "--draft-model", "nope", "--out", str(tmp_path))
+    refused = bench_here("--spec", "--draft-model", "nope", "--out", str(tmp_path))
     assert refused.returncode == 2 and "unknown --draft-model nope" in refused.stderr
 
 

@@ -1,5 +1,9 @@
 """The CLI conventions llama.cpp and ollama users expect: -m/-p/-f/-n/-t, stdin prompts, --json,
---temp, --system, --stop, PYML_LOG over LOG, and a closed stdout pipe."""
+--temp, --system, --stop, PYML_LOG over LOG, and a closed stdout pipe.
+
+The flags run pyml-infer's main(argv) in this process (tests/cli/test_infer.py's in_process: the
+same parser and run, without a Python start each); what a process's environment or its pipes
+decide - LOG, PYML_LOG, a closed stdout - runs in a real one."""
 
 import json
 import os
@@ -13,6 +17,7 @@ import pytest
 from pyml.cli.pyml_infer import build_parser
 from pyml.cli.standins import write_gpt2
 from pyml.nlp.api import guess_format, load_model
+from tests.cli.test_infer import in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 INFER = [sys.executable, str(ROOT / "bin" / "pyml-infer")]
@@ -27,9 +32,9 @@ def env(**extra):
     return e
 
 
-def infer(*args, input=None, **extra):
+def infer(*args, **extra):
     return subprocess.run([*INFER, *args], capture_output=True, text=True, timeout=120, env=env(**extra),
-                          input=input, stdin=None if input is not None else subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL)
 
 
 def as_json(proc):
@@ -54,7 +59,7 @@ def tiny_lm(tiny):
 
 
 def test_json_output_with_short_flags(tiny, tiny_lm):
-    out = as_json(infer("-m", tiny, "-p", "Hello", "-n", "4", "-t", "1", "--json"))
+    out = as_json(in_process("-m", tiny, "-p", "Hello", "-n", "4", "-t", "1", "--json"))
     ref = tiny_lm.generate("Hello", max_tokens=4)
     assert out["tokens"] == ref.tokens and out["text"] == ref.text
     assert out["stop_reason"] == "max_tokens" and out["threads"] == 1
@@ -63,25 +68,25 @@ def test_json_output_with_short_flags(tiny, tiny_lm):
 
 
 def test_prompt_from_stdin_and_from_a_file(tiny, tmp_path):
-    by_flag = generated(infer("-m", tiny, "-p", "Once upon", "-n", "3", "--json"))
+    by_flag = generated(in_process("-m", tiny, "-p", "Once upon", "-n", "3", "--json"))
     assert by_flag[0] == 9  # not the default prompt's 23 bytes
-    assert generated(infer("-m", tiny, "-n", "3", "--json", input="Once upon")) == by_flag
+    assert generated(in_process("-m", tiny, "-n", "3", "--json", stdin="Once upon")) == by_flag
     (tmp_path / "p.txt").write_text("Once upon")
-    assert generated(infer("-m", tiny, "-f", str(tmp_path / "p.txt"), "-n", "3", "--json")) == by_flag
-    assert generated(infer("-m", tiny, "-f", "-", "-n", "3", "--json", input="Once upon")) == by_flag
+    assert generated(in_process("-m", tiny, "-f", str(tmp_path / "p.txt"), "-n", "3", "--json")) == by_flag
+    assert generated(in_process("-m", tiny, "-f", "-", "-n", "3", "--json", stdin="Once upon")) == by_flag
 
 
 def test_missing_prompt_file_is_one_line(tiny):
-    proc = infer("-m", tiny, "-f", "/nonexistent/prompt.txt")
+    proc = in_process("-m", tiny, "-f", "/nonexistent/prompt.txt")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "/nonexistent/prompt.txt" in proc.stderr
 
 
 def test_stop_string_and_system_message(tiny, tiny_lm):
     full = tiny_lm.generate("The cat", max_tokens=20).text
     stop = full[6:9]
-    out = as_json(infer("-m", tiny, "-p", "The cat", "-n", "20", "--stop", stop, "--json"))
+    out = as_json(in_process("-m", tiny, "-p", "The cat", "-n", "20", "--stop", stop, "--json"))
     assert out["text"] == full[:full.find(stop)] and out["stop_reason"] == "stop"
-    out = as_json(infer("-m", tiny, "-p", "hi", "--system", "Be brief.", "-n", "2", "--json"))
+    out = as_json(in_process("-m", tiny, "-p", "hi", "--system", "Be brief.", "-n", "2", "--json"))
     chat = tiny_lm.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     assert out["prompt_tokens"] == len(tiny_lm.encode(chat))
 

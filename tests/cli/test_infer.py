@@ -1,14 +1,24 @@
-"""pyml-infer as a user runs it: a real process, its exit code, its stdout and stderr."""
+"""pyml-infer as a user runs it: its exit code, its stdout and stderr.
 
+What only a real process shows runs in one (run_cli): a generation's stats line and [perf] lines,
+--debug's traceback, stdin's decoding, the status a refused run exits with. The rest - refusals of a
+bad flag, file or prompt, and what a flag does to a generation - runs the command's own main(argv)
+in this process (in_process): the same parser, run and one-line ending, without starting a Python
+that imports NumPy and Numba (1-4 s each: 25 of this file's 33 runs were processes before)."""
+
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import numba
 import pytest
 
+from pyml.cli import pyml_infer
 from pyml.cli.standins import write_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +30,27 @@ def run_cli(*args, timeout=300):
     env.pop("LOG", None)
     return subprocess.run([sys.executable, str(ROOT / "bin" / "pyml-infer"), *args], capture_output=True,
                           text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def in_process(*args, main=pyml_infer.main, stdin: str = "") -> subprocess.CompletedProcess:
+    """main(argv) here, with what it writes and its exit status as run_cli returns them. Bytes in
+    argv are decoded as Python decodes a process's argv (os.fsdecode: undecodable bytes become
+    surrogates); stdin holds `stdin` (empty, as run_cli's /dev/null); LOG and PYML_LOG are unset
+    while it runs (run_cli's process has no LOG); Numba's thread count (-t) is put back after."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.pop(k) for k in ("LOG", "PYML_LOG") if k in os.environ}
+    threads, stdin_before, sys.stdin = numba.get_num_threads(), sys.stdin, io.StringIO(stdin)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main([os.fsdecode(a) for a in args])
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+    finally:
+        sys.stdin = stdin_before
+        os.environ.update(saved)
+        numba.set_num_threads(threads)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc, *needles, code=2):
@@ -110,6 +141,7 @@ def test_trace_lines_come_as_trees_parent_first_without_the_warmup(tiny):
 
 
 def test_missing_directory():
+    """The one refusal run as a process: sys.exit(main()) ends it with main's status."""
     one_line_error(run_cli("--safetensors", "/nonexistent/model-dir"), "/nonexistent/model-dir")
 
 
@@ -118,7 +150,7 @@ def test_config_without_required_keys(tmp_path, tiny):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512}))
     (d / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
-    one_line_error(run_cli("--safetensors", str(d)), "config.json", "'n_embd'", "missing")
+    one_line_error(in_process("--safetensors", str(d)), "config.json", "'n_embd'", "missing")
 
 
 def test_tensor_shapes_disagree_with_config(tmp_path, tiny):
@@ -128,15 +160,15 @@ def test_tensor_shapes_disagree_with_config(tmp_path, tiny):
     cfg["vocab_size"] = 1000
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "model.safetensors").symlink_to(tiny / "model.safetensors")
-    one_line_error(run_cli("--safetensors", str(d)), "transformer.wte.weight", "[512, 64]", "[1000, 64]")
+    one_line_error(in_process("--safetensors", str(d)), "transformer.wte.weight", "[512, 64]", "[1000, 64]")
 
 
 def test_prompt_longer_than_the_context(tiny):
-    one_line_error(run_cli("--safetensors", str(tiny), "--prompt", "x" * 40), "40 tokens", "context window of 32")
+    one_line_error(in_process("--safetensors", str(tiny), "--prompt", "x" * 40), "40 tokens", "context window of 32")
 
 
 def test_generation_stops_at_the_context_window(tiny):
-    proc = run_cli("--safetensors", str(tiny), "--prompt", "x" * 30, "--max-tokens", "10")
+    proc = in_process("--safetensors", str(tiny), "--prompt", "x" * 30, "--max-tokens", "10")
     assert proc.returncode == 0, proc.stderr
     # positions 0..31 are fed; the token predicted at position 31 is the last one
     assert "generated 3 tokens" in proc.stderr
@@ -144,13 +176,13 @@ def test_generation_stops_at_the_context_window(tiny):
 
 
 def test_context_shift_goes_on_past_a_full_cache(tiny):
-    proc = run_cli("--safetensors", str(tiny), "-p", "x" * 6, "-n", "20", "-c", "12", "--context-shift",
+    proc = in_process("--safetensors", str(tiny), "-p", "x" * 6, "-n", "20", "-c", "12", "--context-shift",
                    "--keep", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     # 6 prompt tokens; a full 12-position cache keeps 2 + 5 of its 12 each time: 3 shifts in 19 fed tokens
     assert out["generated_tokens"] == 20 and out["stop_reason"] == "max_tokens" and out["context_shifts"] == 3
-    one_line_error(run_cli("--safetensors", str(tiny), "-c", "0"), "--ctx-size must be >= 1")
+    one_line_error(in_process("--safetensors", str(tiny), "-c", "0"), "--ctx-size must be >= 1")
 
 
 @pytest.mark.parametrize("flag,value,needle", [("--max-tokens", "-1", "--max-tokens must be >= 0"),
@@ -159,12 +191,12 @@ def test_context_shift_goes_on_past_a_full_cache(tiny):
                                                ("--threads", "0", "--threads"),
                                                ("--seed", "-1", "--seed must be >= 0, got -1")])
 def test_bad_flag_values(tiny, flag, value, needle):
-    one_line_error(run_cli("--safetensors", str(tiny), flag, value), needle)
+    one_line_error(in_process("--safetensors", str(tiny), flag, value), needle)
 
 
 def test_unknown_flag_and_bad_log_level(tiny):
-    one_line_error(run_cli("--bogus"), "unrecognized arguments: --bogus")
-    one_line_error(run_cli("--safetensors", str(tiny), "--log", "loud"), "unknown log level 'loud'")
+    one_line_error(in_process("--bogus"), "unrecognized arguments: --bogus")
+    one_line_error(in_process("--safetensors", str(tiny), "--log", "loud"), "unknown log level 'loud'")
 
 
 def test_debug_flag_shows_the_traceback():
@@ -177,7 +209,7 @@ def test_debug_flag_shows_the_traceback():
                                           (["--system", b"a\xc3"], "--system holds the byte 0xc3")])
 def test_bytes_that_are_not_utf8_in_argv_are_refused_by_name(tiny, args, needle):
     # argv reaches Python as surrogateescape text ('hi \udcff'): "internal error: TypeError" before
-    one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", *args), needle)
+    one_line_error(in_process("--safetensors", str(tiny), "-n", "1", *args), needle)
 
 
 @pytest.mark.parametrize("locale", ["C.UTF-8", "C"])  # strict UTF-8 stdin, and surrogateescape under C
@@ -194,19 +226,19 @@ def test_bytes_that_are_not_utf8_on_stdin_are_refused_by_name(tiny, locale):
 def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tiny, tmp_path):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"hi \xff there")
-    one_line_error(run_cli("--safetensors", str(tiny), "-n", "1", "-f", str(bad)), f"--file {bad}", "utf-8")
+    one_line_error(in_process("--safetensors", str(tiny), "-n", "1", "-f", str(bad)), f"--file {bad}", "utf-8")
 
 
 def test_json_schema_and_grammar_files_shape_the_output(tmp_path, smollm2_gguf):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     (tmp_path / "s.json").write_text(json.dumps(schema))
-    proc = run_cli("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "--chat", "-n", "12", "-t", "1",
+    proc = in_process("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "--chat", "-n", "12", "-t", "1",
                    "--temperature", "1", "--seed", "3", "--json-schema", str(tmp_path / "s.json"), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(json.loads(proc.stdout)["text"]) in ({"ok": True}, {"ok": False})
     (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"\n')
-    proc = run_cli("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "-n", "4", "-t", "1",
+    proc = in_process("--gguf", str(smollm2_gguf), "-p", "Is it ok?", "-n", "4", "-t", "1",
                    "--grammar", str(tmp_path / "g.gbnf"), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"] in ("yes", "no")
@@ -223,10 +255,10 @@ def test_a_bad_schema_or_grammar_file_is_one_line_exit_2(tmp_path, flag, content
     if content is not None:
         path.write_text(content)
     # refused before the model loads: the missing model is never reached
-    proc = run_cli("--gguf", str(tmp_path / "never-loaded.gguf"), "-p", "hi", flag, str(path))
+    proc = in_process("--gguf", str(tmp_path / "never-loaded.gguf"), "-p", "hi", flag, str(path))
     one_line_error(proc, flag, said)
 
 
 def test_json_schema_and_grammar_exclude_each_other(tmp_path):
-    proc = run_cli("--json-schema", "a", "--grammar", "b", "-p", "hi")
+    proc = in_process("--json-schema", "a", "--grammar", "b", "-p", "hi")
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr

@@ -14,6 +14,7 @@ from pyml.nlp.chat import (
     apply_chat_template,
     fallback_chat_template,
 )
+from tests.nlp.test_tokenizer import read_metadata, transformers_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -26,14 +27,12 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2_oracle(smollm2_gguf):
-    from tests.nlp.test_tokenizer import transformers_tokenizer
     return transformers_tokenizer(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
 def smollm2_template(smollm2_gguf):
-    from gguf import GGUFReader
-    return GGUFReader(smollm2_gguf).fields["tokenizer.chat_template"].contents()
+    return read_metadata(smollm2_gguf)["tokenizer.chat_template"]  # gguf's reader's, kept between runs
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)

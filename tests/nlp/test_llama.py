@@ -87,6 +87,21 @@ def test_real_smollm2_logits_match_transformers(kind, smollm2_gguf, requantized,
     assert worst < 0.10, worst
 
 
+@pytest.mark.deep  # the oracle's cache, not pyml: these tests' oracle is hf_gguf_model's kept copy
+def test_the_kept_oracle_is_the_model_transformers_builds_from_the_file(smollm2_gguf, torch):
+    """hf_gguf_model (tests/conftest.py) loads transformers' model of a GGUF file from a checkpoint
+    kept on disk: it has the weights, class and attention of the one built from the file now."""
+    from transformers import AutoModelForCausalLM
+    fresh = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32).eval()
+    kept = hf_gguf_model(smollm2_gguf)
+    assert type(kept) is type(fresh) and kept.config._attn_implementation == fresh.config._attn_implementation
+    a, b = fresh.state_dict(), kept.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = [1, 450, 7483, 310, 3444, 338, 13]
+    np.testing.assert_array_equal(hf_logits(kept, ids), hf_logits(fresh, ids))
+
+
 def test_real_smollm2_exact_kernels_match_transformers(smollm2_gguf, monkeypatch, torch):
     """With float32 activations (pyml.quant's exact path) and float32 attention only summation order
     differs."""

@@ -123,12 +123,14 @@ def test_top_k_kld_is_low_by_the_rests_own_divergence():
 
 def test_kl_divergence_against_the_full_logits(smollm2, requantized, text, tmp_path):
     """Base SmolLM2 Q4_1, compared Q8_0: the statistics from the top-K file against the ones computed
-    from both models' full distributions at the same positions."""
+    from both models' full distributions at the same positions. Two chunks (62 positions, 4 of them
+    with another top token): the top-K mean is 0.65% under the exact one, as over three chunks
+    (0.66%), inside the 2% bound."""
     q8 = load_model(gguf=str(requantized("q8_0")))
     full = {}
     for name, lm in (("base", smollm2), ("q", q8)):
         rows = []
-        ppl.perplexity(lm, text, 64, 3, on_rows=lambda c, logits, t: rows.append((c, log_softmax(logits), t)))
+        ppl.perplexity(lm, text, 64, 2, on_rows=lambda c, logits, t: rows.append((c, log_softmax(logits), t)))
         full[name] = rows
     lp = np.concatenate([r[1] for r in full["base"]])
     lq = np.concatenate([r[1] for r in full["q"]])
@@ -136,7 +138,7 @@ def test_kl_divergence_against_the_full_logits(smollm2, requantized, text, tmp_p
     exact = (np.exp(lp) * (lp - lq)).sum(-1)
 
     path = tmp_path / "base.npz"
-    kld.save_base(smollm2, text, 64, 3, path)
+    kld.save_base(smollm2, text, 64, 2, path)
     result = kld.kl_divergence(q8, kld.Base.load(path))
     at = np.arange(len(targets))
     assert result.kld.mean() == pytest.approx(exact.mean(), rel=2e-2) and (result.kld <= exact + 1e-9).all()

@@ -128,8 +128,8 @@ _FUSED_ELSEWHERE = {
                                    for q in sorted(TRAITS, key=int)], ids=lambda q: QuantType(q).name)
 def test_fused_decode_equals_layer_by_layer_on_every_weight_type(qtype):
     block = make_block(qtype)
-    packed = any(lin.pack() for lin in block.linears())  # the x8 layout where the type has one
-    assert packed == (TRAITS[qtype].interleaved is not None)
+    packed = [lin.pack() for lin in block.linears()]  # every linear in the x8 layout where the type has one
+    assert packed == [TRAITS[qtype].interleaved is not None] * len(packed)
     fused, ref, cache, other = decode_both(block)
     close(fused, ref)
     close(cache.k[0], other.k[0])

@@ -1,7 +1,7 @@
 """The real blocks of real GGUF files: a few rows of a few tensors of each type they hold.
 
-SmolLM2-135M-Instruct Q4_1 (Q4_1, Q8_0) and Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K, Q8_0), read
-with gguf.GGUFReader: read-only memory-mapped views, exactly what the model loaders pass in.
+SmolLM2-135M-Instruct Q4_1 (Q4_1, Q8_0) and Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K, Q8_0), found
+by gguf.GGUFReader: read-only memory-mapped views, exactly what the model loaders pass in.
 """
 
 import gguf
@@ -10,18 +10,17 @@ import pytest
 
 from pyml import quant
 from pyml.quant import QuantType
+from tests import oracle_cache
 from tests.quant.helpers import q8_activation
 
 CASES = [("smollm2_gguf", QuantType.Q4_1), ("smollm2_gguf", QuantType.Q8_0), ("gemma3_gguf", QuantType.Q5_0),
          ("gemma3_gguf", QuantType.Q4_K), ("gemma3_gguf", QuantType.Q6_K), ("gemma3_gguf", QuantType.Q8_0)]
 
-_readers = {}
-
 
 def _tensors(path, qtype, limit=3):
-    if path not in _readers:
-        _readers[path] = gguf.GGUFReader(path)
-    found = [t for t in _readers[path].tensors if t.tensor_type == qtype]
+    """The first `limit` tensors of `qtype`, as gguf's reader lists them (its table kept between runs:
+    tests/oracle_cache.py), their data read-only views of the file's memory map."""
+    found = [t for t in oracle_cache.gguf_tensors(path).values() if t.tensor_type == qtype]
     assert found, f"{path.name} holds no {qtype.name} tensor"
     return found[:limit]
 

@@ -21,7 +21,8 @@ from pyml.nlp.loaders.gguf import GGUFFile
 from pyml.nlp.loaders.safetensors import load_tensors
 from tests.fuzz import gguf_build as gb
 from tests.fuzz.strategies import safetensors_bytes, valid_safetensors_header
-from tests.cli.test_infer import ROOT, one_line_error, run_cli
+from pyml.cli import pyml_infer
+from tests.cli.test_infer import ROOT, in_process, one_line_error
 
 BASE = gb.tiny_llama_spec()
 
@@ -295,12 +296,12 @@ def test_a_claimed_1e12_element_tensor_fails_fast_with_little_memory(tmp_path, k
 def test_cli_refuses_a_claimed_1e12_element_tensor_in_one_line(tmp_path, kind):
     path = _claims_1e12(kind, tmp_path)
     if kind == "gguf":
-        proc = run_cli("--gguf", str(path), "--no-warmup", timeout=120)
+        proc = in_process("--gguf", str(path), "--no-warmup")
         one_line_error(proc, str(path), "token_embd.weight", "past the end")
     else:
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_embd": 64,
                                                           "n_layer": 1, "n_head": 4, "n_positions": 32}))
-        proc = run_cli("--safetensors", str(tmp_path), "--no-warmup", timeout=120)
+        proc = in_process("--safetensors", str(tmp_path), "--no-warmup")
         one_line_error(proc, str(path), "'w'", "outside")
 
 
@@ -309,36 +310,25 @@ def test_cli_bad_gguf_exits_2_with_one_line(tmp_path, case):
     change, _, needles = GGUF_CASES[case]
     path = tmp_path / "m.gguf"
     path.write_bytes(spec(change).encode())
-    one_line_error(run_cli("--gguf", str(path), "--no-warmup", timeout=120), str(path), *needles)
+    one_line_error(in_process("--gguf", str(path), "--no-warmup"), str(path), *needles)
 
 
 def test_cli_bad_gguf_hyperparameter_exits_2(tmp_path):
     path = tmp_path / "m.gguf"
     path.write_bytes(spec(set_kv("llama.attention.head_count", gb.U32, 0)).encode())
-    one_line_error(run_cli("--gguf", str(path), "--no-warmup", timeout=120), str(path), "head_count", "got 0")
+    one_line_error(in_process("--gguf", str(path), "--no-warmup"), str(path), "head_count", "got 0")
 
 
-def test_cli_internal_error_exits_1_in_one_line_and_debug_shows_the_traceback(tmp_path):
-    """A bug inside pyml (here: an injected RuntimeError) is exit 1, one line; --debug adds the traceback."""
-    import os
-    code = textwrap.dedent(f"""
-        import runpy, sys
-        sys.path.insert(0, {str(ROOT)!r})
-        from pyml.cli import pyml_infer
-        def broken(*a, **k):
-            raise RuntimeError("injected fault")
-        pyml_infer.load_model = broken
-        sys.argv = ["pyml-infer"] + sys.argv[1:]
-        runpy.run_path({str(ROOT / "bin" / "pyml-infer")!r}, run_name="__main__")
-    """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
-    proc = subprocess.run([sys.executable, "-c", code, "--gguf", "x"], capture_output=True, text=True, timeout=120,
-                          env=env)
-    line = one_line_error(proc, "internal error", "RuntimeError: injected fault", "--debug", code=1)
+def test_cli_internal_error_exits_1_in_one_line_and_debug_shows_the_traceback(monkeypatch):
+    """A bug inside pyml (here: an injected RuntimeError) is exit 1, one line; --debug lets it through
+    (a process then prints its traceback: tests/cli/test_infer.py::test_debug_flag_shows_the_traceback)."""
+    def broken(*a, **k):
+        raise RuntimeError("injected fault")
+    monkeypatch.setattr(pyml_infer, "load_model", broken)
+    line = one_line_error(in_process("--gguf", "x"), "internal error", "RuntimeError: injected fault", "--debug", code=1)
     assert line.startswith("pyml-infer: ")
-    proc = subprocess.run([sys.executable, "-c", code, "--gguf", "x", "--debug"], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert proc.returncode == 1 and "Traceback" in proc.stderr and "injected fault" in proc.stderr
+    with pytest.raises(RuntimeError, match="injected fault"):
+        in_process("--gguf", "x", "--debug")
 
 
 # --- checkpoints whose config.json / tokenizer.json disagree with the tensors ----------------------
