@@ -294,12 +294,14 @@ class BatchWorker(Worker):
         gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size, speculative=self.speculative)
         self._started.set()
         while True:
-            job = self.jobs.get_nowait() if self.active else self.jobs.get()  # idle: wait for work
+            # idle: wait for work; busy: take a job only into a free slot, so that the rest wait in the
+            # bounded queue (--max-queue, its 503s), not in the generator's
+            job = (self.jobs.get_nowait() if self._free(gen) else None) if self.active else self.jobs.get()
             if job is None and not self.active:
                 break  # the queue is closed
             while job is not None:
                 self._admit(gen, job)
-                job = self.jobs.get_nowait() if len(gen.running) + len(gen.waiting) < self.parallel else None
+                job = self.jobs.get_nowait() if self._free(gen) else None
             self.metrics.queue.set(len(self.jobs))
             self._note_busy()
             if not self.active:
@@ -321,6 +323,9 @@ class BatchWorker(Worker):
             self._note_busy()  # before waiting for the next job: /health says idle while the model is
         self.current = None
         self.metrics.busy.set(0)
+
+    def _free(self, gen: BatchGenerator) -> bool:
+        return len(gen.running) + len(gen.waiting) < self.parallel
 
     def _note_busy(self) -> None:
         """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""

@@ -121,12 +121,13 @@ def test_a_whole_reply_client_that_leaves_frees_the_model(server):
 
 def test_a_full_queue_answers_503_with_retry_after(wide):
     with serving(wide, "--max-queue", "2") as served:
-        holders = [post(served.port, LONG) for _ in range(3)]  # one runs, two wait
+        holders = [post(served.port, LONG) for _ in range(4 + 2)]  # four run (--parallel 4), two wait
         deadline = time.monotonic() + 5
         while health(served)["queue"] < 2:
             assert time.monotonic() < deadline, health(served)
             time.sleep(0.01)
         status, data = served.request("POST", "/v1/completions", LONG)
+        assert status == 503, (status, data[:300], health(served))
         err = json.loads(data)["error"]
         assert status == 503 and err["code"] == "queue_full" and "--max-queue 2" in err["message"]
         assert served.last_headers.get("retry-after") == "1"
@@ -150,9 +151,9 @@ def test_a_request_past_the_timeout_is_cancelled_and_answered_504(wide):
 
 
 def test_sigterm_ends_the_work_and_exits_within_a_few_seconds(wide):
-    served = start_server(wide)
+    served = start_server(wide)  # 4 slots: the stream and 3 whole replies run, 5 wait
     stream = post(served.port, {**LONG, "stream": True})
-    waiting = [post(served.port, LONG) for _ in range(5)]
+    waiting = [post(served.port, LONG) for _ in range(3 + 5)]
     deadline = time.monotonic() + 5
     while health(served)["queue"] < 5:
         assert time.monotonic() < deadline, health(served)
@@ -172,7 +173,7 @@ def test_sigterm_ends_the_work_and_exits_within_a_few_seconds(wide):
     assert exited < 5, exited
     assert all(a.startswith(b"HTTP/1.1 503") for a in answers), [a[:40] for a in answers]
     assert b"shutting_down" in streamed
-    print(f"SIGTERM with 1 stream and 5 waiting: exited in {exited:.2f} s")
+    print(f"SIGTERM with 4 running (1 a stream) and 5 waiting: exited in {exited:.2f} s")
 
 
 def test_a_300000_character_stop_string_is_answered_within_3_s(server):
