@@ -407,7 +407,6 @@ class FusedStep:
             if held is not None:
                 held.release()
 
-
     def takes_rows(self) -> bool:
         """Whether rows() runs now: every block on the fused path, and no spans on."""
         return all(b.fused_decode for b in self.blocks) and not (

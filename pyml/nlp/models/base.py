@@ -102,12 +102,7 @@ class DecoderModel:
             if not head:
                 cache.length = pos + T
                 return None
-            with span.part("norm"):
-                x = self.final_norm(x if all_logits else x[-1:])
-            with span.part("projection"):
-                logits = self.lm_head(x)
-                if self.logit_softcap:
-                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+            logits = self._head(x if all_logits else x[-1:], span)
         cache.length = pos + T
         return logits if all_logits else logits[0]
 
@@ -147,12 +142,8 @@ class DecoderModel:
                 else:
                     for block in self.blocks:
                         x = block(x, None, batch)
-            with span.part("norm"):
-                x = self.final_norm(x if all_logits else x[batch.last_rows])
-            with span.part("projection"), quant.decode_rows(batch.n_decode if all_logits else True):
-                logits = self.lm_head(x)  # a row per sequence: alone, its last token's GEMV
-                if self.logit_softcap:
-                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+            with quant.decode_rows(batch.n_decode if all_logits else True):  # a row per sequence: its GEMV alone
+                logits = self._head(x if all_logits else x[batch.last_rows], span)
         for seq, pos, n in batch.segments:
             pool.sequence(seq).length = pos + n
         if all_logits:  # the pass's rows are the segments' tokens in turn, in batch.order's order
@@ -189,15 +180,20 @@ class DecoderModel:
                 x = self.embed(tokens, positions)
             with span.part("layers"):
                 x = step.rows(x, pool, seqs, positions + 1)
-            with span.part("norm"):
-                x = self.final_norm(x)
-            with span.part("projection"):
-                logits = self.lm_head(x)
-                if self.logit_softcap:
-                    logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+            logits = self._head(x, span)
         for seq, t, pos in rows:
             pool.sequence(seq).length = pos + len(t)
         return np.split(logits, np.cumsum([len(t) for _, t, _ in rows])[:-1])
+
+    def _head(self, x: np.ndarray, span) -> np.ndarray:
+        """Logits of the rows x: the final norm, the head, Gemma's logit softcap (parts of `span`)."""
+        with span.part("norm"):
+            x = self.final_norm(x)
+        with span.part("projection"):
+            logits = self.lm_head(x)
+            if self.logit_softcap:
+                logits = np.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def _fused_step(self):
         """The blocks' FusedStep, made on the first decode step (after load has packed the weights);
