@@ -70,6 +70,12 @@ def sequence_rows(cache, pos: int, T: int) -> tuple:
     """(pool, seqs, ends) for FusedStep.rows: positions pos .. pos+T-1 of one KVCache as T decode rows
     (a speculative verify pass: each attends up to its own position, as its decode step would),
     claimed in every layer (the kernel writes them)."""
+    claim_rows(cache, pos, T)
+    return _OneSequence(cache), np.zeros(T, np.int64), np.arange(pos + 1, pos + T + 1, dtype=np.int64)
+
+
+def claim_rows(cache, pos: int, T: int) -> None:
+    """Positions pos .. pos+T-1 of one KVCache claimed in every layer: decode rows the compiled step
+    writes (every row's keys and values before any row attends)."""
     for layer in range(cache.n_layers):
         cache.claim(layer, pos, T)
-    return _OneSequence(cache), np.zeros(T, np.int64), np.arange(pos + 1, pos + T + 1, dtype=np.int64)

@@ -16,7 +16,7 @@ from pyml import quant
 from pyml.core import perf, runtime
 from pyml.core.errors import ModelFormatError
 from pyml.nn import KVCache
-from pyml.nn.batch import Batch, sequence_rows
+from pyml.nn.batch import Batch, claim_rows, sequence_rows
 from pyml.nn.fused import FusedStep
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, KVPool
 from pyml.quant.interleaved_rows import ROWS_MAX
@@ -172,10 +172,8 @@ class DecoderModel:
         with runtime.kernel_lock(), quant.decode_rows(), \
                 _perf.debug("model::forward", "tokens={} verify={}", len(tokens), len(rows), op="model",
                             module="model") as span:
-            for seq, t, pos in rows:  # every row's keys and values are written before any row attends
-                cache = pool.sequence(seq)
-                for layer in range(cache.n_layers):
-                    cache.claim(layer, pos, len(t))
+            for seq, t, pos in rows:
+                claim_rows(pool.sequence(seq), pos, len(t))
             with span.part("embedding"):
                 x = self.embed(tokens, positions)
             with span.part("layers"):
