@@ -91,8 +91,9 @@ class LanguageModel:
                         perf.context(phase="warmup"):
                     self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
                     if prefill and self._helper is not None:  # its last compiles end before anything is timed
-                        with compiles.waiting("the prefill's kernels"):
-                            compile_helper.finish(self._helper)
+                        if self._helper.poll() is None:
+                            with compiles.waiting("the prefill's kernels"):
+                                compile_helper.finish(self._helper)
                         self._helper = None
             finally:
                 if cancel is not None:
