@@ -27,6 +27,9 @@ def pytest_configure(config):
     if os.environ.get("PYML_COMPILED_LIST"):
         event.register("numba:compile", _TimedCompiles())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles never reach for a hub
+    # a first run's compile helper (nlp/compile_helper.py) takes a core: the suite's workers have them
+    # all; the tests of the helper turn it on for their own commands
+    os.environ.setdefault("PYML_COMPILE_HELPER", "0")
     # every load writes a packed-weights cache file: the suite's go to a folder of its own, not the user's
     if "PYML_PACKED_CACHE" not in os.environ:
         os.environ["PYML_PACKED_CACHE"] = _PACKED[0] = tempfile.mkdtemp(prefix="pyml-packed-tests-")

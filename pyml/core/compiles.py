@@ -39,6 +39,8 @@ class _Listener(event.Listener):
         self._t0 = 0.0
         self.current = ""       # the kernel being compiled now
         self.on_change = None   # the display's hook, while one is active
+        self.waited = 0.0       # seconds waiting, outside any compile here, for another process's compile
+        self.when_compiling = []  # one-shot callbacks for the next outermost compile's start
 
     def on_start(self, ev):
         self.kernels += 1
@@ -50,6 +52,8 @@ class _Listener(event.Listener):
             self.current = name
             if self.on_change is not None:
                 self.on_change()
+            while self.when_compiling:
+                self.when_compiling.pop(0)()
         self._depth += 1
 
     def on_end(self, ev):
@@ -115,8 +119,41 @@ def compiled() -> list[tuple[str, str]]:
 
 
 def seconds() -> float:
-    """Seconds this process has spent compiling kernels so far."""
-    return _listener.seconds + (time.perf_counter() - _listener._t0 if _listener._depth else 0.0)
+    """Seconds this process has spent compiling kernels so far, or waiting while another process
+    compiled one it needed (core/jit.py: one process compiles a kernel, the others load it)."""
+    return (_listener.seconds + _listener.waited
+            + (time.perf_counter() - _listener._t0 if _listener._depth else 0.0))
+
+
+def when_compiling(callback):
+    """Call `callback()` once, when this process next starts compiling a kernel (not a cache load);
+    returns a function that takes it back if that has not happened yet."""
+    _listener.when_compiling.append(callback)
+
+    def cancel():
+        if callback in _listener.when_compiling:
+            _listener.when_compiling.remove(callback)
+    return cancel
+
+
+@contextmanager
+def waiting(kernel: str):
+    """Around a wait for another process's compile of `kernel`: shown as a compile, and its time
+    counted as compile time (inside one of our own compiles it is counted already)."""
+    if _listener._depth:
+        yield
+        return
+    t0 = time.perf_counter()
+    _listener.current = f"{kernel} (by another process)"
+    if _listener.on_change is not None:
+        _listener.on_change()
+    try:
+        yield
+    finally:
+        _listener.waited += time.perf_counter() - t0
+        _listener.current = ""
+        if _listener.on_change is not None:
+            _listener.on_change()
 
 
 def _history_file() -> Path:
@@ -150,7 +187,7 @@ class Compiles:
 
     def __init__(self, label: str, key: str | None, stream):
         self.label, self.key, self.stream = label, key, stream
-        self._k0, self._s0 = _listener.kernels, seconds()
+        self._k0, self._s0, self._w0 = _listener.kernels, seconds(), _listener.waited
         self._bar = None
         self._ticker = None
         self._stop = threading.Event()
@@ -207,9 +244,15 @@ class Compiles:
         if self._bar is not None:
             self._bar.close()
         if self.started:
-            self._say(f"pyml: compiled {self.kernels} kernels in {self.seconds:.1f} s "
-                      f"(cached for later runs)")
-            if self.key:
+            waited = _listener.waited - self._w0
+            if self.kernels:
+                also = f", {waited:.1f} s of it waiting for another process's" if waited >= 0.05 else ""
+                self._say(f"pyml: compiled {self.kernels} kernels in {self.seconds:.1f} s{also} "
+                          f"(cached for later runs)")
+            else:
+                self._say(f"pyml: waited {waited:.1f} s for kernels another process compiled "
+                          f"(cached for later runs)")
+            if self.key and self.kernels:
                 _remember(self.key, self.kernels, self.seconds)
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 
 from numba.core import caching, codegen, dispatcher
 
+from pyml.core import compiles
 from pyml.core.isa import ISA
 
 FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
@@ -148,7 +149,11 @@ def _compile_once_across_processes() -> None:
             fd = os.open(os.path.join(self._cache_path, name), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:  # a read-only cache folder: nothing to share, so nothing to wait for
             return None
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process compiles this kernel
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process compiles this kernel: wait for it, shown as a compile
+            with compiles.waiting(f"{self._py_func.__module__.rpartition('.')[2]}.{self._py_func.__name__}"):
+                fcntl.flock(fd, fcntl.LOCK_EX)
         _held.stack.append(fd)
         return load(self, sig, target_context)  # it may have compiled it meanwhile
 

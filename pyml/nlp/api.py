@@ -18,6 +18,7 @@ from pyml import quant
 from pyml.core import compiles, derived, isa, perf
 from pyml.core.errors import ModelFormatError, PymlError, UnsupportedError
 from pyml.core.runtime import RuntimeConfig, return_free_heap
+from pyml.nlp import compile_helper
 from pyml.nlp.batch_generator import BatchGenerator
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache, StopStrings, check_prompt
 from pyml.nlp.loaders import hub, packed_cache
@@ -60,24 +61,43 @@ class LanguageModel:
     warmup_s: float = 0.0  # seconds spent warming up: load_model's decode step, then the first prefill's
     compile_s: float = 0.0  # seconds spent compiling kernels (a first run's, or after an edit): not in the two above
     _prefill_cold: bool = field(default=False, repr=False)  # the prefill kernels are still to be loaded
+    load_options: dict = field(default_factory=dict, repr=False)  # load_model's, for a compile helper
+    _helper: object = field(default=None, repr=False, compare=False)  # compile_helper's process, while it runs
     _warm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def warm_up(self, prefill: bool = False) -> None:
+    def warm_up(self, prefill: bool = False, cold: bool = False) -> None:
         """Load (or, on a first run, compile) the kernels of one decode step, or with `prefill` of a
         multi-token forward pass, and start the threads, before anything is timed.
 
         load_model warms the decode step only; the prefill's kernels (the x8 GEMMs, tiled attention,
         the row-wise norm, RoPE and activation) load before the first prompt of more than one token
         (`stream`, `forward`), so a run that never prefills more than one token never loads them
-        (SmolLM2 Q4_1: 4 kernels, 4 MB of model memory, ~40 ms of CPU)."""
+        (SmolLM2 Q4_1: 4 kernels, 4 MB of model memory, ~40 ms of CPU). `cold`: warm the prefill
+        even of a model loaded without a warm-up (compile_helper's)."""
         with self._warm_lock:
-            if prefill and not self._prefill_cold:
+            if prefill and not (self._prefill_cold or cold):
                 return
             t0 = perf.clock()
             label = f"{Path(self.source).name}'s {'prefill' if prefill else 'decode step'}"
-            with compiles.showing(label, _compile_key(self.source, prefill)) as compiled, \
-                    perf.context(phase="warmup"):
-                self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
+            # on a first run the prefill's kernels compile in a helper process meanwhile (compile_helper)
+            helped = (not prefill and self._prefill_cold and self.load_options
+                      and compile_helper.enabled(self.runtime.threads))
+            cancel = None
+            if helped:
+                cancel = compiles.when_compiling(
+                    lambda: setattr(self, "_helper", compile_helper.start(self.load_options)))
+            try:
+                with compiles.showing(label, _compile_key(self.source, prefill)) as compiled, \
+                        perf.context(phase="warmup"):
+                    self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
+                    if prefill and self._helper is not None:  # its last compiles end before anything is timed
+                        if self._helper.poll() is None:
+                            with compiles.waiting("the prefill's kernels"):
+                                compile_helper.finish(self._helper)
+                        self._helper = None
+            finally:
+                if cancel is not None:
+                    cancel()
             self.compile_s += compiled.seconds
             self.warmup_s += perf.clock() - t0 - compiled.seconds
             if prefill:
@@ -539,7 +559,10 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
         freed = return_free_heap()
         _perf.logger.debug("load: %.1f MB of freed heap given back to the system", freed / 1e6)
         lm = LanguageModel(model, built.tokenizer, built.source, load_s, runtime, built.chat_template,
-                           compile_s=load_compile_s, _prefill_cold=warmup)
+                           compile_s=load_compile_s, _prefill_cold=warmup,
+                           load_options={"gguf" if safetensors is None else "safetensors": str(where),
+                                         "threads": runtime.threads, "lm_head_quant": lm_head_quant,
+                                         "kv_type": kv_type, "float_compute": float_compute})
         if warmup:
             # the model's own decode step warms exactly the kernels it uses (a third of quant.warmup()'s
             # 0.55 s went to types SmolLM2 never touches); the prefill's wait for a prompt that needs them

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numba
 from numba import types
+from numba.core.typing.templates import infer, infer_global, make_overload_template
 from numba.extending import overload
 
 from pyml import quant
@@ -196,6 +197,21 @@ def event_slots(shape: BlockShape) -> EventSlots:
 _BODY_OPTIONS = {"fastmath": FASTMATH, "error_model": "numpy"}
 
 
+def _one_impl_per_signature(template):
+    """`template` (an overload's), its implementations kept per argument types alone. Numba keys them by
+    the caller's compile flags too, and a parallel kernel types its loop's body under two sets (the
+    function's, then the loop's gufunc's): decode_region's walk, nearly all of its code, was compiled
+    twice (SmolLM2: 45 s of a first run's 49 s decode-step compile)."""
+    if "_pyml_one_impl" not in template.__dict__:
+        def _get_impl(self, args, kws):
+            key = self.context, tuple(args), tuple(kws.items())
+            found = self._impl_cache.get(key)
+            return found if found is not None else self._build_impl(key, args, kws)
+        template._get_impl = _get_impl
+        template._pyml_one_impl = True
+    return template
+
+
 def per_shape(stub):
     """Register `make(shape: BlockShape, slots: EventSlots) -> step` as the Numba implementation of
     `stub` (a function whose first argument is a literal shape key, BlockShape.key()): `step` takes
@@ -208,7 +224,9 @@ def per_shape(stub):
                 return None
             s = BlockShape.of(shape)
             return make(s, event_slots(s))
-        overload(stub, prefer_literal=True, jit_options=_BODY_OPTIONS)(typer)
+        template = _one_impl_per_signature(make_overload_template(stub, typer, _BODY_OPTIONS, True, "never", True))
+        infer(template)  # what overload(stub, prefer_literal=True, jit_options=_BODY_OPTIONS) registers
+        infer_global(stub, types.Function(template))
         return make
     return register
 SLOT = 16  # int64s between the counters' slots (decode_kernels): each on a cache line of its own

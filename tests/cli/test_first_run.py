@@ -5,6 +5,7 @@ warm-up; after `pyml-cache warm` a run compiles nothing and says compile 0.0 s."
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pyml.cli.standins import write_llama_gguf
+from pyml.nlp import compile_helper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,3 +124,63 @@ def test_warm_then_run_compiles_nothing(tiny):
                           stdin=subprocess.DEVNULL, timeout=120)
     kernels = [ln for ln in info.stdout.splitlines() if ln.startswith("kernels ")]
     assert any(re.search(r"[1-9]\d* function\(s\) compiled from these sources", ln) for ln in kernels), info.stdout
+
+
+def _options(model: Path, threads: int) -> dict:
+    return {"gguf": str(model), "threads": threads, "lm_head_quant": None, "kv_type": "f16", "float_compute": "auto"}
+
+
+_PREFILL_COMPILES = ("import json, sys\n"
+                     "from pyml.core import compiles\n"
+                     "from pyml.nlp.api import load_model\n"
+                     "load_model(**json.loads(sys.argv[1]), warmup=False).warm_up(prefill=True, cold=True)\n"
+                     "print(compiles.kernels())")
+
+
+def test_the_compile_helper_starts_loads_and_warms_the_prefill(tiny):
+    """nlp/compile_helper.py's process, on the suite's kernel cache: it starts with the options a run
+    passes it, loads the model and warms its prefill, and ends (what it compiles on an empty cache:
+    the deep test below)."""
+    helper = compile_helper.start(_options(tiny, 2))
+    compile_helper.finish(helper)
+    assert helper.returncode == 0
+
+
+@pytest.mark.deep  # its start and run on a warm cache: test_the_compile_helper_starts_loads_and_warms_the_prefill
+def test_the_compile_helper_compiles_what_a_prefill_needs(tiny, tmp_path, monkeypatch):
+    """nlp/compile_helper.py, which a first run on two threads or more starts when its decode step
+    starts compiling: on an empty kernel cache it compiles the prefill's kernels, so that a prefill
+    warm-up after it compiles none (before it, one compiles them all)."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    helper = compile_helper.start(_options(tiny, 2))
+    compile_helper.finish(helper)
+    assert helper.returncode == 0
+    check = subprocess.run([sys.executable, "-c", _PREFILL_COMPILES, json.dumps(_options(tiny, 1))], env=_env(),
+                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert int(check.stdout.split()[-1]) == 0, check.stderr
+
+
+@pytest.mark.deep  # the helper itself: test_the_compile_helper_compiles_what_a_prefill_needs
+def test_a_first_run_on_two_threads_compiles_its_prefill_in_a_helper_meanwhile(tiny, tmp_path):
+    """pyml-infer -t 2 on an empty kernel cache, the helper on: the same text as a warm run of the same
+    command, the compile in the stats line, and no helper left running when it has answered."""
+    env = dict(_env(tmp_path / "empty-numba-cache"), PYML_COMPILE_HELPER="1")
+    command = _command("pyml-infer", "-m", str(tiny), "-p", "Hello world, hello", "-n", "4", "-t", "2")
+    cold = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=900)
+    assert cold.returncode == 0, cold.stderr[-2000:]
+    helpers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("compile_helper")
+               and str(tiny) in _cmdline(p)]
+    assert not helpers
+    assert "pyml: compiling kernels for " in cold.stderr
+    assert re.search(r"\| compile [1-9]\d*\.\d s \(first run only\) \|", cold.stderr), cold.stderr[-500:]
+    warm = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
+    assert warm.returncode == 0 and "compiling" not in warm.stderr, warm.stderr[-2000:]
+    assert warm.stdout == cold.stdout
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_text()
+    except OSError:
+        return ""

@@ -1,9 +1,20 @@
 """The compile counter (pyml/core/compiles.py) against Numba's own record of what it built: the
 overloads a dispatcher holds after the call."""
 
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
 import numba
 
 from pyml.core import compiles
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_literal_argument_is_one_kernel_not_two():
@@ -51,3 +62,61 @@ def test_a_factory_kernel_is_listed_with_the_constants_it_was_made_for():
     assert _scaled_by(2)(3.0) == 6.0 and _scaled_by(5)(3.0) == 15.0
     names = [name for name, args in compiles.compiled()[listed:] if args == "(float64,)"]
     assert names == ["test_compiles.scaled[kind=2]", "test_compiles.scaled[kind=5]"]
+
+
+# Compiles one of pyml's cached kernels into an empty cache, slowly: the save (inside the compile,
+# under the kernel's lock) waits 3 s after saying so in the file argv[1].
+_SLOW_COMPILE = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from numba.core import caching
+    from pyml.quant import TRAITS, QuantType
+    save = caching.Cache.save_overload
+    def slow_save(self, sig, data):
+        open(sys.argv[1], "w").close()
+        time.sleep(3)
+        return save(self, sig, data)
+    caching.Cache.save_overload = slow_save
+    TRAITS[QuantType.Q5_1].kernels.dequant_rows(np.zeros((2, 24), np.uint8), np.array([1], np.int64),
+                                                np.empty((1, 32), np.float32))
+""")
+
+# Asks for that kernel while the other process compiles it, inside a compile display.
+_WAITER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from pyml.core import compiles
+    from pyml.quant import TRAITS, QuantType
+    kernel = TRAITS[QuantType.Q5_1].kernels.dequant_rows
+    with compiles.showing("probe") as shown:
+        kernel(np.zeros((2, 24), np.uint8), np.array([1], np.int64), np.empty((1, 32), np.float32))
+    stats = kernel.stats
+    print(json.dumps({"seconds": shown.seconds, "kernels": shown.kernels, "hits": sum(stats.cache_hits.values())}))
+""")
+
+
+def test_a_wait_for_another_process_compiling_is_shown_and_counted_as_compile_time(tmp_path):
+    """One process compiles a kernel (3 s in its save, holding the kernel's lock: core/jit.py); another
+    asks for it meanwhile: it loads what the first wrote, compiling nothing, and its display says it
+    waited - the wait counted in its compile seconds, not left to look like a slow warm-up."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    holding = tmp_path / "holding"
+    compiler = subprocess.Popen([sys.executable, "-c", _SLOW_COMPILE, str(holding)], env=env, cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not holding.exists():
+            assert compiler.poll() is None and time.monotonic() - t0 < 300, compiler.stderr.read()[-2000:]
+            time.sleep(0.01)
+        waiter = subprocess.run([sys.executable, "-c", _WAITER], env=env, cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+    finally:
+        compiler.communicate(timeout=300)
+    assert compiler.returncode == 0 and waiter.returncode == 0, waiter.stderr[-2000:]
+    got = json.loads(waiter.stdout.strip().splitlines()[-1])
+    assert got["kernels"] == 0 and got["hits"] == 1, got
+    assert got["seconds"] > 1.0, got  # most of the 3 s: the waiter started while the save slept
+    lines = waiter.stderr.strip().splitlines()
+    assert lines[0].startswith("pyml: compiling kernels for probe (first run only"), lines
+    assert re.fullmatch(r"pyml: waited \d+\.\d s for kernels another process compiled \(cached for later runs\)",
+                        lines[-1]), lines
