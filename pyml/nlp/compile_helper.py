@@ -23,6 +23,12 @@ import sys
 from pathlib import Path
 
 
+# the helper: load the model without its decode step's warm-up, warm the prefill, end
+_HELPER = ("import json, sys\n"
+           "from pyml.nlp.api import load_model\n"
+           "load_model(**json.loads(sys.argv[1]), warmup=False).warm_up(prefill=True, cold=True)\n")
+
+
 def enabled(threads: int) -> bool:
     return threads >= 2 and os.environ.get("PYML_COMPILE_HELPER", "1") != "0"
 
@@ -33,8 +39,7 @@ def start(options: dict) -> subprocess.Popen | None:
     here = str(Path(__file__).resolve().parents[2])  # pyml importable however this process found it
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     try:
-        helper = subprocess.Popen([sys.executable, "-c", "from pyml.nlp.compile_helper import main; main()",
-                                   json.dumps(options)],
+        helper = subprocess.Popen([sys.executable, "-c", _HELPER, json.dumps(options)],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, env=env)
     except OSError:
@@ -59,11 +64,3 @@ def _stop(helper: subprocess.Popen) -> None:
             helper.wait(5)
         except subprocess.TimeoutExpired:
             helper.kill()
-
-
-def main(argv=None) -> int:
-    from pyml.nlp.api import load_model
-    options = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    lm = load_model(**options, warmup=False)
-    lm.warm_up(prefill=True, cold=True)
-    return 0
