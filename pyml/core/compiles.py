@@ -246,7 +246,7 @@ class Compiles:
         if self.started:
             waited = _listener.waited - self._w0
             if self.kernels:
-                also = f", {waited:.1f} s of it waiting for another process's" if waited >= 0.05 else ""
+                also = f", {waited:.1f} s of it waiting for another process's compiles" if waited >= 0.05 else ""
                 self._say(f"pyml: compiled {self.kernels} kernels in {self.seconds:.1f} s{also} "
                           f"(cached for later runs)")
             else:

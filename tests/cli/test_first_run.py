@@ -130,11 +130,8 @@ def _options(model: Path, threads: int) -> dict:
     return {"gguf": str(model), "threads": threads, "lm_head_quant": None, "kv_type": "f16", "float_compute": "auto"}
 
 
-_PREFILL_COMPILES = ("import json, sys\n"
-                     "from pyml.core import compiles\n"
-                     "from pyml.nlp.api import load_model\n"
-                     "load_model(**json.loads(sys.argv[1]), warmup=False).warm_up(prefill=True, cold=True)\n"
-                     "print(compiles.kernels())")
+# what the helper runs, then how many kernels it compiled
+_PREFILL_COMPILES = "from pyml.core import compiles\n" + compile_helper._HELPER + "print(compiles.kernels())\n"
 
 
 def test_the_compile_helper_starts_loads_and_warms_the_prefill(tiny):
