@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import resource
+import select
 import shutil
 import sys
 import tempfile
@@ -163,6 +164,14 @@ def hf_logits(model, ids) -> np.ndarray:
     import torch
     with torch.no_grad():
         return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def readable(fd: int, timeout_s: float) -> bool:
+    """Whether fd has something to read within timeout_s. poll, not select: select refuses a
+    descriptor numbered 1024 or more, which a long-lived test worker can reach."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def max_rel_err(got, ref) -> float:

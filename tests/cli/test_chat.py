@@ -4,7 +4,6 @@ and scripted, with stdin a pipe (one line per turn, only the replies on stdout).
 import os
 import pty
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 from pyml.cli.standins import write_gpt2
 from pyml.nlp.api import load_model
+from tests.conftest import readable
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = [sys.executable, str(ROOT / "bin" / "pyml-chat")]
@@ -68,7 +68,7 @@ class Terminal:
         while not (match := re.search(pattern, self.seen)):
             left = deadline - time.monotonic()
             assert left > 0, f"no {pattern!r} in {self.seen[-2000:]!r}"
-            if select.select([self.fd], [], [], min(left, 1.0))[0]:
+            if readable(self.fd, min(left, 1.0)):
                 try:
                     chunk = os.read(self.fd, 65536)
                 except OSError:
@@ -87,7 +87,7 @@ class Terminal:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
-            if select.select([self.fd], [], [], 0.2)[0]:
+            if readable(self.fd, 0.2):
                 try:
                     os.read(self.fd, 65536)
                 except OSError:

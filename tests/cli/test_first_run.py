@@ -9,7 +9,6 @@ import json
 import os
 import pty
 import re
-import select
 import struct
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from pyml.cli.standins import write_llama_gguf
 from pyml.nlp import compile_helper
+from tests.conftest import readable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_a_cold_run_through_a_pipe_says_so_in_one_line_at_once(tiny, tmp_path):
     try:
         fd = proc.stderr.fileno()
         os.set_blocking(fd, False)
-        read = lambda: (select.select([fd], [], [], 0.2)[0] and os.read(fd, 65536).decode()) or ""  # noqa: E731
+        read = lambda: (readable(fd, 0.2) and os.read(fd, 65536).decode()) or ""  # noqa: E731
         seen, after_s = _first_compile_line(read, proc, 60)
     finally:
         _stop(proc)
@@ -86,7 +86,7 @@ def test_a_cold_run_at_a_terminal_draws_a_bar_naming_the_kernel(tiny, tmp_path):
                             env=_env(tmp_path / "empty-numba-cache"))
     os.close(follower)
     try:
-        read = lambda: (select.select([leader], [], [], 0.2)[0] and os.read(leader, 65536).decode()) or ""  # noqa: E731
+        read = lambda: (readable(leader, 0.2) and os.read(leader, 65536).decode()) or ""  # noqa: E731
         seen, after_s = _first_compile_line(read, proc, 60)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3:  # a redraw or two, naming the kernel being compiled
