@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -106,7 +107,9 @@ class FusedBlock:
     the block's shape, which FusedStep's runs share."""
 
     def __init__(self, block):
-        self.block = block
+        # the block owns this and is reached through a weak reference: a cycle between them would
+        # outlive the model, for a loaded model's objects are frozen out of the cyclic GC (load_model)
+        self._block = weakref.ref(block)
         attn, ffn = block.attn, block.ffn
         H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq, nkv = H * hd, Hkv * hd
@@ -176,6 +179,10 @@ class FusedBlock:
         self._run = None  # this block alone as a decode_layers run (_solo)
         self._rows = {}  # B -> a batched step's buffers for B rows (row_buffers)
         self._rows_max = None  # their ROWS_MAX-row arrays, made on the first batched step
+
+    @property
+    def block(self):
+        return self._block()
 
     def row_buffers(self, B: int) -> tuple:
         """(StepBuffers of B rows, RowBuffers, output [B, d]) for decode_rows_kernel: views of one

@@ -84,8 +84,6 @@ class KVCache:
     window + RING_SLACK slots, when that is less than max_len).
     """
 
-    pool, seq = None, 0  # the KVPool and sequence this cache's arrays belong to (KVPool.sequence)
-
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, kv_type: str = DEFAULT_KV_TYPE,
                  windows=None, arrays=None):
         self.kv_type = check_kv_type(kv_type, head_dim)
@@ -249,7 +247,6 @@ class KVPool:
             views = tuple([a[s] for a in arrays] for arrays in (self.k, self.v, self.k_scale, self.v_scale))
             cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.max_len, self.kv_type,
                             self.windows, arrays=views)
-            cache.pool, cache.seq = self, s
             self._seqs[s] = cache
         return self._seqs[s]
 
