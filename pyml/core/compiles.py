@@ -40,6 +40,7 @@ class _Listener(event.Listener):
         self.current = ""       # the kernel being compiled now
         self.on_change = None   # the display's hook, while one is active
         self.waited = 0.0       # seconds waiting, outside any compile here, for another process's compile
+        self.elsewhere = 0      # kernels a compile helper process compiled for this one (add_elsewhere)
         self.when_compiling = []  # one-shot callbacks for the next outermost compile's start
 
     def on_start(self, ev):
@@ -118,6 +119,15 @@ def compiled() -> list[tuple[str, str]]:
     return [c for c in _listener.compiled if c is not None]
 
 
+def elsewhere() -> int:
+    """Kernels compile helper processes compiled for this one (nlp/compile_helper.py), as they said."""
+    return _listener.elsewhere
+
+
+def add_elsewhere(n: int) -> None:
+    _listener.elsewhere += n
+
+
 def seconds() -> float:
     """Seconds this process has spent compiling kernels so far, or waiting while another process
     compiled one it needed (core/jit.py: one process compiles a kernel, the others load it)."""
@@ -187,7 +197,7 @@ class Compiles:
 
     def __init__(self, label: str, key: str | None, stream):
         self.label, self.key, self.stream = label, key, stream
-        self._k0, self._s0, self._w0 = _listener.kernels, seconds(), _listener.waited
+        self._k0, self._s0, self._w0, self._e0 = _listener.kernels, seconds(), _listener.waited, _listener.elsewhere
         self._bar = None
         self._ticker = None
         self._stop = threading.Event()
@@ -200,6 +210,11 @@ class Compiles:
     @property
     def seconds(self) -> float:
         return seconds() - self._s0
+
+    @property
+    def elsewhere(self) -> int:
+        """Kernels a helper process compiled for this block meanwhile."""
+        return _listener.elsewhere - self._e0
 
     def _estimate(self) -> tuple[int | None, str]:
         known = _history().get(self.key) if self.key else None
@@ -243,15 +258,18 @@ class Compiles:
             self._ticker.join()
         if self._bar is not None:
             self._bar.close()
-        if self.started:
+        if self.started or self.elsewhere:  # a helper that ended before this block waited for it: said too
             waited = _listener.waited - self._w0
+            helped = f"{self.elsewhere} more by a helper process; " if self.elsewhere else ""
             if self.kernels:
                 also = f", {waited:.1f} s of it waiting for another process's compiles" if waited >= 0.05 else ""
                 self._say(f"pyml: compiled {self.kernels} kernels in {self.seconds:.1f} s{also} "
-                          f"(cached for later runs)")
-            else:
+                          f"({helped}cached for later runs)")
+            elif self.started:
                 self._say(f"pyml: waited {waited:.1f} s for kernels another process compiled "
-                          f"(cached for later runs)")
+                          f"({helped}cached for later runs)")
+            else:
+                self._say(f"pyml: a helper process compiled {self.elsewhere} kernels meanwhile (cached for later runs)")
             if self.key and self.kernels:
                 _remember(self.key, self.kernels, self.seconds)
 

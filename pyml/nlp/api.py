@@ -4,6 +4,7 @@ that builds a model from a file (loaders read files; the architectures compose l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import threading
@@ -91,9 +92,9 @@ class LanguageModel:
                         perf.context(phase="warmup"):
                     self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
                     if prefill and self._helper is not None:  # its last compiles end before anything is timed
-                        if self._helper.poll() is None:
-                            with compiles.waiting("the prefill's kernels"):
-                                compile_helper.finish(self._helper)
+                        with (compiles.waiting("the prefill's kernels") if self._helper.poll() is None
+                              else contextlib.nullcontext()):
+                            compiles.add_elsewhere(compile_helper.finish(self._helper))
                         self._helper = None
             finally:
                 if cancel is not None:

@@ -23,10 +23,13 @@ import sys
 from pathlib import Path
 
 
-# the helper: load the model without its decode step's warm-up, warm the prefill, end
+# the helper: load the model without its decode step's warm-up, warm the prefill, say how many
+# kernels it compiled (the run's own count holds only its own), end
 _HELPER = ("import json, sys\n"
+           "from pyml.core import compiles\n"
            "from pyml.nlp.api import load_model\n"
-           "load_model(**json.loads(sys.argv[1]), warmup=False).warm_up(prefill=True, cold=True)\n")
+           "load_model(**json.loads(sys.argv[1]), warmup=False).warm_up(prefill=True, cold=True)\n"
+           "print(compiles.kernels())\n")
 
 
 def enabled(threads: int) -> bool:
@@ -40,7 +43,7 @@ def start(options: dict) -> subprocess.Popen | None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     try:
         helper = subprocess.Popen([sys.executable, "-c", _HELPER, json.dumps(options)],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, env=env)
     except OSError:
         return None
@@ -48,13 +51,17 @@ def start(options: dict) -> subprocess.Popen | None:
     return helper
 
 
-def finish(helper: subprocess.Popen, timeout_s: float = 300.0) -> None:
+def finish(helper: subprocess.Popen, timeout_s: float = 300.0) -> int:
     """Wait until the helper has ended (its last compiles would otherwise share the cores with
-    what this process times next), at most `timeout_s`, then stop it."""
+    what this process times next), at most `timeout_s`, then stop it. The kernels it compiled
+    (0 if it failed or was stopped)."""
     try:
-        helper.wait(timeout_s)
+        said, _ = helper.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _stop(helper)
+        return 0
+    last = said.split()[-1:] if helper.returncode == 0 else []
+    return int(last[0]) if last and last[0].isdigit() else 0
 
 
 def _stop(helper: subprocess.Popen) -> None:

@@ -130,8 +130,6 @@ def _options(model: Path, threads: int) -> dict:
     return {"gguf": str(model), "threads": threads, "lm_head_quant": None, "kv_type": "f16", "float_compute": "auto"}
 
 
-# what the helper runs, then how many kernels it compiled
-_PREFILL_COMPILES = "from pyml.core import compiles\n" + compile_helper._HELPER + "print(compiles.kernels())\n"
 
 
 def test_the_compile_helper_starts_loads_and_warms_the_prefill(tiny):
@@ -146,13 +144,14 @@ def test_the_compile_helper_starts_loads_and_warms_the_prefill(tiny):
 @pytest.mark.deep  # its start and run on a warm cache: test_the_compile_helper_starts_loads_and_warms_the_prefill
 def test_the_compile_helper_compiles_what_a_prefill_needs(tiny, tmp_path, monkeypatch):
     """nlp/compile_helper.py, which a first run on two threads or more starts when its decode step
-    starts compiling: on an empty kernel cache it compiles the prefill's kernels, so that a prefill
-    warm-up after it compiles none (before it, one compiles them all)."""
+    starts compiling: on an empty kernel cache it compiles the prefill's kernels and says how many,
+    so that a prefill warm-up after it compiles none (before it, one compiles them all)."""
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
     helper = compile_helper.start(_options(tiny, 2))
-    compile_helper.finish(helper)
-    assert helper.returncode == 0
-    check = subprocess.run([sys.executable, "-c", _PREFILL_COMPILES, json.dumps(_options(tiny, 1))], env=_env(),
+    compiled = compile_helper.finish(helper)
+    assert helper.returncode == 0 and compiled > 0
+    # the helper's own code again, in a process of its own: it finds everything compiled
+    check = subprocess.run([sys.executable, "-c", compile_helper._HELPER, json.dumps(_options(tiny, 1))], env=_env(),
                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     assert int(check.stdout.split()[-1]) == 0, check.stderr
@@ -170,6 +169,10 @@ def test_a_first_run_on_two_threads_compiles_its_prefill_in_a_helper_meanwhile(t
                and str(tiny) in _cmdline(p)]
     assert not helpers
     assert "pyml: compiling kernels for " in cold.stderr
+    # the prefill's kernels were the helper's, and the run says how many (with its own wait's line,
+    # or on a line of their own when the helper had ended before the prefill's warm-up)
+    assert re.search(r"\([1-9]\d* more by a helper process; |pyml: a helper process compiled [1-9]\d* kernels "
+                     r"meanwhile", cold.stderr), cold.stderr
     assert re.search(r"\| compile [1-9]\d*\.\d s \(first run only\) \|", cold.stderr), cold.stderr[-500:]
     warm = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
     assert warm.returncode == 0 and "compiling" not in warm.stderr, warm.stderr[-2000:]

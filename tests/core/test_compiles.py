@@ -1,6 +1,7 @@
 """The compile counter (pyml/core/compiles.py) against Numba's own record of what it built: the
 overloads a dispatcher holds after the call."""
 
+import io
 import json
 import os
 import re
@@ -120,3 +121,20 @@ def test_a_wait_for_another_process_compiling_is_shown_and_counted_as_compile_ti
     assert lines[0].startswith("pyml: compiling kernels for probe (first run only"), lines
     assert re.fullmatch(r"pyml: waited \d+\.\d s for kernels another process compiled \(cached for later runs\)",
                         lines[-1]), lines
+
+
+def test_kernels_a_helper_process_compiled_are_counted_in_the_summary():
+    """A first run's compile helper (nlp/compile_helper.py) says how many kernels it compiled; the
+    run's summary line counts them beside its own, so the line does not say half the work."""
+    out = io.StringIO()
+    with compiles.showing("probe", stream=out) as shown:
+        numba.njit(lambda x: x + 1)(1)  # one compile here, never cached
+        compiles.add_elsewhere(5)
+    assert shown.kernels == 1 and shown.elsewhere == 5
+    assert re.fullmatch(r"pyml: compiled 1 kernels in \d+\.\d s \(5 more by a helper process; cached for later "
+                        r"runs\)", out.getvalue().strip().splitlines()[-1]), out.getvalue()
+    # a helper that ended before the run's prefill warm-up: nothing compiled or waited for here
+    out = io.StringIO()
+    with compiles.showing("probe", stream=out) as shown:
+        compiles.add_elsewhere(7)
+    assert out.getvalue() == "pyml: a helper process compiled 7 kernels meanwhile (cached for later runs)\n"
