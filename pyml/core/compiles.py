@@ -197,7 +197,8 @@ class Compiles:
 
     def __init__(self, label: str, key: str | None, stream):
         self.label, self.key, self.stream = label, key, stream
-        self._k0, self._s0, self._w0, self._e0 = _listener.kernels, seconds(), _listener.waited, _listener.elsewhere
+        self._k0, self._s0 = _listener.kernels, seconds()
+        self._w0, self._e0 = _listener.waited, _listener.elsewhere
         self._bar = None
         self._ticker = None
         self._stop = threading.Event()
@@ -269,7 +270,8 @@ class Compiles:
                 self._say(f"pyml: waited {waited:.1f} s for kernels another process compiled "
                           f"({helped}cached for later runs)")
             else:
-                self._say(f"pyml: a helper process compiled {self.elsewhere} kernels meanwhile (cached for later runs)")
+                self._say(f"pyml: a helper process compiled {self.elsewhere} kernels meanwhile "
+                          f"(cached for later runs)")
             if self.key and self.kernels:
                 _remember(self.key, self.kernels, self.seconds)
 

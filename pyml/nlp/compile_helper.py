@@ -10,7 +10,8 @@ and warms its prefill; the kernel cache's per-kernel locks (core/jit.py) have ea
 by one of the two and loaded by the other, and the time this process waits for the helper's
 compiles is shown and counted as compile time (core/compiles.py). The helper says only how many
 kernels it compiled (to this process, which counts them in its compile line); if it fails, this
-process compiles what it lacks as it would have; it is stopped if this process ends first. PYML_COMPILE_HELPER=0 turns it off (the test suite's workers fill the cores already).
+process compiles what it lacks as it would have; it is stopped if this process ends first.
+PYML_COMPILE_HELPER=0 turns it off (the test suite's workers fill the cores already).
 """
 
 from __future__ import annotations
