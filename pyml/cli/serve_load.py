@@ -1,4 +1,5 @@
-"""A small load test for pyml-serve: N concurrent streaming clients, requests/s and tokens/s;
+"""A small load test for pyml-serve: N concurrent streaming clients, requests/s, tokens/s and the
+p50 / p99 of the time to first text and of the whole reply's latency;
 or, with --give-up, a burst of clients that leave after S seconds and how soon the server is idle.
 
     python -m pyml.cli.serve_load --port 8080 --clients 1,4,16 --requests 16 --max-tokens 32
@@ -16,6 +17,9 @@ import json
 import statistics
 import sys
 import time
+
+from pyml.cli.main import Parser, run_command
+from pyml.core.errors import PymlError
 
 HOST = "127.0.0.1"
 
@@ -45,15 +49,24 @@ def one_request(port: int, i: int, max_tokens: int, timeout: float) -> tuple[int
         conn.close()
 
 
+def p50_p99(values: list) -> tuple[float, float]:
+    """The median and the 99th percentile (statistics.quantiles' inclusive method: interpolated
+    between the two nearest values; one value is both)."""
+    if len(values) == 1:
+        return values[0], values[0]
+    return statistics.median(values), statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
 def run_level(port: int, clients: int, requests: int, max_tokens: int, timeout: float) -> dict:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda i: one_request(port, i, max_tokens, timeout), range(requests)))
     wall = time.perf_counter() - t0
     tokens = sum(r[0] for r in results)
+    (ttft_p50, ttft_p99), (latency_p50, latency_p99) = (p50_p99([r[k] for r in results]) for k in (1, 2))
     return {"clients": clients, "requests": requests, "seconds": wall, "requests_per_s": requests / wall,
-            "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(r[1] for r in results),
-            "latency_median_s": statistics.median(r[2] for r in results)}
+            "tokens_per_s": tokens / wall, "ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99,
+            "latency_p50_s": latency_p50, "latency_p99_s": latency_p99}
 
 
 def health(port: int) -> dict:
@@ -89,8 +102,47 @@ def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within
             "idle_after_s": time.perf_counter() - t0, "health": h}
 
 
+def run(args) -> int:
+    if args.give_up is not None:
+        r = run_abandon(args.port, int(args.clients.split(",")[0]), args.max_tokens, args.give_up)
+        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
+              f"idle {r['idle_after_s']:.2f} s after "
+              f"the last client left; /health {r['health']}")
+        return 0
+    levels = _levels(args.clients)
+    try:
+        health(args.port)
+    except OSError as e:
+        raise PymlError(f"no pyml-serve answers on {HOST}:{args.port} ({e}); start one with pyml-serve --port "
+                        f"{args.port}") from None
+    print(TABLE_HEAD)
+    for clients in levels:
+        print(table_row(run_level(args.port, clients, args.requests, args.max_tokens, args.timeout)), flush=True)
+    return 0
+
+
+def _levels(text: str) -> list:
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise PymlError(f"--clients takes comma-separated counts of at least 1, not {text!r}")
+    return levels
+
+
+TABLE_HEAD = ("| clients | requests | requests/s | tokens/s | TTFT p50 s | TTFT p99 s | latency p50 s | latency p99 s |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def table_row(r: dict) -> str:
+    """run_level's figures as a row of TABLE_HEAD's table."""
+    return (f"| {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="serve_load", description=__doc__.splitlines()[0])
+    p = Parser(prog="serve_load", description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level")
@@ -98,20 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per request")
     p.add_argument("--give-up", type=float, default=None, metavar="S",
                    help="one burst of --clients clients that leave after S seconds; say how soon the server is idle")
-    args = p.parse_args(argv)
-    if args.give_up is not None:
-        r = run_abandon(args.port, int(args.clients.split(",")[0]), args.max_tokens, args.give_up)
-        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
-              f"idle {r['idle_after_s']:.2f} s after "
-              f"the last client left; /health {r['health']}")
-        return 0
-    print("| clients | requests | requests/s | tokens/s | median TTFT s | median latency s |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for clients in (int(c) for c in args.clients.split(",")):
-        r = run_level(args.port, clients, args.requests, args.max_tokens, args.timeout)
-        print(f"| {clients} | {r['requests']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['ttft_median_s']:.2f} | {r['latency_median_s']:.2f} |", flush=True)
-    return 0
+    return run_command("serve_load", run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

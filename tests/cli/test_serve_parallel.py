@@ -12,6 +12,7 @@ import openai
 import pytest
 
 import pyml
+from pyml.cli import serve_load
 from pyml.cli.request_profile import batched_profile, profile_summary, recording
 from pyml.cli.standins import write_gpt2
 from pyml.report.aggregate import ATTN_CORE
@@ -137,3 +138,23 @@ def test_n_beyond_the_slots_is_refused_by_name(server):
     status, data = server.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 5})
     err = json.loads(data)["error"]
     assert status == 400 and err["param"] == "n" and "--parallel 5" in err["message"]
+
+
+def test_serve_load_reports_throughput_and_the_p50_p99_of_first_text_and_latency(server, capsys):
+    """serve_load, the load test docs/serving.md's figures come from, against this server: 4 clients of
+    8 streamed requests; its percentiles checked by hand on fixed values."""
+    assert serve_load.p50_p99([3.0]) == (3.0, 3.0)
+    assert serve_load.p50_p99([1.0, 2.0]) == pytest.approx((1.5, 1.99))
+    assert serve_load.p50_p99([float(v) for v in range(1, 101)]) == pytest.approx((50.5, 99.01))
+    r = serve_load.run_level(server.port, clients=4, requests=8, max_tokens=8, timeout=60)
+    assert r["requests"] == 8 and r["tokens_per_s"] > 0 and r["requests_per_s"] > 0
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["latency_p99_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
+    assert serve_load.main(["--port", str(server.port), "--clients", "1,2", "--requests", "2", "--max-tokens", "4"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == serve_load.TABLE_HEAD.splitlines()[0] and len(table) == 4
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["1", "2"]
+    assert all(len(row.split("|")) == 10 for row in table)
+    # no server: one line naming the address, not a traceback
+    assert serve_load.main(["--port", "1", "--clients", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("serve_load: error: no pyml-serve answers on 127.0.0.1:1") and "Traceback" not in err
