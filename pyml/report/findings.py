@@ -24,12 +24,35 @@ def _facts(run) -> dict:
         "ffn_rows": [r for r in mm if r["category"] == aggregate.FFN],
         "attn_rows": [r for r in mm if r["category"] == aggregate.ATTN_PROJ],
         "qkv_separate": any(lbl.endswith("q_proj") for lbl in labels),
+        "qkv_types": _separate_qkv_types(run),
         "gate_up_separate": any(lbl.endswith("gate_proj") for lbl in labels),
         "float_weights": any(r["dtype"] in ("F32", "F16", "BF16") for r in mm if r["category"] != aggregate.HEAD),
         "threads": run.info.get("threads"), "cores": machine.get("usable_cores"),
         "vocab": head["out"] if head else None, "tied": model.get("tied_head"),
         "contended": contention.assess(run)["named"],
     }
+
+
+def _separate_qkv_types(run) -> dict:
+    """{layer: (Q's, K's, V's storage type)} of the layers whose Q, K and V run as three matmuls."""
+    types = {}
+    for r in run.records:
+        if r.op == "linear" and r.layer is not None and r.dtype and r.module \
+                and r.module.endswith(("q_proj", "k_proj", "v_proj")):
+            types.setdefault(r.layer, {})[r.module[-6]] = r.dtype
+    return {layer: (t.get("q"), t.get("k"), t.get("v")) for layer, t in sorted(types.items()) if len(t) == 3}
+
+
+def _qkv_advice(types: dict, n_layers: int | None) -> str:
+    """Why Q, K and V are three matmuls: one storage type is what Linear.fuse needs."""
+    mixed = {layer: t for layer, t in types.items() if len(set(t)) > 1}
+    if not mixed:
+        return "Fuse Q, K and V into one matmul (one call instead of three per layer)"
+    kinds = sorted({", ".join(t) for t in mixed.values()})
+    of = f" of {n_layers}" if n_layers else ""
+    return (f"Q, K and V stay three matmuls in {len(mixed)}{of} layers: the file stores them as "
+            f"{' or '.join(kinds)} there, and one matmul needs one storage type (Linear.fuse); "
+            f"re-quantizing them to one type would fuse them, at that type's accuracy")
 
 
 def _projection_bytes(rows) -> tuple:
@@ -72,7 +95,7 @@ def _mitigations(cat: str, f: dict, run, timing, cat_ms: float, step_ms: float, 
                 out.append(f"A faster matmul kernel (engine work): the FFN projections stream their weights at "
                            f"{lo:.3g}–{hi:.3g} GB/s")
         elif f["qkv_separate"]:
-            out.append("Fuse Q, K and V into one matmul (one call instead of three per layer)")
+            out.append(_qkv_advice(f["qkv_types"], (run.info.get("model") or {}).get("layers")))
         else:
             out.append("Q, K and V are already one matmul")
     elif cat == aggregate.ATTN_CORE:

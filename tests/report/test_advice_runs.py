@@ -41,9 +41,26 @@ def test_every_command_a_report_suggests_runs(model, tmp_path, monkeypatch, say)
             assert head in ("F32", "F16", "BF16")  # pyml refuses it for a quantized head
     if head == "F32":  # the stand-in: its float head is always worth a look
         assert any("--lm-head-quant" in s["changes"] for s in said)
+    _check_qkv_advice(model, report)
     # one run per distinct command: each bottleneck a wider core count helps suggests the same one
     commands = list(dict.fromkeys(tuple(argv) for s in said for argv in s["commands"]))
     for argv in commands:
         assert _run(argv, monkeypatch) == 0, argv
     say(f"{run.info['model']['name']}: {len(said)} suggestions, {len(commands)} distinct commands run: "
         + "; ".join(" ".join(argv) for argv in commands))
+
+
+def _check_qkv_advice(model: str, report: str):
+    """What the report says of Q, K and V, against the file's tensor types as gguf-py reads them: the
+    layers where they differ (Gemma 3 Q4_K_M: Q5_0, Q5_0, Q8_0 in half its layers) cannot be one matmul."""
+    if not model.endswith(".gguf"):
+        return
+    from gguf import GGUFReader
+    types = {t.name: t.tensor_type.name for t in GGUFReader(model).tensors}
+    n_layers = 1 + max(int(name.split(".")[1]) for name in types if name.startswith("blk."))
+    mixed = [i for i in range(n_layers) if len({types[f"blk.{i}.attn_{p}.weight"] for p in "qkv"}) > 1]
+    if mixed:
+        assert f"Q, K and V stay three matmuls in {len(mixed)} of {n_layers} layers" in report
+        assert "Fuse Q, K and V into one matmul" not in report
+    else:
+        assert "Q, K and V stay three matmuls" not in report
