@@ -10,7 +10,6 @@ Talks only to 127.0.0.1; every client sends a bounded number of requests, each w
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import http.client
 import json

@@ -39,8 +39,8 @@ def _separate_qkv_types(run) -> dict:
     for r in run.records:
         if r.op == "linear" and r.layer is not None and r.dtype and r.module \
                 and r.module.endswith(("q_proj", "k_proj", "v_proj")):
-            types.setdefault(r.layer, {})[r.module[-6]] = r.dtype
-    return {layer: (t.get("q"), t.get("k"), t.get("v")) for layer, t in sorted(types.items()) if len(t) == 3}
+            types.setdefault(r.layer, {})[r.module.rsplit(".", 1)[-1]] = r.dtype
+    return {layer: (t["q_proj"], t["k_proj"], t["v_proj"]) for layer, t in sorted(types.items()) if len(t) == 3}
 
 
 def _qkv_advice(types: dict, n_layers: int | None) -> str:
