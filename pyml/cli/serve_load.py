@@ -102,13 +102,13 @@ def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within
 
 
 def run(args) -> int:
+    levels = _levels(args.clients)
     if args.give_up is not None:
-        r = run_abandon(args.port, int(args.clients.split(",")[0]), args.max_tokens, args.give_up)
+        r = run_abandon(args.port, levels[0], args.max_tokens, args.give_up)
         print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
               f"idle {r['idle_after_s']:.2f} s after "
               f"the last client left; /health {r['health']}")
         return 0
-    levels = _levels(args.clients)
     try:
         health(args.port)
     except OSError as e:
