@@ -31,6 +31,13 @@ def pytest_configure(config):
     # a first run's compile helper (nlp/compile_helper.py) takes a core: the suite's workers have them
     # all; the tests of the helper turn it on for their own commands
     os.environ.setdefault("PYML_COMPILE_HELPER", "0")
+    # Several workers (and the commands they start) each run kernels on every core, and a kernel's
+    # threads (Numba's OpenMP layer, libgomp) spin at each barrier before they sleep: a spinning
+    # thread holds the core another process's thread has work for. Sleeping at once (PASSIVE) ran
+    # five of the heaviest test files in 95 / 86 s instead of 157 / 146 (2 workers, 2 cores,
+    # 2026-11-27). Set here, in the controller, before its workers start: they inherit it.
+    if len(getattr(config.option, "tx", None) or []) > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # every load writes a packed-weights cache file: the suite's go to a folder of its own, not the user's
     if "PYML_PACKED_CACHE" not in os.environ:
         os.environ["PYML_PACKED_CACHE"] = _PACKED[0] = tempfile.mkdtemp(prefix="pyml-packed-tests-")
