@@ -27,7 +27,7 @@ from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.core.progress import bar
 from pyml.nlp.loaders import hub
-from pyml.nlp.loaders.gguf import GGUFFile
+from pyml.nlp.loaders.gguf import GGUFFile, read_checked
 from pyml.quant import QuantType, kquantizers, quantizers
 
 TARGETS = {"q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0, "q4_1": QuantType.Q4_1,
@@ -81,8 +81,8 @@ def _plan(reader: GGUFReader, kind: str):
 
 def quantize_gguf(src, dst, kind: str, progress: bool = True, allow_requantize: bool = False):
     """Write `src` as `kind` (a name in KINDS) to `dst`; returns (dst, {tensor name: type written})."""
-    GGUFFile(src)  # validates the input before anything is written
-    reader = GGUFReader(src, "r")
+    GGUFFile(src)  # validates the input (its tensors, its shards) before anything is written
+    reader = read_checked(src)  # gguf-py's reader, the vocabulary parsed in one pass
     plan, file_type = _plan(reader, kind)
     by_name = {t.name: t for t in reader.tensors}
     tensors = [by_name[n] for n in llama_order(list(by_name))]  # llama-quantize's order, its counters'

@@ -8,6 +8,7 @@ from pyml.cli.pyml_infer import main as infer_main
 from pyml.cli.pyml_quantize import main as quantize_main
 from pyml.cli.standins import write_gpt2
 from pyml.report import findings, load_run
+from tests import oracle_cache
 
 RUNNERS = {"pyml-infer": infer_main, "pyml-quantize": quantize_main}
 
@@ -51,12 +52,12 @@ def test_every_command_a_report_suggests_runs(model, tmp_path, monkeypatch, say)
 
 
 def _check_qkv_advice(model: str, report: str):
-    """What the report says of Q, K and V, against the file's tensor types as gguf-py reads them: the
+    """What the report says of Q, K and V, against the file's tensor types as gguf-py reads them (its
+    table kept by oracle_cache: parsing Gemma's vocabulary first costs ~15 s a run): the
     layers where they differ (Gemma 3 Q4_K_M: Q5_0, Q5_0, Q8_0 in half its layers) cannot be one matmul."""
     if not model.endswith(".gguf"):
         return
-    from gguf import GGUFReader
-    types = {t.name: t.tensor_type.name for t in GGUFReader(model).tensors}
+    types = {t.name: t.tensor_type.name for t in oracle_cache.gguf_tensors(model).values()}
     n_layers = 1 + max(int(name.split(".")[1]) for name in types if name.startswith("blk."))
     mixed = [i for i in range(n_layers) if len({types[f"blk.{i}.attn_{p}.weight"] for p in "qkv"}) > 1]
     if mixed:

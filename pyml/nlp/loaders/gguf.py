@@ -295,6 +295,25 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def read_checked(path) -> GGUFReader:
+    """gguf-py's reader of `path` (its fields and tensors), every read bounds-checked and the
+    vocabulary parsed in one pass (_Reader: Gemma 3's in well under a second, the stock reader's
+    ~12 s); a corrupt or unsupported file is one ModelFormatError / UnsupportedError line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: no such file")
+    _precheck(path, os.path.getsize(path))
+    try:
+        return _Reader(path, "r")
+    except _Unsupported as e:
+        raise UnsupportedError(f"{path}: {e}") from None
+    except _Bad as e:
+        raise ModelFormatError(f"{path}: {e}") from None
+    except (ValueError, IndexError, KeyError, struct.error, OverflowError, TypeError,
+            UnicodeDecodeError, MemoryError) as e:
+        raise ModelFormatError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
+
+
 class GGUFFile:
     """A parsed, validated GGUF file: `metadata` (key -> Python value) and its tensors."""
 
@@ -310,20 +329,12 @@ class GGUFFile:
 
     def _read(self, path: Path) -> dict:
         """One file's metadata; its tensors, checked, join self.tensors."""
-        if not path.is_file():
-            raise ModelFormatError(f"{path}: no such file")
+        reader = read_checked(path)
         size = os.path.getsize(path)
-        _precheck(path, size)
         try:
-            reader = _Reader(path, "r")
             metadata = {name: _value(name, f) for name, f in reader.fields.items()}
-        except _Unsupported as e:
-            raise UnsupportedError(f"{path}: {e}") from None
         except _Bad as e:
             raise ModelFormatError(f"{path}: {e}") from None
-        except (ValueError, IndexError, KeyError, struct.error, OverflowError, TypeError,
-                UnicodeDecodeError, MemoryError) as e:
-            raise ModelFormatError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
         with open(path, "rb") as fh:
             for t in reader.tensors:
                 self.tensors[t.name] = self._tensor(t, size, path, fh.fileno())
