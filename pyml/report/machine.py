@@ -77,7 +77,10 @@ def git_info() -> dict | None:
 
 
 def run_info(argv) -> dict:
-    env = {k: os.environ[k] for k in ("LOG", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                      "MKL_NUM_THREADS", "NUMBA_CACHE_DIR") if k in os.environ}
+    # what changes the figures: thread counts, and how the kernels' threads wait at a barrier (OpenMP's
+    # wait policy: the test suite sleeps them; spinning is faster alone, slower beside other work)
+    env = {k: os.environ[k] for k in ("LOG", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                      "GOMP_SPINCOUNT", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                      "NUMBA_CACHE_DIR") if k in os.environ}
     return {"command": argv, "cwd": os.getcwd(), "env": env, "machine": machine_info(), "git": git_info(),
             "main_thread": threading.main_thread().ident}

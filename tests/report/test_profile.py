@@ -3,6 +3,7 @@
 import io
 import json
 import logging
+import os
 import re
 import statistics
 
@@ -90,6 +91,9 @@ def test_profile_directory_holds_events_and_run_info(profiled):
     assert info["events"] == len(events) and info["status"] == "ok"
     assert info["model"]["arch"] == "gpt2" and info["model"]["layers"] == 3 and info["threads"] >= 1
     assert {"cpu", "cores", "memory_bytes", "python", "numpy", "numba"} <= set(info["machine"])
+    # the settings that change the figures, as this process had them (the suite's workers: a wait policy)
+    assert info["env"].get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
+    assert info["env"].get("NUMBA_CACHE_DIR") == os.environ.get("NUMBA_CACHE_DIR") and "HOME" not in info["env"]
     assert info["command"] == ["test"] and info["generation"]["decode_steps"] == 5
     assert info["timing"]["span_overhead_us"] > 0
     phases = {json.loads(line)["phase"] for line in events}
