@@ -1,7 +1,7 @@
 """A batched decode step in one compiled call per run of like blocks (FusedStep.rows, decode_rows)
 against its oracle, the layer-by-layer batched path (TransformerBlock over a Batch: Attention._batched,
 the layers' own products over the rows), on every stand-in architecture (pyml/cli/standins.py), with
-f32 and f16 caches.
+f16 caches (the default) and f32 ones.
 
 Both paths run the same kernels on the same rows (each decode row its GEMV's bits, the batched
 attention over the pool), so the logits are equal bit for bit. Each sequence alone is the oracle of
@@ -74,17 +74,25 @@ def compiled_steps(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("arch", ["llama-q4_0", "llama-q6_k", "llama-f16", "gpt2", "gemma3", "gemma3-q8_0"])
-def test_compiled_batched_step_equals_layer_by_layer(tmp_path, arch, compiled_steps):
+# Every stand-in with the default f16 cache, and with an f32 one where that pool's compiled step is
+# compiled by the default tier anyway (gpt2, gemma3: tests/nlp/test_batch.py). An f32 pool on the others
+# is the deep tier's: a decode_rows compile of its own each (~15 s of a core with an empty kernel cache)
+# for the same code - the cache type reaches the step only as the attention's and the KV write's array
+# types, which gpt2 and gemma3 here, and tests/nn/test_attention_batch.py per kernel, already run in f32.
+_ARCHS = ["llama-q4_0", "llama-q6_k", "llama-f16", "gpt2", "gemma3", "gemma3-q8_0"]
+_F32_DEFAULT = ("gpt2", "gemma3")
+
+
+@pytest.mark.parametrize("arch, kv_type", [(a, "f16") for a in _ARCHS] + [
+    (a, "f32") if a in _F32_DEFAULT else pytest.param(a, "f32", marks=pytest.mark.deep) for a in _ARCHS])
+def test_compiled_batched_step_equals_layer_by_layer(tmp_path, arch, kv_type, compiled_steps):
     model = _model(tmp_path, arch)
-    for kv_type in ("f32", "f16"):
-        compiled_steps.clear()
-        got = decode_steps(model, True, kv_type)
-        assert compiled_steps == [True] * STEPS  # every step took the compiled call
-        ref = decode_steps(model, False, kv_type)
-        assert compiled_steps == [True] * STEPS + [False] * STEPS  # the reference: never compiled
-        for step, (a, b) in enumerate(zip(got, ref)):
-            assert np.array_equal(a, b), f"{kv_type} step {step}: {np.abs(a - b).max():.2e}"
+    got = decode_steps(model, True, kv_type)
+    assert compiled_steps == [True] * STEPS  # every step took the compiled call
+    ref = decode_steps(model, False, kv_type)
+    assert compiled_steps == [True] * STEPS + [False] * STEPS  # the reference: never compiled
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert np.array_equal(a, b), f"{kv_type} step {step}: {np.abs(a - b).max():.2e}"
 
 
 def test_a_traced_decode_step_keeps_the_layer_by_layer_spans(tmp_path, compiled_steps):

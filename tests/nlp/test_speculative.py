@@ -236,8 +236,10 @@ def test_real_models_greedy_lookup_is_token_identical(which, texts, smollm2_gguf
 
 
 def test_real_draft_model_is_token_identical(smollm2_gguf, requantized):
-    """SmolLM2 Q4_1 drafting for its own Q8_0 requantization: the same vocabulary, other weights."""
-    target = load_model(gguf=str(requantized("q8_0")), threads=2)
+    """SmolLM2 Q4_1 drafting for its own Q4_0 requantization: the same vocabulary, other weights. (Q4_0:
+    its decode step is the block shape of tests/nn/test_fused.py's Q4_0 stand-in and test_batch.py's,
+    compiled by the default tier anyway; a Q8_0 target compiled a decode_region of its own, ~47 s cold.)"""
+    target = load_model(gguf=str(requantized("q4_0")), threads=2)
     draft = load_model(gguf=str(smollm2_gguf), threads=2)
     prompt = target.chat_prompt([{"role": "user", "content": "List three colours of the rainbow."}])
     plain = target.generate(prompt, 64)

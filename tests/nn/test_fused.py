@@ -112,15 +112,28 @@ def close(got, ref):
     assert np.all(np.isfinite(got)) and np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
 
 
-# Every weight type x the fused step is the deep tier's breadth: a type whose decode_layers step
-# (one block, FusedBlock) another default-tier test here already drives in the same layout runs
-# there only, since each case compiles a whole decode kernel of its own (~25 s of a core with an
-# empty kernel cache). Covered by:
+# Every weight type x the fused step is the deep tier's breadth. What a weight type brings to a
+# decode_layers step (one block, FusedBlock) is one call: decode_recipe.matvec picks the type's GEMV
+# (traits.interleaved.gemv in the x8 layout, traits.kernels.gemv in the file's), the dispatchers
+# quant.matmul runs, whose bits every type's T = 1 case checks against gguf's dequantization
+# (tests/quant/test_matmul.py, file layout; tests/quant/test_interleaved.py test_packed_matmul, x8).
+# So the default tier drives the step once per kind of GEMV - float, x8, the K-quants' blocks, the
+# low-bit codebooks - and a type runs here only in the deep tier when another type of its kind does
+# (each case compiles a whole decode kernel of its own: ~18-25 s of a core with an empty cache):
 _FUSED_ELSEWHERE = {
     QuantType.F32: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gpt2] (file layout)",
+    QuantType.BF16: "[F16] here (float kernels, file layout); its GEMV: test_matmul[1-*-BF16]",
     QuantType.Q4_0: "test_region_under_debug_gives_the_block_spans_of_decode_layers[llama] (x8, 'layers')",
+    QuantType.Q5_0: "[Q4_1] here (x8); its GEMV: test_packed_matmul[1-*-Q5_0]",
+    QuantType.Q5_1: "[Q4_1] here (x8); its GEMV: test_packed_matmul[1-*-Q5_1]",
+    QuantType.Q8_0: "[Q4_1] here (x8); its GEMV: test_packed_matmul[1-*-Q8_0]",
     QuantType.Q4_K: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gemma3] (x8)",
+    QuantType.Q5_K: "Q6_K's down_proj in ..._on_every_block_shape[gemma3] (K-quant blocks, file layout); "
+                    "its GEMV: test_matmul[1-*-Q5_K]",
     QuantType.Q6_K: "test_fused_decode_equals_layer_by_layer_on_every_block_shape[gemma3] (down_proj, file layout)",
+    QuantType.Q3_K: "[Q2_K] here (low-bit kernels, file layout); its GEMV: test_matmul[1-*-Q3_K]",
+    QuantType.IQ4_NL: "[Q2_K] here (low-bit kernels, file layout); its GEMV: test_matmul[1-*-IQ4_NL]",
+    QuantType.IQ4_XS: "[Q2_K] here (low-bit kernels, file layout); its GEMV: test_matmul[1-*-IQ4_XS]",
 }
 
 
