@@ -58,6 +58,18 @@ def test_the_last_line_is_llama_perplexitys(tiny, text_file):
     assert "calculating perplexity over 4 chunks, n_ctx=128" in proc.stderr
 
 
+def test_only_the_prefill_is_warmed(tiny, text_file, capsys, monkeypatch):
+    """Perplexity runs prompts' passes only: the warm-up before them is a prefill's (the kernels its
+    passes load), never a decode step's, which would compile or load kernels nothing uses."""
+    from pyml.nlp import api
+    warmed = []
+    real = api._warm_forward
+    monkeypatch.setattr(api, "_warm_forward", lambda model, prefill: (warmed.append(prefill), real(model, prefill)))
+    rc, out, err = run(capsys, "-m", tiny, "-f", text_file, "-c", "128", "--chunks", "1", "-t", "1")
+    assert rc == 0, err
+    assert warmed == [True]
+
+
 def test_json_and_several_chunks_a_pass(tiny, text_file, capsys):
     rc, out, err = run(capsys, "-m", tiny, "-f", text_file, "-c", "128", "--chunks", "3", "-b", "256", "--json")
     assert rc == 0, err

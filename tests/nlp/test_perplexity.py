@@ -30,9 +30,11 @@ def text():
     return TEXT_FILE.read_text()
 
 
+# Every model here loads without load_model's warm-up, as pyml-perplexity does: perplexity runs prompts'
+# passes only, and the warm-up is a decode step (a kernel to compile that nothing here uses).
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return load_model(gguf=str(smollm2_gguf))
+    return load_model(gguf=str(smollm2_gguf), warmup=False)
 
 
 def oracle_ppl(hf, chunks: np.ndarray, bos: int | None) -> float:
@@ -73,7 +75,7 @@ def test_smollm2_matches_transformers(requantized, text):
     computes what pyml does; a quantized file's own figure is llama.cpp's to check (its activations
     are int8 too: the peer test), transformers' differs by ~1% there (13.08 vs 12.94 on Q4_1)."""
     path = requantized("f32")
-    lm = load_model(gguf=str(path))
+    lm = load_model(gguf=str(path), warmup=False)
     result = ppl.perplexity(lm, text, n_ctx=128, n_chunks=2)
     assert result.n_chunks == 2 and result.estimate.count == 2 * 63
     chunks = ppl.chunk_tokens(ppl.text_tokens(lm, text), 128, 2)
@@ -85,7 +87,7 @@ def test_smollm2_matches_transformers(requantized, text):
 def test_gemma3_matches_transformers_with_bos(gemma3_gguf, text):
     """Gemma 3 270M's Q4_K_M file rewritten as F16 (float weights, computed in f32), with its BOS."""
     path = requantized_file(gemma3_gguf, "f16")
-    lm = load_model(gguf=str(path), float_compute="f32")
+    lm = load_model(gguf=str(path), float_compute="f32", warmup=False)
     tokens = ppl.text_tokens(lm, text)
     assert lm.tokenizer.add_bos and tokens[0] == lm.tokenizer.bos_id  # as llama.cpp's common_tokenize adds it
     result = ppl.perplexity(lm, text, n_ctx=64, n_chunks=2)
@@ -126,7 +128,7 @@ def test_kl_divergence_against_the_full_logits(smollm2, requantized, text, tmp_p
     from both models' full distributions at the same positions. Two chunks (62 positions, 4 of them
     with another top token): the top-K mean is 0.65% under the exact one, as over three chunks
     (0.66%), inside the 2% bound."""
-    q8 = load_model(gguf=str(requantized("q8_0")))
+    q8 = load_model(gguf=str(requantized("q8_0")), warmup=False)
     full = {}
     for name, lm in (("base", smollm2), ("q", q8)):
         rows = []
