@@ -79,8 +79,8 @@ def run(args) -> int:
     batch = check_args(args)
     base = kld.Base.load(args.kl_divergence_base) if args.kl_divergence else None
     text = read_prompt(args) if args.file is not None else None
-    # every pass is a prompt's (T > 1): warm the prefill's kernels, not a decode step's that never runs
-    # (a first run compiled one for nothing: ~20 s on 2 cores for Gemma 3's F16 file)
+    # every pass is a prompt's (T > 1): warm the prefill's kernels, not a decode step's, which a first
+    # run would compile for nothing
     lm = load_model(**model_options(args), warmup=False)
     lm.warm_up(prefill=True, cold=True)
     n_ctx = base.n_ctx if base is not None else args.ctx_size
