@@ -177,7 +177,7 @@ class Tokenizer:
         try:
             text = path.read_text(encoding="utf-8")
             spec = json.loads(text)
-            backend = _Backend.from_str(text)  # the file's own text: dumping `spec` again took 0.85 s for Gemma's 33 MB
+            backend = _Backend.from_str(text)  # the file's own text, not `spec` dumped again (5fb09d6 measured it)
         except Exception as e:  # json's ValueError, or the plain Exception tokenizers raises on a bad spec
             raise ModelFormatError(f"{path}: not a tokenizers JSON file ({e})") from None
         folder = path.parent
