@@ -80,7 +80,7 @@ def spec_table(models: dict, names: list, threads: int, n_gen: int, reps: int, n
     """The table; with `draft` (a name of `models`), that model drafts instead of prompt lookup."""
     peer = "llama.cpp" in peers
     how = (f"a draft model ({draft}, --draft-max {draft_max}, adaptive k)" if draft else
-           f"prompt lookup (--lookup-ngram {ngram} --draft-max {draft_max}, adaptive k)")
+           f"prompt lookup (--lookup-ngram {ngram} --draft-max {draft_max}, paused while it does not pay)")
     kind = "draft" if draft else "lookup"
     lines = [f"## Speculative decoding: {how} vs plain, greedy, {n_gen} tokens, {threads} threads, median of "
              f"{reps} alternating runs\n",

@@ -43,7 +43,8 @@ assert MAX_DRAFT < RING_SLACK  # the pass must also fit a sliding-window ring's 
 class SpeculativeConfig:
     """lookup_ngram: prompt lookup matching the newest n-grams of up to this many tokens (0: off);
     draft_model: a DecoderModel (or an LM) drafting instead; draft_max: tokens proposed per step at
-    most; adaptive: shrink k after refusals and draft less while drafting does not pay."""
+    most; adaptive: draft less while drafting does not pay, and (a draft model, a batch's
+    sequences) shrink k after refusals (Throttle)."""
     lookup_ngram: int = 0
     draft_max: int = MAX_DRAFT
     draft_model: object = None
@@ -176,15 +177,20 @@ def accept_sampled(p_dists: list, draft: list, q_dists: list, rng) -> tuple[list
 
 class Throttle:
     """Adaptive k: after a step that kept a of k drafts, k becomes a + 1 (or 2k when all were
-    kept), within 1 .. draft_max. And drafting is skipped for a while when a speculative step has
+    kept), within 1 .. draft_max - where drafting itself costs per token (a draft model's steps)
+    or the pass's rows are shared (a batch's sequences: `sizes_k`). One sequence's prompt lookup
+    keeps k at draft_max: its proposal costs nothing to make, its length is its match's, and the
+    next one comes from another match, so a refusal says little about it (a replay of pyml-bench
+    --spec's prompts through both rules: docs/speculative.md, "Choosing the drafts").
+    And drafting is skipped for a while when a speculative step has
     cost more per token than a plain step (free text, where lookups seldom hit): the pause doubles
     each time it does not pay (up to 64 steps) and ends when it pays again. A plain step is timed
     every PLAIN_EVERY steps, so the comparison follows the cache's growing depth."""
 
     PLAIN_EVERY = 64
 
-    def __init__(self, draft_max: int, adaptive: bool):
-        self.k, self.k_max, self.adaptive = draft_max, draft_max, adaptive
+    def __init__(self, draft_max: int, adaptive: bool, sizes_k: bool = True):
+        self.k, self.k_max, self.adaptive, self.sizes_k = draft_max, draft_max, adaptive, sizes_k
         self.plain_s = None   # seconds per token of a plain step (moving average)
         self.skip, self.pause, self.since_plain = 0, 1, 0
 
@@ -206,7 +212,8 @@ class Throttle:
         self.since_plain += 1
         if not self.adaptive:
             return
-        self.k = min(self.k_max, 2 * self.k) if kept == drafted else max(1, kept + 1)
+        if self.sizes_k:
+            self.k = min(self.k_max, 2 * self.k) if kept == drafted else max(1, kept + 1)
         if self.plain_s is not None and seconds / produced > self.plain_s:
             self.skip, self.pause = self.pause, min(64, 2 * self.pause)
         else:
@@ -224,7 +231,7 @@ class Speculator:
             self.drafter = DraftModel(draft_model, max_len)
         else:
             self.drafter = PromptLookup(config.lookup_ngram)
-        self.throttle = Throttle(config.draft_max, config.adaptive)
+        self.throttle = Throttle(config.draft_max, config.adaptive, sizes_k=draft_model is not None)
 
     def step(self, token: int, kv, cached: list, history: list, sampler, budget: int) -> list:
         """Feed `token` (chosen, not yet cached) and return the tokens chosen after it (at least

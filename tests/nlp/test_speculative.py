@@ -13,6 +13,7 @@ from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache
 from pyml.nlp.sampling import SamplingConfig
+from pyml.nlp import speculative
 from pyml.nlp.speculative import PromptLookup, SpeculativeConfig, accept_sampled
 
 # a prompt that repeats itself, so lookups hit (and a tiny random model often loops, so they go on hitting)
@@ -90,6 +91,29 @@ def test_greedy_draft_model_is_token_identical(tmp_path):
             assert spec.tokens == plain.tokens and spec.drafted
             if kept:
                 assert spec.accepted == spec.drafted
+
+
+def test_a_refused_lookup_draft_leaves_k_alone_a_draft_models_shrinks(tmp_path, monkeypatch):
+    # Prompt lookup's next proposal comes from another match, so a refusal keeps k at draft_max;
+    # a draft model's tokens each cost a step of it, so there k follows the kept count (Throttle).
+    seen = []
+    speculated = speculative.Throttle.speculated
+
+    def spy(self, seconds, produced, drafted, kept):
+        speculated(self, seconds, produced, drafted, kept)
+        seen.append((drafted, kept, self.k))
+
+    monkeypatch.setattr(speculative.Throttle, "speculated", spy)
+    target, other = _llama(tmp_path, 0), _llama(tmp_path, 1)
+    for spec_config, shrinks in ((SpeculativeConfig(lookup_ngram=3, draft_max=4), False),
+                                 (SpeculativeConfig(draft_model=other, draft_max=4), True)):
+        seen.clear()
+        for prompt in PROMPTS:
+            plain, spec = _both(target, prompt, 40, spec_config)
+            assert spec.tokens == plain.tokens
+        refused = [k for drafted, kept, k in seen if kept < drafted]
+        assert refused  # the rule was put to the test
+        assert (min(refused) < 4) == shrinks
 
 
 def test_speculation_stops_where_plain_decoding_does(model):
