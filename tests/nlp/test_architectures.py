@@ -121,18 +121,29 @@ def test_a_batch_equals_each_sequence_alone(case):
     check_batch_equals_alone(lm.model, prompts, kv_type="f32", join_at=1, max_len=64)
 
 
-def test_greedy_speculation_equals_plain_decoding(case):
-    """Each architecture's speculative decoding (prompt lookup; its verify pass a batched step of one
-    sequence, nlp/speculative.py): the tokens of plain greedy decoding, with drafts made and kept."""
+def test_greedy_speculation_equals_plain_decoding(case, tmp_path):
+    """Each architecture's speculative decoding (its verify pass a batched step of one sequence,
+    nlp/speculative.py), with prompt lookup and with a draft model of the same architecture whose
+    weights are the target's perturbed by 30%: the tokens of plain greedy decoding, with drafts made
+    (kept always, sometimes or never, by architecture: `-s` prints the counts)."""
     from pyml.nlp.generator import GenerationResult, Generator
     from pyml.nlp.speculative import SpeculativeConfig
     lm = pyml.load_model(safetensors=str(case[1]), threads=2, kv_type="f32", float_compute="f32")
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(case[1], draft_dir)
+    rng = np.random.default_rng(1)
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    save_file({k: (v * (1 + 0.3 * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in tensors.items()},
+              str(draft_dir / "model.safetensors"), metadata={"format": "pt"})
+    draft = pyml.load_model(safetensors=str(draft_dir), threads=2, kv_type="f32", float_compute="f32")
     prompt = IDS + IDS[:8] + IDS + IDS[:6]  # repeats; one-token matches draft too, so every reply drafts
     plain = Generator(lm.model).generate(prompt, 40)
-    res = GenerationResult(list(prompt))
-    spec = Generator(lm.model).generate(prompt, 40, result=res, speculative=SpeculativeConfig(
-        lookup_ngram=1, draft_max=6, adaptive=False))
-    assert spec.tokens == plain.tokens and res.drafted > 0
+    for drafter in (dict(lookup_ngram=1), dict(draft_model=draft.model)):
+        res = GenerationResult(list(prompt))
+        spec = Generator(lm.model).generate(prompt, 40, result=res, speculative=SpeculativeConfig(
+            **drafter, draft_max=6, adaptive=False))
+        assert spec.tokens == plain.tokens and res.drafted > 0, drafter
+        print(f"\n[{case[0]}] {drafter}: kept {res.accepted} of {res.drafted}")
 
 
 def test_greedy_batched_speculation_equals_plain_batch(case):
