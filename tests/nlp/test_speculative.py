@@ -27,16 +27,19 @@ def _llama(d, seed=0):
     return load_model(gguf=str(write_llama_gguf(d / f"m{seed}.gguf", "llama-tiny", "f32", seed=seed)), threads=1).model
 
 
+def _tiny(arch, d, seed=0):
+    if arch == "gpt2":
+        return load_model(safetensors=str(write_gpt2(d / f"gpt2-{seed}", "gpt2-tiny", seed=seed)), threads=1).model
+    if arch == "llama":
+        return _llama(d, seed)
+    # a context longer than window + RING_SLACK: the sliding layers keep rings, which wrap below
+    return load_model(safetensors=str(write_gemma3(d / f"gemma3-{seed}", "gemma3-tiny", seed=seed,
+                                                   max_position_embeddings=1024)), threads=1).model
+
+
 @pytest.fixture(scope="module", params=["gpt2", "llama", "gemma3"])
 def model(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(request.param)
-    if request.param == "gpt2":
-        return load_model(safetensors=str(write_gpt2(d, "gpt2-tiny")), threads=1).model
-    if request.param == "llama":
-        return _llama(d)
-    # a context longer than window + RING_SLACK: the sliding layers keep rings, which wrap below
-    return load_model(safetensors=str(write_gemma3(d, "gemma3-tiny", max_position_embeddings=1024)),
-                      threads=1).model
+    return _tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _both(model, prompt, n, spec, cache=None, spec_cache=None, sampling=SamplingConfig()):
@@ -82,8 +85,8 @@ def test_sliding_window_rings_wrap_during_speculation(tmp_path):
     assert spec.tokens == plain.tokens and spec.accepted and spec_kv.length > min(spec_kv.slots)  # past a ring
 
 
-def test_greedy_draft_model_is_token_identical(tmp_path):
-    target, other = _llama(tmp_path, 0), _llama(tmp_path, 1)
+def test_greedy_draft_model_is_token_identical(model, tmp_path):
+    target, other = model, _tiny(model.arch, tmp_path, seed=1)
     for draft, kept in ((other, False), (target, True)):  # a poor drafter (rejections) and a perfect one
         spec_config = SpeculativeConfig(draft_model=draft, draft_max=4, adaptive=False)
         for prompt in PROMPTS:
