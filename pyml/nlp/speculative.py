@@ -176,16 +176,15 @@ def accept_sampled(p_dists: list, draft: list, q_dists: list, rng) -> tuple[list
 
 
 class Throttle:
-    """Adaptive k: after a step that kept a of k drafts, k becomes a + 1 (or 2k when all were
-    kept), within 1 .. draft_max - where drafting itself costs per token (a draft model's steps)
-    or the pass's rows are shared (a batch's sequences: `sizes_k`). One sequence's prompt lookup
-    keeps k at draft_max: its proposal costs nothing to make, its length is its match's, and the
-    next one comes from another match, so a refusal says little about it (a replay of pyml-bench
-    --spec's prompts through both rules: docs/speculative.md, "Choosing the drafts").
-    And drafting is skipped for a while when a speculative step has
-    cost more per token than a plain step (free text, where lookups seldom hit): the pause doubles
-    each time it does not pay (up to 64 steps) and ends when it pays again. A plain step is timed
-    every PLAIN_EVERY steps, so the comparison follows the cache's growing depth."""
+    """How much to draft. k: after a step that kept a of k drafts, k becomes a + 1 (or 2k when all
+    were kept), within 1 .. draft_max, where drafting costs per token (a draft model's steps) or a
+    pass's rows are shared (a batch's sequences) - `sizes_k`. One sequence's prompt lookup keeps k
+    at draft_max: a proposal costs nothing to make, its length is its match's, and the next one
+    comes from another match, so a refusal says little about it (docs/speculative.md, "Choosing the
+    drafts"). And drafting is skipped for a while when a speculative step has cost more per token
+    than a plain step (free text, where lookups seldom hit): the pause doubles each time it does
+    not pay (up to 64 steps) and ends when it pays again. A plain step is timed every PLAIN_EVERY
+    steps, so the comparison follows the cache's growing depth."""
 
     PLAIN_EVERY = 64
 
