@@ -138,7 +138,9 @@ class BatchGenerator:
                 request.top, request.result.logprobs = logprobs, []
             if self.speculative is not None:
                 request.lookup = PromptLookup(self.speculative.lookup_ngram)
-                request.throttle = Throttle(self.speculative.draft_max, self.speculative.adaptive)
+                # alone in the batch (one slot), a sequence's rows are its own: k as Speculator's lookup keeps it
+                request.throttle = Throttle(self.speculative.draft_max, self.speculative.adaptive,
+                                            sizes_k=self.pool.n_seqs > 1)
             self._submitted += 1
             requests.append(request)
         if max_new_tokens == 0 and not echo:

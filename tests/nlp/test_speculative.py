@@ -11,6 +11,7 @@ from pyml.cli.bench_spec import PROMPTS as BENCH_PROMPTS
 from pyml.cli.standins import write_gemma3, write_gpt2, write_llama_gguf
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
+from pyml.nlp.batch_generator import BatchGenerator
 from pyml.nlp.generator import GenerationResult, Generator, PromptCache
 from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp import speculative
@@ -104,7 +105,12 @@ def test_a_refused_lookup_draft_leaves_k_alone_a_draft_models_shrinks(tmp_path, 
 
     def spy(self, seconds, produced, drafted, kept):
         speculated(self, seconds, produced, drafted, kept)
-        seen.append((drafted, kept, self.k))
+        seen.append((self, drafted, kept, self.k))
+
+    def check(shrinks, ignore=None):
+        refused = [k for throttle, drafted, kept, k in seen if kept < drafted and throttle is not ignore]
+        assert refused  # the rule was put to the test
+        assert (min(refused) < 4) == shrinks
 
     monkeypatch.setattr(speculative.Throttle, "speculated", spy)
     target, other = _llama(tmp_path, 0), _llama(tmp_path, 1)
@@ -114,9 +120,15 @@ def test_a_refused_lookup_draft_leaves_k_alone_a_draft_models_shrinks(tmp_path, 
         for prompt in PROMPTS:
             plain, spec = _both(target, prompt, 40, spec_config)
             assert spec.tokens == plain.tokens
-        refused = [k for drafted, kept, k in seen if kept < drafted]
-        assert refused  # the rule was put to the test
-        assert (min(refused) < 4) == shrinks
+        check(shrinks)
+    # a batch's sequences share its verify pass's rows: their k shrinks, unless the batch has one slot
+    for slots in (1, 2):
+        seen.clear()
+        gen = BatchGenerator(target, slots, 64, speculative=SpeculativeConfig(lookup_ngram=3, draft_max=4))
+        for prompt in PROMPTS:
+            gen.submit(prompt, 40)
+        list(gen.run())
+        check(slots > 1, ignore=gen.throttle)  # the batch's own throttle times steps; its k sizes nothing
 
 
 def test_speculation_stops_where_plain_decoding_does(model):
