@@ -50,38 +50,11 @@ from pyml.core import ops, perf
 from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.api import load_model
-from pyml.report.machine import git_info, machine_info
+from pyml.report.machine import git_info, machine_info, read_bandwidth
 from pyml.report.timing import RecordSink
 
 
 # --- measurements -------------------------------------------------------------------
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _sum(a):  # a [chunks, 16384]: each chunk summed in float32 vector lanes (fastmath lets LLVM reorder)
-    total = 0.0
-    for i in numba.prange(a.shape[0]):
-        row = a[i]
-        s = np.float32(0.0)
-        for j in range(row.shape[0]):
-            s += row[j]
-        total += s
-    return total
-
-
-def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """Bytes/s reading a large float32 array with all threads (best of reps). The sum is
-    vectorised: a scalar float64 reduction is add-latency bound at ~8 GB/s, not memory bound."""
-    a = np.ones(int(gib * (1 << 30)) // 4, np.float32).reshape(-1, 16384)
-    _sum(a)
-    best = min(_timed(lambda: _sum(a)) for _ in range(reps))
-    return a.nbytes / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
 
 def weight_bytes_per_token(lm) -> int:
     """Bytes of every matrix a decode step multiplies through (each weight read once)."""

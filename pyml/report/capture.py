@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pyml.core import perf
 from pyml.core.errors import PymlError
-from pyml.report.machine import run_info
+from pyml.report.machine import measure_read_bandwidth, run_info
 from pyml.report.machine_use import MachineSampler
 from pyml.report.records import normalize
 from pyml.report.timing import RecordSink, measure_decode_overhead, measure_timing_overhead
@@ -157,6 +157,7 @@ class Profile:
         self.info["duration_s"] = perf.clock() - self.info["t0"]
         if exc_type is None and self._lm is not None and self.info.get("generation", {}).get("decode_steps"):
             self.info["overhead"] = measure_decode_overhead(self._lm)
+            self.info["read_bandwidth"] = measure_read_bandwidth()
             self._lm = None
         self.info["events"] = self.events
         self.info["status"] = "ok" if exc_type is None else f"ended by {exc_type.__name__}"

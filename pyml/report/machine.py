@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numba
@@ -57,6 +58,39 @@ def machine_info() -> dict:
             "numpy": numpy.__version__, "numba": numba.__version__, "pyml": __version__, "blas": blas,
             "numba_threads": numba.get_num_threads(), "isa": isa.ISA,
             "isa_supported": list(isa.supported(isa.HOST_FEATURES))}
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _sum(a):  # a [chunks, 16384]: each chunk summed in float32 vector lanes (fastmath lets LLVM reorder)
+    total = 0.0
+    for i in numba.prange(a.shape[0]):
+        row = a[i]
+        s = numpy.float32(0.0)
+        for j in range(row.shape[0]):
+            s += row[j]
+        total += s
+    return total
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s reading a large float32 array with Numba's current thread count (best of reps): the
+    ceiling a decode step that reads its weights once is measured against. The sum is vectorised:
+    a scalar float64 reduction is add-latency bound, not memory bound."""
+    a = numpy.ones(int(gib * (1 << 30)) // 4, numpy.float32).reshape(-1, 16384)
+    _sum(a)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _sum(a)
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def measure_read_bandwidth(gib: float = 0.25) -> dict:
+    """run.json's "read_bandwidth": what this machine reads at the run's thread count, measured as a
+    profile ends (a decode step's weights against it: the report's matmul section)."""
+    return {"gb_s": read_bandwidth(gib, reps=3) / 1e9, "threads": numba.get_num_threads(),
+            "bytes": int(gib * (1 << 30))}
 
 
 def git_info() -> dict | None:

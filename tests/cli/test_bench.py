@@ -54,7 +54,7 @@ def test_bandwidth_probe_reads_in_vector_lanes():
     a loaded machine cannot promise."""
     import numpy as np
     import numba
-    from pyml.cli.pyml_bench import _sum
+    from pyml.report.machine import _sum
     # numba returns no machine code for a function loaded from its cache (CI's warm run): compile a
     # fresh copy with the probe's own options
     options = {k: v for k, v in _sum.targetoptions.items() if k not in ("cache", "nopython")}

@@ -111,6 +111,24 @@ def test_profile_directory_holds_events_and_run_info(profiled):
     assert dec["wall_s"] > 0 and dec["cpu_s"] >= 0 and dec["nivcsw"] >= 0
     assert use["decode_steps"]["step"] == [1, 2, 3, 4, 5]
     assert info["warmup_s"] > 0 and "compile_s" in info
+    # the ceiling the decode step's weights are read against, at the run's thread count
+    read = info["read_bandwidth"]
+    assert read["gb_s"] > 0 and read["threads"] == info["threads"] and read["bytes"] >= 256 << 20
+
+
+def test_the_report_gives_the_weights_share_of_the_measured_read_bandwidth(profiled, tmp_path):
+    run = load_run(profiled / "warm")
+    write_reports(run, tmp_path, formats=("md",), plots=False, log=None)
+    text = (tmp_path / "report.md").read_text()
+    read = run.info["read_bandwidth"]
+    achieved = float(re.search(r"= \*\*([0-9.]+) GB/s\*\* achieved", text).group(1))
+    share = re.search(r"(\d+)% of the ([0-9.]+) GB/s this machine read at the run's end", text)
+    assert share, text
+    assert float(share.group(2)) == pytest.approx(read["gb_s"], rel=1e-2)
+    assert int(share.group(1)) == pytest.approx(100 * achieved / read["gb_s"], abs=1)
+    del run.info["read_bandwidth"]  # a run.json from before the measurement: said, not guessed
+    write_reports(run, tmp_path, formats=("md",), plots=False, log=None)
+    assert "no read bandwidth was measured for this run" in (tmp_path / "report.md").read_text()
 
 
 def test_the_report_states_what_the_recording_added_to_this_run(profiled, tmp_path):
