@@ -27,6 +27,7 @@ numba_runtime.install()  # before any kernel loads: Numba's runtime module from 
 
 _LAUNCH_LOCK = threading.Lock()
 _warned: list = []  # the PYML_ISA warning is said once per process
+_warned_threads: set = set()  # thread counts past the pool's size already said
 _layer = None  # Numba's threading layer, once a parallel kernel has chosen it
 
 
@@ -83,6 +84,8 @@ class RuntimeConfig:
     def __post_init__(self):
         if self.threads < 1:
             raise PymlError(f"--threads must be at least 1, got {self.threads}")
+        # Numba's pool has NUMBA_NUM_THREADS threads (the machine's CPUs unless set) for the process's life
+        self.asked = self.threads
         self.threads = min(self.threads, numba.config.NUMBA_NUM_THREADS)
 
     def apply(self) -> "RuntimeConfig":
@@ -91,6 +94,10 @@ class RuntimeConfig:
         if isa.ISA_WARNING and not _warned:
             _warned.append(True)
             _perf.logger.warning("%s", isa.ISA_WARNING)
+        if self.asked > self.threads and self.asked not in _warned_threads:
+            _warned_threads.add(self.asked)
+            _perf.logger.warning("--threads %d: this process can run at most %d kernel threads "
+                                 "(NUMBA_NUM_THREADS); using %d", self.asked, self.threads, self.threads)
         numba.set_num_threads(self.threads)
         self.set_blas_threads(self.threads)
         return self

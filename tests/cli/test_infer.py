@@ -194,6 +194,15 @@ def test_bad_flag_values(tiny, flag, value, needle):
     one_line_error(in_process("--safetensors", str(tiny), flag, value), needle)
 
 
+def test_more_threads_than_the_pool_has_are_said_not_silently_capped(tiny):
+    over = numba.config.NUMBA_NUM_THREADS + 3
+    proc = in_process("--safetensors", str(tiny), "-p", "Hello", "-n", "1", "--threads", str(over))
+    assert proc.returncode == 0, proc.stderr
+    pool = numba.config.NUMBA_NUM_THREADS
+    assert f"--threads {over}: this process can run at most {pool} kernel threads" in proc.stderr
+    assert f"threads {pool}]" in proc.stderr
+
+
 def test_unknown_flag_and_bad_log_level(tiny):
     one_line_error(in_process("--bogus"), "unrecognized arguments: --bogus")
     one_line_error(in_process("--safetensors", str(tiny), "--log", "loud"), "unknown log level 'loud'")
