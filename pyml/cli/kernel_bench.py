@@ -4,7 +4,7 @@
 
 T == 1 cycles through enough copies of each matrix (>= 256 MB) that weights come from
 memory, not cache, as in a real model; GB/s = stored weight bytes / time (best of several
-rounds). Baselines printed first: a streaming byte-sum (the memory ceiling for a kernel
+rounds). Baselines printed first: a streaming read (report/machine.py's, the memory ceiling for a kernel
 that reads its weights once), the core's float32 FMA, int8 dot-product and (on the avx512_bf16
 path) bf16 dot-product peaks (independent chains of the instruction, nothing loaded), of which
 each GEMM's rate is given as a share, and NumPy/BLAS float32 GEMM at T == 128. On the avx512_bf16
@@ -21,7 +21,6 @@ import time
 
 import numba
 import numpy as np
-from numba import prange
 
 from threadpoolctl import threadpool_limits
 
@@ -31,6 +30,7 @@ from pyml.core.errors import PymlError
 from pyml.quant import FLOAT_TYPES, QuantType
 from pyml.core.isa import BF16, ZMM
 from pyml.quant.bf16_gemm import dpbf16_regs
+from pyml.report.machine import read_bandwidth
 from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, load_u8x32_pair, store_f32x16, to_f32x16,
                                zeros_f32x16, zeros_i32x16)
 from pyml.core.simd import HAVE_VNNI, add, fma, hsum, load_f32x8, load_u8x32, to_f32, zeros_i32x8
@@ -39,15 +39,6 @@ from pyml.core.simd_int import add_i16, add_i32, as_i8, dpbusd, i16_halves, madd
 INT8_INSTRUCTION = "vpdpbusd" if HAVE_VNNI else "vpmaddubsw"
 
 _COPY_BYTES = 256 << 20
-
-
-@numba.njit(parallel=True, cache=True)
-def _stream_sum(a, out):  # the memory-bandwidth ceiling: read every byte once
-    for r in prange(a.shape[0]):
-        s = np.uint32(0)
-        for i in range(a.shape[1]):
-            s += a[r, i]
-        out[r] = s
 
 
 def _weights(rng, qtype, rows, n_cols):
@@ -307,8 +298,6 @@ def run(args) -> int:
     quant.warmup()
     time.sleep(1.0)  # let BLAS workers started by the warm-up go idle
     rng = np.random.default_rng(0)
-    big = rng.integers(0, 255, (8192, 32768), dtype=np.uint8)  # 256 MB
-    sums = np.empty(big.shape[0], np.uint32)
     a = rng.standard_normal((args.T, 2048), np.float32)
     b = rng.standard_normal((5632, 2048), np.float32)
     global _clock
@@ -318,7 +307,7 @@ def run(args) -> int:
         _clock = time.thread_time if (args.cpu_time and n == 1) else time.perf_counter
         # Numba kernels first, BLAS last: OpenBLAS's workers keep spinning after a call and
         # would slow whatever Numba kernel is timed next (docs/performance.md, "No BLAS in a forward pass").
-        ceiling = big.nbytes / _best(lambda: _stream_sum(big, sums), 5) / 1e9
+        ceiling = read_bandwidth(0.25, reps=5) / 1e9  # the probe a profile's report measures against
         us, bw_us = call_overhead_us()
         rows = {}
         for qtype in qtypes:
@@ -338,7 +327,7 @@ def run(args) -> int:
         blas = 2.0 * args.T * 2048 * 5632 / _best(lambda: a @ b.T, 5) / 1e9
 
         print(f"== {n} thread(s){' (CPU time)' if _clock is time.thread_time else ''}")
-        print(f"memory ceiling (stream sum of 256 MB): {ceiling:6.1f} GB/s")
+        print(f"memory ceiling (a read of 256 MB): {ceiling:6.1f} GB/s")
         print(f"compute peak per core: float32 FMA {fp32_peak:6.1f} GFLOP/s, int8 dot ({INT8_INSTRUCTION}) "
               f"{int8_peak:6.1f} GOP/s" + (f", bf16 dot (vdpbf16ps) {bf16:6.1f} GFLOP/s" if bf16 else "")
               + f"; x{n} threads for the ceilings below")
