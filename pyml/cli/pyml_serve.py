@@ -86,6 +86,8 @@ def check_limits(args) -> Limits:
     for flag, (value, least) in positive.items():
         if value is not None and value < least:
             raise PymlError(f"{flag} must be >= {least}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise PymlError(f"--port must be 0-65535, got {args.port}")
     check_speculative(args)
     if args.parallel is None:
         args.parallel = 1 if args.draft_model is not None else Limits.parallel

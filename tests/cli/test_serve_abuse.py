@@ -301,7 +301,8 @@ def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path)
                                          (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
                                          (["--read-timeout", "-1"], "--read-timeout must be > 0 seconds, got -1"),
                                          (["--max-body", "0"], "--max-body must be >= 1, got 0"),
-                                         (["-n", "0"], "--max-tokens must be >= 1, got 0")])
+                                         (["-n", "0"], "--max-tokens must be >= 1, got 0"),
+                                         (["--port", "99999"], "--port must be 0-65535, got 99999")])
 def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
     done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
                           env=serve_env(), capture_output=True, text=True, timeout=120)
