@@ -78,6 +78,8 @@ def sampling_options(args: argparse.Namespace) -> dict:
         raise PymlError(f"--seed must be >= 0, got {args.seed}")
     for stop in args.stop:
         check_text(stop, "--stop")
+        if not stop:
+            raise PymlError("--stop is empty: give the text to end the reply at")
     if args.system is not None:
         check_text(args.system, "--system")
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -74,6 +74,9 @@ def _generate(args, prompt: str, options: dict, prof, grammar: tuple[str, str] |
     lm = load_model(**model_options(args), warmup=not args.no_warmup, lm_head_quant=args.lm_head_quant)
     if prof is not None:
         prof.set_model(lm)
+    if args.ctx_size is not None and args.ctx_size > lm.model.max_positions:  # the cache stops at the window
+        say(f"pyml-infer: -c {args.ctx_size} is past the model's window of {lm.model.max_positions} positions; "
+            f"using {lm.model.max_positions}")
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = lm.chat_prompt(system + [{"role": "user", "content": prompt}])

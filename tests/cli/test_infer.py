@@ -175,6 +175,13 @@ def test_generation_stops_at_the_context_window(tiny):
     assert "stopped at the context size (32 tokens" in proc.stderr
 
 
+def test_a_context_past_the_models_window_is_said_and_capped(tiny):
+    proc = in_process("--safetensors", str(tiny), "--prompt", "x" * 30, "--max-tokens", "10", "-c", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert "pyml-infer: -c 100 is past the model's window of 32 positions; using 32" in proc.stderr
+    assert "generated 3 tokens" in proc.stderr
+
+
 def test_context_shift_goes_on_past_a_full_cache(tiny):
     proc = in_process("--safetensors", str(tiny), "-p", "x" * 6, "-n", "20", "-c", "12", "--context-shift",
                    "--keep", "2", "--json")
@@ -189,6 +196,7 @@ def test_context_shift_goes_on_past_a_full_cache(tiny):
                                                ("--temperature", "-0.5", "--temperature must be >= 0"),
                                                ("--top-p", "0", "--top-p"),
                                                ("--threads", "0", "--threads"),
+                                               ("--stop", "", "--stop is empty"),
                                                ("--seed", "-1", "--seed must be >= 0, got -1")])
 def test_bad_flag_values(tiny, flag, value, needle):
     one_line_error(in_process("--safetensors", str(tiny), flag, value), needle)
