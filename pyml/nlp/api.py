@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import operator
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -130,6 +131,10 @@ class LanguageModel:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer().encode(text)
 
+    def _prompt_ids(self, prompt, what: str = "the prompt") -> list[int]:
+        """Text encoded as `encode` does; token ids taken as they are."""
+        return self.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt, what)
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer().decode([int(i) for i in ids], skip_special_tokens)
 
@@ -159,7 +164,7 @@ class LanguageModel:
         `result.logprobs` (as each token's event comes); `echo`: the prompt's in `result.prompt_logprobs`.
         The prompt and the options are checked here, before the first event is asked for.
         """
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self._prompt_ids(prompt)
         if speculative is not None and isinstance(speculative.draft_model, LanguageModel):
             self._check_draft(speculative.draft_model)
         if json_schema is not None or grammar is not None:
@@ -214,12 +219,12 @@ class LanguageModel:
         """Each token's log-probability given the ones before it, for `text` (text or ids), or for
         `continuation` after the context `text` (`Score.logprob`: its log-likelihood; `is_greedy`).
         Text is encoded as `encode` does; a continuation without special tokens (no second BOS)."""
-        context = self.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        context = self._prompt_ids(text, "the text")
         if continuation is None:
             more = []
         else:
             more = (self._tokenizer().encode(continuation, add_special_tokens=False)
-                    if isinstance(continuation, str) else [int(t) for t in continuation])
+                    if isinstance(continuation, str) else as_token_ids(continuation, "the continuation"))
         ids = check_prompt(self.model, context + more, 0)
         if len(ids) > self.model.max_positions:
             raise PymlError(f"the text is {len(ids)} tokens, longer than the model's context window of "
@@ -247,7 +252,7 @@ class LanguageModel:
                                    "`speculative`), not a per-prompt option")
         if options is not None and len(options) != len(prompts):
             raise PymlError(f"{len(options)} option sets for {len(prompts)} prompts")
-        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        ids = [self._prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         asks = [{"max_tokens": max_tokens, "stop": stop, **sampling, **(options[i] if options else {})}
                 for i in range(len(ids))]
         longest = max(len(i) + a["max_tokens"] for i, a in zip(ids, asks))
@@ -321,6 +326,15 @@ class LanguageModel:
         if self.tokenizer is None:
             raise PymlError(f"{self.source}: no tokenizer found beside the model")
         return self.tokenizer
+
+
+def as_token_ids(seq, what: str) -> list[int]:
+    """A sequence of token ids as a list of ints, or PymlError naming `what` when it is not one."""
+    try:
+        return [operator.index(t) for t in seq]
+    except TypeError:
+        raise PymlError(f"{what} must be text or a sequence of token ids (integers), got "
+                        f"{type(seq).__name__}") from None
 
 
 class TextOut:

@@ -73,6 +73,17 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused(tiny_lm, bad):
         tiny_lm.generate([1, bad, 2], max_tokens=2)
 
 
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_named(tiny_lm):
+    # was a TypeError from inside the generator ("'int' object is not iterable"); 2.0 was taken as id 2
+    with pytest.raises(PymlError, match="^the prompt must be text or a sequence of token ids .integers., got int$"):
+        tiny_lm.generate(7, max_tokens=2)
+    with pytest.raises(PymlError, match="^prompt 1 must be text or a sequence of token ids .integers., got list$"):
+        tiny_lm.generate_batch([[1, 2], [1, 2.0]], max_tokens=2)
+    with pytest.raises(PymlError, match="^the continuation must be text or a sequence .*, got float$"):
+        tiny_lm.score([1, 2], 0.5)
+    assert tiny_lm.generate(np.array([1, 2]), max_tokens=1).prompt_tokens == [1, 2]
+
+
 # --- UTF-8 at token boundaries ---------------------------------------------------------------
 # é = C3 A9 and € = E2 82 AC each split over byte tokens, an invalid byte FF, then a lone C3 at the end
 SCRIPT = [0xC3, 0xA9, ord("a"), 0xE2, 0x82, 0xAC, 0xFF, ord("b"), 0xC3]
