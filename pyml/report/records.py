@@ -409,13 +409,30 @@ def _model_from_records(records) -> dict:
     return {"source": load.details} if load else {}
 
 
+_NUMBER = (int, float)
+# the types capture.py writes run.json's fields as (null allowed): an edited or damaged file is named, not a crash
+RUN_FIELDS = {"threads": int, "events": int, "main_thread": int, "warmup": bool, "t0": _NUMBER,
+              "load_s": _NUMBER, "warmup_s": _NUMBER, "compile_s": _NUMBER, "duration_s": _NUMBER,
+              "started": str, "status": str, "cwd": str, "command": list,
+              **dict.fromkeys(("timing", "model", "generation", "machine_use", "overhead", "read_bandwidth",
+                               "env", "machine", "git"), dict)}
+
+
 def _read_info(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        info = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ReportInputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(info, dict):
+        raise ReportInputError(f"{path}: not a run description (a JSON {type(info).__name__}, not an object)")
+    for key, kind in RUN_FIELDS.items():
+        value = info.get(key)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise ReportInputError(f"{path}: \"{key}\" is a {type(value).__name__}, where pyml writes "
+                                   f"{' or '.join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))}")
+    return info
 
 
 def load_run(path) -> Run:

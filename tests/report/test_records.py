@@ -158,6 +158,23 @@ def test_bad_events_file_names_the_line(tmp_path, text, message):
     assert "\n" not in str(e.value) and isinstance(e.value, PymlError)
 
 
+@pytest.mark.parametrize("info, message", [
+    ("[1, 2]", r"run.json: not a run description \(a JSON list, not an object\)"),
+    ('{"threads": "two"}', r'run.json: "threads" is a str, where pyml writes int'),
+    ('{"threads": true}', r'run.json: "threads" is a bool, where pyml writes int'),
+    ('{"read_bandwidth": 27.1}', r'run.json: "read_bandwidth" is a float, where pyml writes dict'),
+    ('{"load_s": "1 s"}', r'run.json: "load_s" is a str, where pyml writes int or float'),
+])
+def test_a_run_json_of_other_types_than_pyml_writes_is_named(tmp_path, info, message):
+    # these were AttributeError / TypeError from the report's sections ("internal error")
+    (tmp_path / "events.jsonl").write_text('{"id": 1, "name": "x", "dur_ms": 1.0, "start": 0.0}\n')
+    (tmp_path / "run.json").write_text(info)
+    with pytest.raises(PymlError, match=message):
+        load_run(tmp_path)
+    (tmp_path / "run.json").write_text('{"threads": 2, "warmup_s": null, "read_bandwidth": {"gb_s": 27.1}}')
+    assert load_run(tmp_path).info["threads"] == 2
+
+
 def test_bad_log_names_the_line(tmp_path):
     good = to_log(emit(generation(1))).splitlines()
     log = tmp_path / "run.log"
