@@ -118,7 +118,7 @@ def _batch(args, jobs: list, errors: list) -> int:
     say(tally.summary(len(jobs) - len(todo), where))
     if prof is not None:
         say(f"pyml-batch: profile in {args.profile}: " + ", ".join(p.name for p in prof.written))
-    return 0
+    return 1 if tally.errors else 0  # every line is written either way; a script learns that some failed
 
 
 def _run_here(args, jobs, writer, tally, prof) -> str:

@@ -75,7 +75,7 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys,
         json.dumps({"id": "short", "prompt": "Hello there", "max_tokens": 2}), ""])
     out = tmp_path / "out.jsonl"
     assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "6", "-t", "1",
-                            "--batch", str(batch)]) == 0
+                            "--batch", str(batch)]) == 1  # three lines failed
     lines = read_output(out)
     assert [o.get("id") for o in lines] == ["a", "b", None, "long", "a", "short", 3, "d"]
     assert lines[2] == {"line": 3, "error": lines[2]["error"]} and "not a JSON object" in lines[2]["error"]

@@ -44,7 +44,7 @@ def batch_in(tmp_path_factory):
 def sequential(tiny, batch_in, tmp_path_factory):
     """The one-process batch's output lines (tests/cli/test_batch.py checks them against the library)."""
     out = tmp_path_factory.mktemp("seq") / "out.jsonl"
-    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "-t", "1"]) == 0
+    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "-t", "1"]) == 1  # its two bad lines
     return read_output(out)
 
 
@@ -61,7 +61,7 @@ def test_two_workers_give_the_sequential_texts_in_input_order(local_ray, tiny, b
                                                                capsys):
     out, prof = tmp_path / "out.jsonl", tmp_path / "prof"
     assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray",
-                            "--workers", "2", "--profile", str(prof)]) == 0
+                            "--workers", "2", "--profile", str(prof)]) == 1
     got = read_output(out)
     assert without_timings(got) == without_timings(sequential)
     assert [o.get("id") for o in got] == ["p0", "p1", "p2", None, "long", "p3", "p4", "p5", "p6", "p7"]
@@ -87,7 +87,7 @@ def test_workers_that_batch_give_the_sequential_texts(local_ray, tiny, batch_in,
     the one-process run's, in input order."""
     out = tmp_path / "out.jsonl"
     assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray",
-                            "--workers", "2", "--batch", "3"]) == 0
+                            "--workers", "2", "--batch", "3"]) == 1
     assert without_timings(read_output(out)) == without_timings(sequential)
     err = capsys.readouterr().err
     assert "8 prompts done, 2 errors" in err and "Ray: 2 workers x 1 threads on 1 node, 3 sequences a step each" in err
@@ -105,7 +105,7 @@ def test_a_killed_workers_prompts_are_retried_on_the_other(local_ray, tiny, batc
 
     monkeypatch.setattr(ray_runner.WorkerPool, "_received", kill_the_first_to_answer)
     out = tmp_path / "out.jsonl"
-    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray"]) == 0
+    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray"]) == 1
     assert killed
     assert without_timings(read_output(out)) == without_timings(sequential)
     each = re.search(r"\((\d+), (\d+) prompts each\)", capsys.readouterr().err).groups()
@@ -121,7 +121,7 @@ def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequ
     out = tmp_path / "out.jsonl"
     done = [o for o in sequential if o.get("id") in ("p0", "p4", "p7")]
     out.write_text("".join(json.dumps(o) + "\n" for o in done))
-    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray"]) == 0
+    assert pyml_batch.main([str(batch_in), "--out", str(out), "-m", str(tiny), "-n", "8", "--ray"]) == 1
     assert "5 prompts done, 2 errors, 3 already done" in capsys.readouterr().err
     got = read_output(out)
     assert got[:3] == done
