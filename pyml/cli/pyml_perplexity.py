@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -67,6 +68,11 @@ def check_args(args) -> int:
         raise PymlError("--plot draws the KL divergence: it needs --kl-divergence")
     if not args.kl_divergence and args.file is None:
         raise PymlError("give the text with -f FILE")
+    if args.kl_divergence_base and not args.kl_divergence:  # to be written: refused before the work, not after
+        where = Path(args.kl_divergence_base)
+        if where.is_dir() or not where.parent.is_dir():
+            raise PymlError(f"--kl-divergence-base {where}: " + ("a folder; give the file to write" if where.is_dir()
+                                                                 else f"no folder {where.parent} to write it in"))
     if args.ctx_size < 4:
         raise PymlError(f"-c must be at least 4, got {args.ctx_size}")
     b = args.batch_size if args.batch_size is not None else max(1, DEFAULT_BATCH // args.ctx_size) * args.ctx_size

@@ -151,10 +151,21 @@ def build_parser() -> Parser:
 def run(args) -> int:
     perf.configure(args.log)
     src = hub.resolve_gguf(args.src)
-    if Path(args.dst).resolve() == Path(src).resolve():
+    dst = Path(args.dst)
+    if dst.resolve() == Path(src).resolve():
         raise PymlError("the output would overwrite the input")
-    _, chosen = quantize_gguf(src, args.dst, args.type, progress=sys.stderr.isatty(),
-                              allow_requantize=args.allow_requantize)
+    if dst.is_dir() or not dst.parent.is_dir():
+        raise PymlError(f"{dst}: " + ("a folder; give the output file's path" if dst.is_dir() else
+                                      f"no folder {dst.parent} to write it in"))
+    chosen = {}
+
+    def write(path):  # beside dst, renamed over it once whole: a killed run leaves no half file under its name
+        chosen.update(quantize_gguf(src, path, args.type, progress=sys.stderr.isatty(),
+                                    allow_requantize=args.allow_requantize)[1])
+    try:
+        built_once(dst, write, stale=True)
+    except OSError as e:
+        raise PymlError(f"{dst}: cannot write it: {e.strerror}") from None
     counts = {}
     for qtype in chosen.values():
         counts[qtype.name] = counts.get(qtype.name, 0) + 1

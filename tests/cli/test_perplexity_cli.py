@@ -105,6 +105,9 @@ def test_bad_input_is_one_line(tiny, text_file, tmp_path, capsys):
     one_error(*run(capsys, "-m", tiny, "--kl-divergence")[::2], "--kl-divergence-base")
     one_error(*run(capsys, "-m", tiny, "--kl-divergence-base", str(tmp_path / "none.npz"), "--kl-divergence")[::2],
               "none.npz")
+    one_error(*run(capsys, "-m", tiny, "-f", text_file, "--kl-divergence-base", str(tmp_path / "no" / "b.npz"))[::2],
+              f"no folder {tmp_path / 'no'} to write it in")  # was said after the whole run
+    one_error(*run(capsys, "-m", tiny, "-f", text_file, "--kl-divergence-base", str(tmp_path))[::2], "a folder")
     other = str(write_gpt2(tmp_path / "other", "gpt2-tiny", n_positions=512, vocab_size=600))
     base = tmp_path / "other.npz"
     assert run(capsys, "-m", other, "-f", text_file, "-c", "128", "--kl-divergence-base", str(base))[0] == 0

@@ -74,3 +74,12 @@ def test_a_mix_of_a_quantized_file_is_refused_by_name(smollm2_gguf, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Q4_1" in err[0] and "--allow-requantize" in err[0] and "Traceback" not in err[0]
     assert not dst.exists()
+
+
+def test_an_output_path_with_no_folder_or_that_is_a_folder_is_one_line(smollm2_gguf, tmp_path, capsys):
+    # the missing folder was an internal FileNotFoundError, after the work
+    for dst, said in ((tmp_path / "none" / "x.gguf", f"no folder {tmp_path / 'none'} to write it in"),
+                      (tmp_path, "a folder; give the output file's path")):
+        assert pyml_quantize.main([str(smollm2_gguf), str(dst), "--type", "q8_0"]) == 2
+        assert capsys.readouterr().err.strip() == f"pyml-quantize: error: {dst}: {said}"
+    assert list(tmp_path.iterdir()) == []
