@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 from pyml.core.errors import PymlError, check_text
 from pyml.nlp.api import DEFAULT_MODEL, LanguageModel, load_model
@@ -85,6 +86,17 @@ def sampling_options(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                 ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
+
+
+def check_output_file(path, what: str) -> Path:
+    """An output file's path, refused in one line before any work when it cannot be one: a folder, or
+    in a folder that does not exist (a typo's, not one to make)."""
+    path = Path(path)
+    if path.is_dir():
+        raise PymlError(f"{what}: a folder; give the output file's path")
+    if not path.parent.is_dir():
+        raise PymlError(f"{what}: no folder {path.parent} to write it in")
+    return path
 
 
 def add_speculative_options(p: argparse.ArgumentParser) -> None:

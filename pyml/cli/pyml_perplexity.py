@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, model_options, read_prompt
+from pyml.cli.options import add_model_options, check_output_file, model_options, read_prompt
 from pyml.core import progress
 from pyml.core.errors import PymlError
 from pyml.nlp import kl_divergence as kld
@@ -69,10 +68,7 @@ def check_args(args) -> int:
     if not args.kl_divergence and args.file is None:
         raise PymlError("give the text with -f FILE")
     if args.kl_divergence_base and not args.kl_divergence:  # to be written: refused before the work, not after
-        where = Path(args.kl_divergence_base)
-        if where.is_dir() or not where.parent.is_dir():
-            raise PymlError(f"--kl-divergence-base {where}: " + ("a folder; give the file to write" if where.is_dir()
-                                                                 else f"no folder {where.parent} to write it in"))
+        check_output_file(args.kl_divergence_base, f"--kl-divergence-base {args.kl_divergence_base}")
     if args.ctx_size < 4:
         raise PymlError(f"-c must be at least 4, got {args.ctx_size}")
     b = args.batch_size if args.batch_size is not None else max(1, DEFAULT_BATCH // args.ctx_size) * args.ctx_size

@@ -22,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from pyml import quant
 from pyml.cli.built_once import built_once
 from pyml.cli.main import Parser, run_command, say
+from pyml.cli.options import check_output_file
 from pyml.cli.quant_mix import MIXES, MixPlan, llama_order
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -151,12 +152,9 @@ def build_parser() -> Parser:
 def run(args) -> int:
     perf.configure(args.log)
     src = hub.resolve_gguf(args.src)
-    dst = Path(args.dst)
+    dst = check_output_file(args.dst, args.dst)
     if dst.resolve() == Path(src).resolve():
         raise PymlError("the output would overwrite the input")
-    if dst.is_dir() or not dst.parent.is_dir():
-        raise PymlError(f"{dst}: " + ("a folder; give the output file's path" if dst.is_dir() else
-                                      f"no folder {dst.parent} to write it in"))
     chosen = {}
 
     def write(path):  # beside dst, renamed over it once whole: a killed run leaves no half file under its name
