@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -96,6 +97,20 @@ def check_output_file(path, what: str) -> Path:
         raise PymlError(f"{what}: a folder; give the output file's path")
     if not path.parent.is_dir():
         raise PymlError(f"{what}: no folder {path.parent} to write it in")
+    return path
+
+
+def check_output_folder(path, what: str) -> Path:
+    """An output folder (made later, with its parents), refused in one line before any work when it
+    cannot be made: a file on its way, or a folder this process may not write into."""
+    path = Path(path)
+    for there in (path, *path.parents):
+        if there.exists():
+            if not there.is_dir():
+                raise PymlError(f"{what} {path}: {there} is a file, not a folder")
+            if not os.access(there, os.W_OK | os.X_OK):
+                raise PymlError(f"{what} {path}: cannot write into {there}")
+            break
     return path
 
 

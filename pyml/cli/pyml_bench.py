@@ -46,6 +46,7 @@ from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
 from pyml.cli.bench_spec import spec_table
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
 from pyml.cli.main import Parser, run_command
+from pyml.cli.options import check_output_folder
 from pyml.core import ops, perf
 from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
@@ -529,6 +530,7 @@ def run_bench(args) -> int:
     reps = args.reps if args.reps is not None else 40 if args.log_cost else 5
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
+    check_output_folder(args.out, "--out")  # not found unwritable after the whole run
     if args.batch is not None:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "

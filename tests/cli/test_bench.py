@@ -94,6 +94,8 @@ def test_any_gguf_file_by_its_path(tmp_path, smollm2_gguf):
 def test_bad_flags_are_one_line(tmp_path):
     one_line_error(bench_here("--models", "nope", "--out", str(tmp_path)), "unknown model", "nope")
     one_line_error(bench_here("--peers", "vllm", "--out", str(tmp_path)), "unknown peer", "vllm")
+    (tmp_path / "a-file").write_text("")  # was an internal FileExistsError, after the whole run
+    one_line_error(bench_here("--out", str(tmp_path / "a-file" / "x")), f"{tmp_path / 'a-file'} is a file, not a folder")
 
 
 @pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json

@@ -77,6 +77,13 @@ def test_sweep_rejects_unknown_sizes(capsys):
     assert e.value.code == 2 and "unknown size huge" in capsys.readouterr().err
 
 
+def test_sweep_refuses_an_out_it_cannot_make_before_the_work(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    assert pyml_sweep.main(["--out", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err.strip() == (f"pyml-sweep: error: --out {tmp_path / 'a-file'}: "
+                                               f"{tmp_path / 'a-file'} is a file, not a folder")
+
+
 def test_random_weights_are_float32_and_finite():
     model = pyml_sweep.build_gpt2(pyml_sweep.Shape("t", 32, 64, 1, 2, vocab=50), n_positions=8)
     logits = model.forward(np.arange(8), model.new_cache(8))
