@@ -8,6 +8,7 @@ on a 262K-token vocabulary a full sort costs more than some models' layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,14 +31,14 @@ class SamplingConfig:
     def __post_init__(self):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise PymlError(f"--seed must be an integer >= 0, got {self.seed!r}")  # NumPy's generators refuse others
-        if not self.temperature >= 0:
-            raise PymlError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # inf flattens every logit to 0: uniform noise
+            raise PymlError(f"--temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise PymlError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise PymlError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise PymlError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise PymlError(f"--repetition-penalty must be > 0 and finite, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise PymlError(f"--min-p must be in [0, 1], got {self.min_p}")
         for name in ("frequency_penalty", "presence_penalty"):

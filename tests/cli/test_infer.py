@@ -194,6 +194,8 @@ def test_context_shift_goes_on_past_a_full_cache(tiny):
 
 @pytest.mark.parametrize("flag,value,needle", [("--max-tokens", "-1", "--max-tokens must be >= 0"),
                                                ("--temperature", "-0.5", "--temperature must be >= 0"),
+                                               ("--temperature", "inf", "--temperature must be >= 0 and finite, got inf"),
+                                               ("--repeat-penalty", "inf", "--repetition-penalty must be > 0 and finite"),
                                                ("--top-p", "0", "--top-p"),
                                                ("--threads", "0", "--threads"),
                                                ("--stop", "", "--stop is empty"),
