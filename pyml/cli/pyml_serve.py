@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -97,6 +98,10 @@ def check_limits(args) -> Limits:
     for flag, value in (("--timeout", args.timeout), ("--read-timeout", args.read_timeout)):
         if not value > 0:
             raise PymlError(f"{flag} must be > 0 seconds, got {value:g}")
+        if value == math.inf:
+            raise PymlError(f"{flag} must be finite: every request is bounded")
+    if not args.host.strip():  # the socket would bind every interface
+        raise PymlError("--host is empty: give an address (127.0.0.1: this machine only; 0.0.0.0: every interface)")
     return Limits(max_queue=args.max_queue or 0, max_connections=args.max_connections or 0,
                   max_body=args.max_body, timeout=args.timeout, read_timeout=args.read_timeout,
                   max_tokens=args.max_tokens, parallel=args.parallel)
@@ -119,6 +124,9 @@ def run(args) -> int:
     perf.configure(args.log)
     limits = check_limits(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("PYML_API_KEY")
+    if api_key is not None and not api_key.strip():  # "Bearer " alone would pass: an unset variable's, most likely
+        raise PymlError(("--api-key" if args.api_key is not None else "PYML_API_KEY") + " is empty: give the key, "
+                        "or leave it out for a server without one")
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the OS gave
     lm = runtime.in_passing_thread(load_model, **model_options(args))  # the model thread alone launches kernels

@@ -302,7 +302,12 @@ def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path)
                                          (["--read-timeout", "-1"], "--read-timeout must be > 0 seconds, got -1"),
                                          (["--max-body", "0"], "--max-body must be >= 1, got 0"),
                                          (["-n", "0"], "--max-tokens must be >= 1, got 0"),
-                                         (["--port", "99999"], "--port must be 0-65535, got 99999")])
+                                         (["--port", "99999"], "--port must be 0-65535, got 99999"),
+                                         (["--timeout", "inf"], "--timeout must be finite: every request is bounded"),
+                                         (["--host", ""], "--host is empty: give an address (127.0.0.1: this machine "
+                                                          "only; 0.0.0.0: every interface)"),
+                                         (["--api-key", ""], "--api-key is empty: give the key, or leave it out for "
+                                                             "a server without one")])
 def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
     done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
                           env=serve_env(), capture_output=True, text=True, timeout=120)
