@@ -312,3 +312,11 @@ def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
     done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
                           env=serve_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.splitlines() == [f"pyml-serve: error: {said}"]
+
+
+def test_an_empty_api_key_in_the_environment_is_refused(tmp_path):
+    # an exported but empty PYML_API_KEY made "Bearer " alone the key
+    done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0"],
+                          env=dict(serve_env(), PYML_API_KEY=""), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "pyml-serve: error: PYML_API_KEY is empty: give the key, or leave it out for a server without one"]
