@@ -80,7 +80,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def check_limits(args) -> Limits:
-    """The request limits the flags ask for, or PymlError naming the flag out of range."""
+    """The request limits the flags ask for, or PymlError naming the flag out of range (the listening
+    flags, --port and --host, are checked here too: before the socket and the model)."""
     positive = {"--ctx-size": (args.ctx_size, 2), "--max-tokens": (args.max_tokens, 1),
                 "--max-queue": (args.max_queue, 1), "--max-connections": (args.max_connections, 1),
                 "--max-body": (args.max_body, 1), "--parallel": (args.parallel, 1)}

@@ -324,7 +324,8 @@ def _matmul_section(doc, run):
         read = run.info.get("read_bandwidth") or {}
         ceiling = (f"{achieved / read['gb_s']:.0%} of the {read['gb_s']:.3g} GB/s this machine read at the run's end "
                    f"(a streaming sum over {read['bytes'] / 2**20:,.0f} MiB, {read['threads']} threads)"
-                   if read.get("gb_s") else "no read bandwidth was measured for this run")
+                   if read.get("gb_s") and "bytes" in read and "threads" in read
+                   else "no read bandwidth was measured for this run")
         doc.p(f"All projections: {tot_b / steps / 1e6:,.1f} MB of weights {per} in {ms(tot_ms / steps)} = "
               f"**{achieved:.3g} GB/s** achieved (a decode step reads every weight once): {ceiling}.")
 
