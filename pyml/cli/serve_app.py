@@ -76,11 +76,13 @@ def longest_token_chars(lm: LanguageModel) -> int:
     return max(1, max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)))
 
 
-def usage(results: list) -> dict:
-    """OpenAI's usage of a request's choices: the prompt counted once, every choice's tokens."""
-    n_prompt, n_gen = len(results[0].prompt_tokens), sum(len(r.tokens) for r in results)
+def usage(*prompts: list) -> dict:
+    """OpenAI's usage of a request's choices (a list of results per prompt): each prompt counted
+    once, every choice's tokens."""
+    n_prompt = sum(len(results[0].prompt_tokens) for results in prompts)
+    n_gen = sum(len(r.tokens) for results in prompts for r in results)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(results[0].cached_tokens for results in prompts)}}
 
 
 class Server:
@@ -156,10 +158,11 @@ class Server:
         arrived = time.perf_counter()
         try:
             raw = await read_body(http, self.limits.max_body, self.limits.read_timeout)
-            req, ids = await self._prepared(raw, chat, arrived + self.limits.timeout - time.perf_counter())
-            job = Job(req, ids, asyncio.get_running_loop())
+            prepared = await self._prepared(raw, chat, arrived + self.limits.timeout - time.perf_counter())
+            loop = asyncio.get_running_loop()
+            jobs = [Job(req, ids, loop) for req, ids in prepared]
             try:
-                self.worker.submit(job)
+                self.worker.submit(*jobs)
             except QueueFull as e:
                 raise RequestError(str(e), status=503, kind="server_error", code="queue_full") from None
         except RequestError as e:
@@ -167,13 +170,14 @@ class Server:
             if e.status in (408, 413):  # the rest of the body is not worth reading: close, do not drain it
                 headers = {"Connection": "close"}
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
-        answer = _Answer(self, job, chat, arrived, http)
-        if req.stream:
+        answers = [_Answer(self, job, chat, arrived, http) for job in jobs]
+        answer = answers[0] if len(answers) == 1 else _Answers(answers)
+        if jobs[0].request.stream:
             return StreamingResponse(answer.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await answer.whole()
 
-    async def _prepared(self, raw: bytes, chat: bool, seconds: float) -> tuple[Request, list]:
+    async def _prepared(self, raw: bytes, chat: bool, seconds: float) -> list[tuple[Request, list]]:
         """`_prepare` on the pool, within `seconds` (504 after: the thread is left to finish alone)."""
         try:
             with anyio.fail_after(max(0.0, seconds)):
@@ -184,8 +188,9 @@ class Server:
                                "before it was ready to queue", status=504, kind="server_error",
                                code="timeout") from None
 
-    def _prepare(self, raw: bytes, chat: bool) -> tuple[Request, list]:
-        """The checked request and its prompt's token ids (a worker thread of the pool: may be slow)."""
+    def _prepare(self, raw: bytes, chat: bool) -> list[tuple[Request, list]]:
+        """The checked requests (one per prompt) and their prompts' token ids (a worker thread of the
+        pool: may be slow)."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -194,24 +199,45 @@ class Server:
             raise RequestError(f"the body is not valid JSON: {e}") from None
         structured = parse_structured(body, chat) if isinstance(body, dict) else Structured()
         try:
-            req = parse(body, chat, self.model_id, lambda messages: self._chat_prompt(messages, structured))
+            reqs = parse(body, chat, self.model_id, lambda messages: self._chat_prompt(messages, structured))
+        except PymlError as e:  # a template's refusal: the request's fault
+            raise RequestError(one_line(e)) from None
+        if len(reqs) > self.limits.queue:  # each prompt waits for the model as a request of its own
+            raise RequestError(f"'prompt' is a list of {len(reqs)} prompts; this server takes at most "
+                               f"{self.limits.queue} a request (--max-queue)", "prompt")
+        if reqs[0].n > self.limits.parallel:
+            raise RequestError(f"'n'={reqs[0].n} completions run together and need --parallel {reqs[0].n} or more: "
+                               f"this server runs {self.limits.parallel} at once", "n", code="unsupported_parameter")
+        prepared = []
+        for i, req in enumerate(reqs):
+            try:
+                prepared.append(self._prepare_one(req, structured, reqs[i - 1].constraint if i else None))
+            except RequestError as e:
+                if len(reqs) == 1:
+                    raise
+                raise RequestError(f"prompt[{i}]: {e.message}", e.param or "prompt", e.status, e.kind, e.code) from None
+        return prepared
+
+    def _prepare_one(self, req: Request, structured: Structured, compiled: Constraint | None) -> tuple[Request, list]:
+        """One prompt's request, tokenized and checked against the context; `compiled` is the
+        request's grammar if an earlier prompt of it compiled that."""
+        try:
             self._check_chars(len(req.prompt))
             ids = self.lm.encode(req.prompt) if req.prompt_ids is None else check_prompt(self.lm.model, req.prompt_ids, 0)
             SamplingConfig(**req.sampling).check_vocab(self.lm.config.vocab_size)  # logit_bias's ids
             if req.echo and req.prompt_ids is not None:
                 req.prompt = self.lm.decode(ids)
-        except PymlError as e:  # the tokenizer's or a template's refusal: the request's fault
+        except PymlError as e:  # the tokenizer's refusal: the request's fault
             raise RequestError(one_line(e)) from None
         req.structured = structured
-        if structured.grammar is not None:
+        if compiled is not None:  # a matcher of its own, from the grammar's start
+            req.constraint = compiled.fresh()
+        elif structured.grammar is not None:
             try:
                 req.constraint = Constraint(self.lm.tokenizer, structured.grammar, f"'{structured.param}'")
             except PymlError as e:
                 raise RequestError(one_line(e), structured.param) from None
         self._check_length(ids, req)
-        if req.n > self.limits.parallel:
-            raise RequestError(f"'n'={req.n} completions run together and need --parallel {req.n} or more: this "
-                               f"server runs {self.limits.parallel} at once", "n", code="unsupported_parameter")
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
         return req, ids
@@ -264,6 +290,9 @@ class _Answer:
         self.created = int(time.time())
         self.first_token = None
         self.logprobs = Replies(server.lm.tokenizer, job.request, chat, job.ids)
+        self.results: list | None = None  # its choices' GenerationResults, once done
+        self.alone = True  # the request's one prompt: its reply carries the request's usage and timings
+        self.base = 0  # its first choice's index in the request's (prompt p of several: p x n)
 
     async def events(self):
         """(kind, value) from the worker until "done" or "error". Running over --timeout ends in
@@ -295,13 +324,6 @@ class _Answer:
         finally:
             if not finished:  # the client left: free the model (or the job's place in the queue)
                 self.server.worker.cancel(self.job, "client")
-
-    async def _watch_disconnect(self):
-        """Wait for the client of a whole reply to leave (the body is read: what comes next is
-        the disconnect), and wake `events` then. A stream has Starlette's own watcher."""
-        while (await self.http.receive())["type"] != "http.disconnect":
-            pass
-        self.job.events.put_nowait(("gone", None))
 
     def _final(self, results: list) -> dict:
         out = {"usage": usage(results), "timings": results[0].timings()}
@@ -348,25 +370,43 @@ class _Answer:
                 "system_fingerprint": "pyml", "choices": choices}
 
     async def whole(self) -> Response:
-        pieces = [[] for _ in range(self.job.request.n)]
-        watcher = asyncio.create_task(self._watch_disconnect())
+        watcher = asyncio.create_task(_watch_disconnect(self.http, [self.job]))
         try:
-            async for kind, value in self.events():
-                if kind == "text":
-                    pieces[value[0]].append(value[1])
-                elif kind == "error":
-                    return JSONResponse(value.body(), status_code=value.status)
-                elif kind == "done":
-                    echo = self.job.request.prompt if self.job.request.echo else ""
-                    body = self._envelope([self._ended(echo + "".join(p), r, i, self.logprobs.whole(r))
-                                           for i, (p, r) in enumerate(zip(pieces, value))], delta=False)
-                    body.update(self._final(value))
-                    return JSONResponse(body)
+            outcome = await self.collect()
         finally:
             watcher.cancel()
-        return Response(status_code=499)  # the client left: nobody reads this
+        if isinstance(outcome, RequestError):
+            return JSONResponse(outcome.body(), status_code=outcome.status)
+        if outcome is None:
+            return Response(status_code=499)  # the client left: nobody reads this
+        body = self._envelope(outcome, delta=False)
+        body.update(self._final(self.results))
+        return JSONResponse(body)
+
+    async def collect(self):
+        """The whole reply's choices (and `results` set), the error that ended it, or None if the
+        client left."""
+        pieces = [[] for _ in range(self.job.request.n)]
+        async for kind, value in self.events():
+            if kind == "text":
+                pieces[value[0]].append(value[1])
+            elif kind == "error":
+                return value
+            elif kind == "done":
+                self.results = value
+                echo = self.job.request.prompt if self.job.request.echo else ""
+                return [self._ended(echo + "".join(p), r, i, self.logprobs.whole(r))
+                        for i, (p, r) in enumerate(zip(pieces, value))]
+        return None
 
     async def sse(self):
+        async for chunk in self.chunks():
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self):
+        """The streamed reply's chunks (dicts), or an error's body (headers are sent by then). The
+        last carries usage and timings unless `alone` is false (a prompt of several: _Answers)."""
         tools, n = self._tools, self.job.request.n
         named = tools is not None and tools.tool_choice == "function"  # its arguments stream as they come
         # auto: text streams until a call may begin; required: all is held (a call is told once whole)
@@ -379,55 +419,144 @@ class _Answer:
                     {"index": 0, "id": call_id(), "type": "function",
                      "function": {"name": tools.tool_name, "arguments": ""}}]} if named else \
                     {"role": "assistant", "content": ""}
-            yield _sse(self._envelope([{"index": i, "delta": first(), "finish_reason": None, "logprobs": None}
-                                       for i in range(n)], delta=True))
+            yield self._envelope([{"index": i, "delta": first(), "finish_reason": None, "logprobs": None}
+                                  for i in range(n)], delta=True)
         async for kind, value in self.events():
             if kind == "prompt":  # echo: the prompt is the choice's first text
-                yield _sse(self._envelope([self._choice(self.job.request.prompt, None, True, value[0],
-                                                        self.logprobs.prompt(*value))], delta=True))
+                yield self._envelope([self._choice(self.job.request.prompt, None, True, value[0],
+                                                   self.logprobs.prompt(*value))], delta=True)
             elif kind == "logprobs":
                 self.logprobs.add(*value)
             elif kind == "text" and held is not None:
                 if now := held[value[0]].push(value[1]):
-                    yield _sse(self._envelope([self._choice(now, None, True, value[0], self.logprobs.take(value[0]))],
-                                              delta=True))
+                    yield self._envelope([self._choice(now, None, True, value[0], self.logprobs.take(value[0]))],
+                                         delta=True)
             elif kind == "text" and named:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": value[1]}}]}
-                yield _sse(self._envelope([{"index": value[0], "delta": delta, "finish_reason": None,
-                                            "logprobs": self.logprobs.take(value[0])}], delta=True))
+                yield self._envelope([{"index": value[0], "delta": delta, "finish_reason": None,
+                                       "logprobs": self.logprobs.take(value[0])}], delta=True)
             elif kind == "text":
-                yield _sse(self._envelope([self._choice(value[1], None, True, value[0], self.logprobs.take(value[0]))],
-                                          delta=True))
+                yield self._envelope([self._choice(value[1], None, True, value[0], self.logprobs.take(value[0]))],
+                                     delta=True)
             elif kind == "error":  # headers are sent: the error travels as an event, as OpenAI's does
                 self.http.scope.setdefault("state", {})["pyml_status"] = str(value.status)  # for Guard's count
-                yield _sse(value.body())
+                yield value.body()
             elif kind == "done":
                 for i, result in enumerate(value):
                     if held is not None:
                         rest = held[i].end()
                         if rest:
                             choice, finish[i] = self._held_delta(rest, result, i)
-                            yield _sse(self._envelope([choice], delta=True))
+                            yield self._envelope([choice], delta=True)
                     elif named and result.stop_reason == "eos":
                         finish[i] = "tool_calls"
                 for i in self.logprobs.waiting():  # tokens that added no text (the end token): their logprobs
-                    yield _sse(self._envelope([self._choice("" if not self.chat else None, None, True, i,
-                                                            self.logprobs.take(i))], delta=True))
+                    yield self._envelope([self._choice("" if not self.chat else None, None, True, i,
+                                                       self.logprobs.take(i))], delta=True)
                 for i, result in enumerate(value[:-1]):  # every choice's end; the last one's carries usage
-                    yield _sse(self._envelope([self._choice(None, self._finish(finish, i, result), True, i)],
-                                              delta=True))
+                    yield self._envelope([self._choice(None, self._finish(finish, i, result), True, i)],
+                                         delta=True)
                 last = self._envelope([self._choice(None, self._finish(finish, len(value) - 1, value[-1]), True,
                                                     len(value) - 1)], delta=True)
-                last.update(self._final(value))
-                if not self.job.request.include_usage:
-                    last["usage"] = None  # OpenAI sends usage in the stream only when asked
-                    last["timings"] = value[0].timings()
-                yield _sse(last)
-        yield "data: [DONE]\n\n"
+                self.results = value
+                if self.alone:
+                    last.update(self._final(value))
+                    if not self.job.request.include_usage:
+                        last["usage"] = None  # OpenAI sends usage in the stream only when asked
+                yield last
 
     @staticmethod
     def _finish(decided: dict, index: int, result: GenerationResult) -> str:
         return decided.get(index) or FINISH.get(result.stop_reason, "stop")
+
+
+class _Answers:
+    """A completions request of several prompts (OpenAI's batched form): each prompt is a job of its
+    own, and the reply is theirs merged. Prompt p's choice j is choice p x n + j, as OpenAI numbers
+    them; usage sums the prompts', `timings` (and a profile) is a list, one per prompt. The first
+    error ends the request and cancels the other prompts, as a client that leaves does."""
+
+    def __init__(self, answers: list[_Answer]):
+        self.answers, first = answers, answers[0]
+        n = first.job.request.n
+        for p, answer in enumerate(answers):
+            answer.id, answer.created, answer.alone, answer.base = first.id, first.created, False, p * n
+
+    def _final(self) -> dict:
+        results = [a.results for a in self.answers]
+        out = {"usage": usage(*results), "timings": [r[0].timings() for r in results]}
+        if self.answers[0].job.request.profile:
+            out["pyml"] = {"profile": [a.job.profile for a in self.answers]}
+        return out
+
+    async def whole(self) -> Response:
+        watcher = asyncio.create_task(_watch_disconnect(self.answers[0].http, [a.job for a in self.answers]))
+        tasks = [asyncio.create_task(a.collect()) for a in self.answers]
+        try:
+            for done in asyncio.as_completed(tasks):
+                outcome = await done
+                if isinstance(outcome, RequestError):
+                    return JSONResponse(outcome.body(), status_code=outcome.status)
+                if outcome is None:
+                    return Response(status_code=499)  # the client left: nobody reads this
+        finally:
+            watcher.cancel()
+            for task in tasks:  # after an error: the other prompts' jobs are cancelled (events' finally)
+                task.cancel()
+        choices = [_shifted(c, a.base) for a, task in zip(self.answers, tasks) for c in task.result()]
+        body = self.answers[0]._envelope(choices, delta=False)
+        body.update(self._final())
+        return JSONResponse(body)
+
+    async def sse(self):
+        """The prompts' chunks as they come, interleaved; then one chunk without choices that carries
+        the usage (OpenAI's form with include_usage) and the timings."""
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        async def pump(answer: _Answer):
+            async for chunk in answer.chunks():
+                await chunks.put(chunk if "error" in chunk else _shifted(chunk, answer.base))
+            await chunks.put(None)
+
+        tasks = [asyncio.create_task(pump(a)) for a in self.answers]
+        try:
+            running = len(tasks)
+            while running:
+                chunk = await chunks.get()
+                if chunk is None:
+                    running -= 1
+                    continue
+                yield _sse(chunk)
+                if "error" in chunk:
+                    break
+            else:
+                last = self.answers[0]._envelope([], delta=True)
+                last.update(self._final())
+                if not self.answers[0].job.request.include_usage:
+                    last["usage"] = None
+                yield _sse(last)
+        finally:
+            for task in tasks:  # the client left, or a prompt failed: the other prompts are cancelled
+                task.cancel()
+        yield "data: [DONE]\n\n"
+
+
+def _shifted(obj: dict, base: int) -> dict:
+    """`obj` (a choice, or a chunk of choices) numbered from `base`."""
+    if "choices" in obj:
+        obj["choices"] = [_shifted(c, base) for c in obj["choices"]]
+    elif base:
+        obj["index"] += base
+    return obj
+
+
+async def _watch_disconnect(http: HTTPRequest, jobs: list[Job]):
+    """Wait for the client of a whole reply to leave (the body is read: what comes next is the
+    disconnect), and wake its jobs' `events` then. A stream has Starlette's own watcher."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    for job in jobs:
+        job.events.put_nowait(("gone", None))
 
 
 def _sse(obj: dict) -> str:

@@ -126,8 +126,9 @@ def _number(body, name, default, check, what):
     return _get(body, name, (int, float), default, check, what)
 
 
-def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
-    """A Request from a decoded JSON body; `chat_prompt(messages)` renders a conversation."""
+def parse(body, chat: bool, model_id: str, chat_prompt) -> list[Request]:
+    """The Requests of a decoded JSON body: one, or one per prompt of a completions request's list
+    (same options); `chat_prompt(messages)` renders a conversation."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     check_fields(body, chat)
@@ -135,11 +136,7 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
     if model not in (None, "", model_id):
         raise RequestError(f"the model {_name(model)} does not exist: this server serves '{model_id}'",
                            "model", status=404, code="model_not_found")
-    if chat:
-        prompt = chat_prompt(_messages(body))
-        prompt_ids = None
-    else:
-        prompt, prompt_ids = _prompt(body.get("prompt"))
+    prompts = [(chat_prompt(_messages(body)), None)] if chat else _prompts(body.get("prompt"))
     logprobs, echo = _logprobs(body, chat), _get(body, "echo", bool, False, what="a boolean")
     least = 0 if echo else 1  # echo with max_tokens 0: the prompt scored, nothing generated (OpenAI's too)
     max_tokens = _get(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
@@ -180,26 +177,32 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> Request:
         if unknown := set(given) - known:
             key = _sendable(str(sorted(unknown, key=str)[0]))[:64]
             raise unsupported(f"{where}.{key}", f"{where} takes only {', '.join(sorted(known))}")
-    return Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                   stream=_get(body, "stream", bool, False, what="a boolean"),
-                   profile=_get(options, "profile", bool, False, what="a boolean"),
-                   cache_prompt=_get(body, "cache_prompt", bool, True, what="a boolean"),
-                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n,
-                   prompt_ids=prompt_ids, logprobs=logprobs, echo=echo)
+    shared = dict(max_tokens=max_tokens, stop=stop,
+                  stream=_get(body, "stream", bool, False, what="a boolean"),
+                  profile=_get(options, "profile", bool, False, what="a boolean"),
+                  cache_prompt=_get(body, "cache_prompt", bool, True, what="a boolean"),
+                  include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n,
+                  logprobs=logprobs, echo=echo)
+    return [Request(prompt=prompt, prompt_ids=ids, sampling=dict(sampling), **shared) for prompt, ids in prompts]
 
 
-def _prompt(prompt) -> tuple[str, list | None]:
-    """The completions prompt: text, or token ids (as lm-evaluation-harness sends it); one prompt a
-    request, given as a string, [string], [ids] or [[ids]]. Ids give ("", ids): the server decodes them."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _prompts(prompt) -> list[tuple[str, list | None]]:
+    """The completions prompts: text or token ids (as lm-evaluation-harness sends them), one or a list:
+    a string, [ids], or a list of strings and [ids] (OpenAI's batched form, each its own choices).
+    Ids give ("", ids): the server decodes them."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [("", prompt)]
+    if not (isinstance(prompt, list) and prompt):
+        return [_one_prompt(prompt, "'prompt'")]
+    return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def _one_prompt(prompt, where: str) -> tuple[str, list | None]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return "", prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise unsupported("prompt", "one prompt per request (a list of several prompts is not served)")
     if not isinstance(prompt, str) or not prompt:
-        raise RequestError("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
-    return _text(prompt, "prompt", "'prompt'"), None
+        raise RequestError(f"{where} must be a non-empty string or a non-empty list of token ids", "prompt")
+    return _text(prompt, "prompt", where), None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

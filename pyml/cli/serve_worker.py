@@ -106,14 +106,16 @@ class JobQueue:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def put(self, job: Job) -> None:
+    def put(self, *jobs: Job) -> None:
+        """Queue `jobs` (a request's prompts: all of them or none), in order."""
         with self._ready:
             if self._closed:
                 raise QueueFull(SHUTTING_DOWN)
-            if len(self._jobs) >= self.limit:
-                raise QueueFull(f"{len(self._jobs)} requests are waiting for the model, the most this "
+            if len(self._jobs) + len(jobs) > self.limit:
+                more = f" (and this request's {len(jobs)} prompts would take {len(jobs)})" if len(jobs) > 1 else ""
+                raise QueueFull(f"{len(self._jobs)} requests are waiting for the model{more}, the most this "
                                 f"server queues (--max-queue {self.limit})")
-            self._jobs.append(job)
+            self._jobs.extend(jobs)
             self._ready.notify()
 
     def get_nowait(self) -> Job | None:
@@ -176,9 +178,9 @@ class Worker:
         if self.thread.is_alive():
             self.thread.join(timeout=timeout)
 
-    def submit(self, job: Job) -> None:
-        """Queue `job`; QueueFull if the queue is full or closed."""
-        self.jobs.put(job)
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs` (all or none); QueueFull if the queue has no room for them or is closed."""
+        self.jobs.put(*jobs)
         self.metrics.queue.set(len(self.jobs))
 
     def cancel(self, job: Job, reason: str) -> None:

@@ -84,12 +84,12 @@ def task_dir(tmp_path_factory):
     return d
 
 
-def lm_eval(task_dir, out, model: str, model_args: str) -> tuple[float, list]:
+def lm_eval(task_dir, out, model: str, model_args: str, *flags: str) -> tuple[float, list]:
     """One `lm-eval run` (docs/serving.md's command): the accuracy and each question's choice scores."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
                            "--device", "cpu", "--tasks", "pyml_mc", "--include_path", str(task_dir),
-                           "--output_path", str(out), "--log_samples"],
+                           "--output_path", str(out), "--log_samples", *flags],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())
@@ -107,7 +107,7 @@ def test_lm_eval_local_completions_matches_its_hf_backend(task_dir, requantized,
     with serving(path, "--kv-type", "f32", "--alias", "smollm2") as served:
         ours, our_scores = lm_eval(task_dir, tmp_path / "pyml", "local-completions",
                                    f"model=smollm2,base_url=http://{HOST}:{served.port}/v1/completions,"
-                                   f"tokenizer_backend=huggingface,tokenizer={tokenizer_dir},max_retries=1")
+                                   f"tokenizer_backend=huggingface,tokenizer={tokenizer_dir},max_retries=1", "--batch_size", "8")
     theirs, their_scores = lm_eval(task_dir, tmp_path / "hf", "hf",
                                    f"pretrained={path.parent},gguf_file={path.name},tokenizer={tokenizer_dir},"
                                    "dtype=float32")

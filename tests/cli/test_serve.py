@@ -285,7 +285,7 @@ def malformed():
         for v in values:
             cases.append(("chat", {**good, name: v}))
     completion = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-    for v in (None, 5, "", ["a", "b"], {"x": 1}):
+    for v in (None, 5, "", ["a", 5], ["a", ""], {"x": 1}):
         cases.append(("completion", {**completion, "prompt": v}))
     cases.append(("completion", {**completion, "prompt": "word " * 400}))  # longer than the context
     while len(cases) < 100:  # the same kinds again, with other values

@@ -101,10 +101,24 @@ def test_a_prompt_of_token_ids_scores_as_its_text(server, tokenizer):
         by_ids = post(server, "/v1/completions", {**ask, "prompt": prompt})[1]["choices"][0]
         assert by_ids["logprobs"]["token_logprobs"] == by_text["logprobs"]["token_logprobs"]
         assert by_ids["text"] == by_text["text"] == PROMPT  # max_tokens 0: the prompt alone
-    status, body = post(server, "/v1/completions", {**ask, "prompt": [ids, ids]})
-    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "unsupported_parameter")
     status, body = post(server, "/v1/completions", {**ask, "prompt": [1, 10**9]})
     assert status == 400 and "outside the model's vocabulary" in body["error"]["message"]
+
+
+def test_a_list_of_prompts_scores_each_as_transformers_does(server, oracle, tokenizer):
+    """lm-evaluation-harness's batched request (local-completions with batch_size > 1): several
+    prompts as token ids in one request, each choice its prompt's scores, choice i prompt i."""
+    prompts = [tokenizer.encode(f"{PROMPT} number {i}" + " and more" * i) for i in range(3)]
+    status, body = post(server, "/v1/completions", {"prompt": prompts, "echo": True, "logprobs": 1,
+                                                    "max_tokens": 0, "temperature": 0})
+    assert status == 200, body
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for ids, choice in zip(prompts, choices):
+        got, ref = choice["logprobs"]["token_logprobs"], oracle(ids)
+        assert got[0] is None and len(got) == len(ids) and choice["text"] == tokenizer.decode(ids)
+        assert np.allclose(got[1:], [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=TOL)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 0
 
 
 def test_chat_logprobs_whole_and_streamed_through_the_openai_client(server, oracle, tokenizer):

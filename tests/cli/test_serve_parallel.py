@@ -6,7 +6,9 @@ not change a text. A client that leaves frees its slot, a request beyond the slo
 malformed requests are still 4xx, and a per-request profile names the batched steps it shared.
 """
 
+import http.client
 import json
+import socket
 
 import openai
 import pytest
@@ -14,16 +16,20 @@ import pytest
 import pyml
 from pyml.cli import serve_load
 from pyml.cli.request_profile import batched_profile, profile_summary, recording
+from pyml.cli.serve_worker import JobQueue, QueueFull
 from pyml.cli.standins import write_gpt2
 from pyml.report.aggregate import ATTN_CORE
-from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
-                                  check_conversation_reuses_its_cached_prefix, malformed, start_server, stop_server)
+from tests.cli.test_serve import (HOST, check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
+                                  check_conversation_reuses_its_cached_prefix, generated_tokens, malformed, start_server,
+                                  stop_server)
+from tests.cli.test_serve_load import wait_idle
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = start_server(write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256),
-                          "--parallel", "4")
+    path = write_gpt2(tmp_path_factory.mktemp("tiny"), "gpt2-tiny", n_positions=256)
+    served = start_server(path, "--parallel", "4")
+    served.model_path = path
     yield served
     stop_server(served)
 
@@ -88,13 +94,32 @@ def test_a_batched_profile_is_the_requests_share_of_each_step(tmp_path):
     assert part["decode_ms"] == pytest.approx(want, rel=1e-6, abs=1e-3)
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot(tmp_path):
-    served = start_server(write_gpt2(tmp_path, "gpt2-tiny", n_positions=256, n_embd=256, n_layer=4),
-                          "--parallel", "2")
+def test_a_client_that_leaves_mid_stream_frees_its_slot_or_its_prompts_slots(tmp_path):
+    served = start_server(write_gpt2(tmp_path, "gpt2-tiny", n_positions=1024, n_embd=256, n_layer=4),
+                          "--parallel", "3")
     try:
         check_a_client_that_leaves_frees_the_model(served)
+        check_a_client_that_leaves_a_list_of_prompts_frees_every_slot(served)
     finally:
         stop_server(served)
+
+
+def check_a_client_that_leaves_a_list_of_prompts_frees_every_slot(server):
+    """Three prompts streaming on three slots; the client leaves after the first chunk: all three
+    stop (the server is idle at once, and they made fewer tokens together than one prompt's 1000)."""
+    generated = generated_tokens(server)
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "tiny", "prompt": ["Long story", "Another one", "And a third"], "max_tokens": 1000,
+         "temperature": 0, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # the size of the first chunk
+    assert resp.fp.readline().startswith(b"data: ")  # it has started
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_idle(server, within=5)
+    assert 1 <= generated_tokens(server) - generated < 1000
 
 
 def test_a_hundred_malformed_requests_get_a_4xx_and_the_server_keeps_answering(server, client):
@@ -132,6 +157,59 @@ def test_n_choices_whole_and_streamed(client):
     assert streamed == texts and finishes == {0: "length", 1: "length", 2: "length"}
     alone = client.completions.create(**{**ask, "n": 1, "seed": 6})
     assert alone.choices[0].text == texts[1]  # choice 1 is the prompt alone with seed + 1
+
+
+def test_a_list_of_prompts_gets_each_prompts_choices_as_alone(client, server):
+    """OpenAI's batched form: prompt p's choice j is choice p x n + j and is the prompt's text alone
+    (greedy); usage sums the prompts'; streamed choices equal the whole ones; a list of one is one."""
+    tokenizer = pyml.load_model(server.model_path).tokenizer
+    prompts = ["The cat", "A dog runs to the", tokenizer.encode("Once upon")]
+    ask = dict(model="tiny", max_tokens=8, temperature=0)
+    alone = [client.completions.create(**ask, prompt=p) for p in prompts]
+    whole = client.completions.create(**ask, prompt=prompts, n=2)
+    by_index = {c.index: c for c in whole.choices}
+    assert sorted(by_index) == list(range(6))
+    assert [by_index[i].text for i in range(6)] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    assert [t["predicted_n"] for t in whole.model_extra["timings"]] == \
+        [a.model_extra["timings"]["predicted_n"] for a in alone]  # one a prompt
+    streamed, finishes, usage, ids = [""] * 6, {}, None, set()
+    for chunk in client.completions.create(**ask, prompt=prompts, n=2, stream=True,
+                                           stream_options={"include_usage": True}):
+        assert not (chunk.choices and chunk.usage)  # usage comes alone, in the last chunk
+        usage, ids = chunk.usage or usage, ids | {chunk.id}
+        for c in chunk.choices:
+            streamed[c.index] += c.text or ""
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert streamed == [by_index[i].text for i in range(6)] and set(finishes.values()) == {"length"}
+    assert usage.completion_tokens == whole.usage.completion_tokens and len(ids) == 1
+    one = client.completions.create(**ask, prompt=["The cat"])
+    assert [c.text for c in one.choices] == [alone[0].choices[0].text]
+
+
+def test_a_bad_prompt_of_a_list_is_named_and_nothing_runs(server):
+    before = generated_tokens(server)
+    ask = {"model": "tiny", "max_tokens": 4}
+    for prompt, says in ((["fine", ""], "prompt[1] must be a non-empty string"),
+                         (["fine", [1, 10**9]], "prompt[1]: "),
+                         (["fine", "word " * 400], "prompt[1]: the prompt is"),
+                         (["x"] * 33, "list of 33 prompts; this server takes at most 32")):
+        status, data = server.request("POST", "/v1/completions", {**ask, "prompt": prompt})
+        assert status == 400 and says in json.loads(data)["error"]["message"], data
+    assert generated_tokens(server) == before
+
+
+def test_a_list_of_prompts_queues_whole_or_not_at_all():
+    """The queue takes a request's prompts together: with room for one, two prompts are refused (a
+    503) and the one waiting job stays alone; a half-queued request could not be answered."""
+    queue = JobQueue(2)
+    queue.put("waiting")
+    with pytest.raises(QueueFull, match=r"1 requests are waiting.*2 prompts would take 2.*--max-queue 2"):
+        queue.put("a", "b")
+    assert len(queue) == 1
+    queue.put("a")
+    assert [queue.get_nowait() for _ in range(3)] == ["waiting", "a", None]
 
 
 def test_n_beyond_the_slots_is_refused_by_name(server):

@@ -105,11 +105,15 @@ def test_a_gbnf_grammar_field_as_llama_servers(served):
     status, data = served.request("POST", "/v1/chat/completions", body, timeout=120)
     assert status == 200, data
     assert json.loads(data)["choices"][0]["message"]["content"] in ("yes.", "no.")
-    status, data = served.request("POST", "/v1/completions", {"prompt": "Answer:", "max_tokens": 8,
+    # several prompts: each follows the grammar from its start (a matcher of its own)
+    status, data = served.request("POST", "/v1/completions", {"prompt": ["Answer:", "Your number:", "Count:"],
+                                                             "max_tokens": 8, "temperature": 1.0, "seed": 3,
                                                              "grammar": 'root ::= [0-9] [0-9]? "!"'}, timeout=120)
     assert status == 200, data
-    text = json.loads(data)["choices"][0]["text"]
-    assert text.endswith("!") and text[:-1].isdigit(), text
+    choices = json.loads(data)["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    for text in (c["text"] for c in choices):
+        assert text.endswith("!") and text[:-1].isdigit(), text
 
 
 def test_a_named_tool_gives_tool_calls_whose_arguments_validate(client):
