@@ -255,20 +255,24 @@ def test_a_client_that_leaves_mid_stream_frees_the_model(wide_server):
 def check_a_client_that_leaves_frees_the_model(server):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
     before = generated_tokens(server)
+    stream_then_leave(server, {"model": "tiny", "prompt": "Long story", "max_tokens": 240, "temperature": 0})
+    r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    abandoned = generated_tokens(server) - before - 3
+    assert 1 <= abandoned < 200, abandoned  # it stopped soon after the client left, not at 240
+
+
+def stream_then_leave(server, body: dict) -> None:
+    """Ask for a streamed completion and leave (close the socket) once its first chunk came."""
     conn = http.client.HTTPConnection(HOST, server.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": "tiny", "prompt": "Long story", "max_tokens": 240, "temperature": 0, "stream": True}),
-        headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     resp.fp.readline()  # the size of the first chunk
     assert resp.fp.readline().startswith(b"data: ")  # it has started
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
-    assert r.usage.completion_tokens == 3
-    abandoned = generated_tokens(server) - before - 3
-    assert 1 <= abandoned < 200, abandoned  # it stopped soon after the client left, not at 240
 
 
 # --- bad requests -----------------------------------------------------------------------------

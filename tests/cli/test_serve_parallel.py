@@ -6,9 +6,7 @@ not change a text. A client that leaves frees its slot, a request beyond the slo
 malformed requests are still 4xx, and a per-request profile names the batched steps it shared.
 """
 
-import http.client
 import json
-import socket
 
 import openai
 import pytest
@@ -19,9 +17,9 @@ from pyml.cli.request_profile import batched_profile, profile_summary, recording
 from pyml.cli.serve_worker import JobQueue, QueueFull
 from pyml.cli.standins import write_gpt2
 from pyml.report.aggregate import ATTN_CORE
-from tests.cli.test_serve import (HOST, check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
+from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
                                   check_conversation_reuses_its_cached_prefix, generated_tokens, malformed, start_server,
-                                  stop_server)
+                                  stop_server, stream_then_leave)
 from tests.cli.test_serve_load import wait_idle
 
 
@@ -108,16 +106,8 @@ def check_a_client_that_leaves_a_list_of_prompts_frees_every_slot(server):
     """Three prompts streaming on three slots; the client leaves after the first chunk: all three
     stop (the server is idle at once, and they made fewer tokens together than one prompt's 1000)."""
     generated = generated_tokens(server)
-    conn = http.client.HTTPConnection(HOST, server.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": "tiny", "prompt": ["Long story", "Another one", "And a third"], "max_tokens": 1000,
-         "temperature": 0, "stream": True}), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    resp.fp.readline()  # the size of the first chunk
-    assert resp.fp.readline().startswith(b"data: ")  # it has started
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    stream_then_leave(server, {"model": "tiny", "prompt": ["Long story", "Another one", "And a third"],
+                               "max_tokens": 1000, "temperature": 0})
     wait_idle(server, within=5)
     assert 1 <= generated_tokens(server) - generated < 1000
 
