@@ -30,7 +30,7 @@ from starlette.routing import Route
 from pyml.cli.main import one_line
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_logprobs import Replies
-from pyml.cli.serve_requests import Request, RequestError, parse
+from pyml.cli.serve_requests import TOKEN_FIELDS, Request, RequestError, parse, parse_token_request
 from pyml.cli.serve_structured import (HeldCalls, Structured, call_id, parse_structured, reply_calls,
                                        template_messages, tool_call_objects, tool_prompt)
 from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
@@ -109,7 +109,8 @@ class Server:
         routes = [Route("/health", self.health), Route("/metrics", self.prometheus),
                   Route("/v1/models", self.models),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"])]
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  *[Route(path, self.token_endpoint, methods=["POST"]) for path in TOKEN_FIELDS]]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
                                                             Exception: self._internal_error},
                         lifespan=self._lifespan)
@@ -154,11 +155,44 @@ class Server:
     async def completions(self, request):
         return await self._complete(request, chat=False)
 
+    async def token_endpoint(self, http: HTTPRequest):
+        """llama-server's /tokenize, /detokenize and /apply-template: the tokenizer's or the chat
+        template's work alone, no model step; on the pool (a long text must not stall the event loop),
+        within --timeout."""
+        arrived = time.perf_counter()
+        try:
+            raw = await read_body(http, self.limits.max_body, self.limits.read_timeout)
+            answer = await self._off_loop(self._token_answer, arrived, raw, http.url.path)
+        except RequestError as e:
+            return _refusal(e)
+        return JSONResponse(answer)
+
+    def _token_answer(self, raw: bytes, path: str) -> dict:
+        asked = parse_token_request(_json_body(raw), path, self.model_id)
+        if path == "/apply-template":
+            return {"prompt": self._chat_prompt(asked["messages"], Structured())}
+        if self.lm.tokenizer is None:
+            raise RequestError(f"{path}: this model has no tokenizer")
+        if path == "/detokenize":
+            vocab = self.lm.tokenizer.vocab_size
+            if (bad := next((t for t in asked["tokens"] if not 0 <= t < vocab), None)) is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary of {vocab} tokens", "tokens")
+            return {"content": self.lm.decode(asked["tokens"])}
+        self._check_chars(len(asked["content"]), "text")
+        try:
+            ids = self.lm.encode(asked["content"], asked["add_special"])
+        except PymlError as e:
+            raise RequestError(one_line(e), "content") from None
+        if not asked["with_pieces"]:
+            return {"tokens": ids}
+        pieces = [self.lm.tokenizer.token_bytes(i) for i in ids]  # as llama-server: text, or its bytes if not UTF-8
+        return {"tokens": [{"id": i, "piece": _piece(b)} for i, b in zip(ids, pieces)]}
+
     async def _complete(self, http: HTTPRequest, chat: bool):
         arrived = time.perf_counter()
         try:
             raw = await read_body(http, self.limits.max_body, self.limits.read_timeout)
-            prepared = await self._prepared(raw, chat, arrived + self.limits.timeout - time.perf_counter())
+            prepared = await self._off_loop(self._prepare, arrived, raw, chat)
             loop = asyncio.get_running_loop()
             jobs = [Job(req, ids, loop) for req, ids in prepared]
             try:
@@ -166,10 +200,7 @@ class Server:
             except QueueFull as e:
                 raise RequestError(str(e), status=503, kind="server_error", code="queue_full") from None
         except RequestError as e:
-            headers = {"Retry-After": "1"} if e.status == 503 else None
-            if e.status in (408, 413):  # the rest of the body is not worth reading: close, do not drain it
-                headers = {"Connection": "close"}
-            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+            return _refusal(e)
         answers = [_Answer(self, job, chat, arrived, http) for job in jobs]
         answer = answers[0] if len(answers) == 1 else _Answers(answers)
         if jobs[0].request.stream:
@@ -177,26 +208,21 @@ class Server:
                                      headers={"Cache-Control": "no-cache"})
         return await answer.whole()
 
-    async def _prepared(self, raw: bytes, chat: bool, seconds: float) -> list[tuple[Request, list]]:
-        """`_prepare` on the pool, within `seconds` (504 after: the thread is left to finish alone)."""
+    async def _off_loop(self, work, arrived: float, *args):
+        """`work(*args)` on the pool, within what is left of --timeout since `arrived` (504 after:
+        the thread is left to finish alone)."""
         try:
-            with anyio.fail_after(max(0.0, seconds)):
-                return await anyio.to_thread.run_sync(self._prepare, raw, chat, limiter=self._prepare_slots,
+            with anyio.fail_after(max(0.0, arrived + self.limits.timeout - time.perf_counter())):
+                return await anyio.to_thread.run_sync(work, *args, limiter=self._prepare_slots,
                                                       abandon_on_cancel=True)
         except TimeoutError:
             raise RequestError(f"the request ran over this server's --timeout of {self.limits.timeout:g} s "
-                               "before it was ready to queue", status=504, kind="server_error",
-                               code="timeout") from None
+                               "before it was ready", status=504, kind="server_error", code="timeout") from None
 
     def _prepare(self, raw: bytes, chat: bool) -> list[tuple[Request, list]]:
         """The checked requests (one per prompt) and their prompts' token ids (a worker thread of the
         pool: may be slow)."""
-        try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise RequestError("the body's JSON nests too deep") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from None
+        body = _json_body(raw)
         structured = parse_structured(body, chat) if isinstance(body, dict) else Structured()
         try:
             reqs = parse(body, chat, self.model_id, lambda messages: self._chat_prompt(messages, structured))
@@ -254,9 +280,9 @@ class Server:
         except PymlError as e:  # the template refused the conversation (e.g. roles out of order)
             raise RequestError(one_line(e), "messages") from None
 
-    def _check_chars(self, n_chars: int):
+    def _check_chars(self, n_chars: int, what: str = "prompt"):
         if n_chars > self.max_prompt_chars:
-            raise RequestError(f"the prompt is {n_chars:,} characters: more than the context size of "
+            raise RequestError(f"the {what} is {n_chars:,} characters: more than the context size of "
                                f"{self.ctx_size} tokens can hold (at most {self.max_prompt_chars:,})",
                                code="context_length_exceeded")
 
@@ -278,6 +304,31 @@ class Server:
     async def _internal_error(self, request, exc: Exception):
         err = RequestError(f"internal error: {type(exc).__name__}", status=500, kind="server_error")
         return JSONResponse(err.body(), status_code=500)
+
+
+def _json_body(raw: bytes):
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError("the body's JSON nests too deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+
+
+def _refusal(e: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    if e.status in (408, 413):  # the rest of the body is not worth reading: close, do not drain it
+        headers = {"Connection": "close"}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _piece(token: bytes) -> str | list[int]:
+    """A token's piece as llama-server's /tokenize gives it: its text, or its bytes when they are
+    not UTF-8 on their own (part of a character)."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(token)
 
 
 class _Answer:

@@ -132,10 +132,7 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> list[Request]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     check_fields(body, chat)
-    model = _get(body, "model", str, None, what="a string")
-    if model not in (None, "", model_id):
-        raise RequestError(f"the model {_name(model)} does not exist: this server serves '{model_id}'",
-                           "model", status=404, code="model_not_found")
+    _check_model(body, model_id)
     prompts = [(chat_prompt(_messages(body)), None)] if chat else _prompts(body.get("prompt"))
     logprobs, echo = _logprobs(body, chat), _get(body, "echo", bool, False, what="a boolean")
     least = 0 if echo else 1  # echo with max_tokens 0: the prompt scored, nothing generated (OpenAI's too)
@@ -184,6 +181,46 @@ def parse(body, chat: bool, model_id: str, chat_prompt) -> list[Request]:
                   include_usage=_get(stream_options, "include_usage", bool, False, what="a boolean"), n=n,
                   logprobs=logprobs, echo=echo)
     return [Request(prompt=prompt, prompt_ids=ids, sampling=dict(sampling), **shared) for prompt, ids in prompts]
+
+
+def _check_model(body: dict, model_id: str) -> None:
+    model = _get(body, "model", str, None, what="a string")
+    if model not in (None, "", model_id):
+        raise RequestError(f"the model {_name(model)} does not exist: this server serves '{model_id}'",
+                           "model", status=404, code="model_not_found")
+
+
+# --- llama-server's token endpoints: /tokenize, /detokenize, /apply-template ---
+TOKEN_FIELDS = {"/tokenize": {"model", "content", "add_special", "parse_special", "with_pieces"},
+                "/detokenize": {"model", "tokens"}, "/apply-template": {"model", "messages"}}
+
+
+def parse_token_request(body, path: str, model_id: str) -> dict:
+    """A checked body of one of llama-server's token endpoints: {"content", "add_special",
+    "with_pieces"} for /tokenize, {"tokens"} for /detokenize (ids; their range is the server's to
+    check), {"messages"} for /apply-template. Every other field is refused by name."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for key in body:
+        if key not in TOKEN_FIELDS[path]:
+            raise unsupported(_sendable(str(key))[:64], f"{path} takes {', '.join(sorted(TOKEN_FIELDS[path]))}")
+    _check_model(body, model_id)
+    if path == "/apply-template":
+        return {"messages": _messages(body)}
+    if path == "/detokenize":
+        tokens = body.get("tokens")
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise RequestError("'tokens' must be a list of token ids", "tokens")
+        return {"tokens": tokens}
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise RequestError("'content' must be a string", "content")
+    if not _get(body, "parse_special", bool, True, what="a boolean"):
+        raise unsupported("parse_special", "pyml's tokenizer always reads a special token written in the text "
+                                           "as that token")
+    return {"content": _text(content, "content", "'content'"),
+            "add_special": _get(body, "add_special", bool, False, what="a boolean"),
+            "with_pieces": _get(body, "with_pieces", bool, False, what="a boolean")}
 
 
 def _prompts(prompt) -> list[tuple[str, list | None]]:

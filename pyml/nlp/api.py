@@ -128,8 +128,9 @@ class LanguageModel:
         self._before_forward(len(token_ids))
         return self.model.forward(token_ids, cache, all_logits=all_logits)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer().encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS / EOS as the model asks unless add_special_tokens is false."""
+        return self._tokenizer().encode(text, add_special_tokens)
 
     def _prompt_ids(self, prompt, what: str = "the prompt") -> list[int]:
         """Text encoded as `encode` does; token ids taken as they are."""

@@ -165,7 +165,9 @@ def test_the_api_key_guards_everything_but_health(tiny):
     with serving(tiny, "--api-key", "s3cret") as served:
         assert served.request("GET", "/health")[0] == 200
         for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None),
-                                   ("POST", "/v1/completions", COMPLETION)):
+                                   ("POST", "/v1/completions", COMPLETION), ("POST", "/tokenize", {"content": "hi"}),
+                                   ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})):
             assert served.request(method, path, body)[0] == 401
             assert served.request(method, path, body, headers={"Authorization": "Bearer s3cre"})[0] == 401
             assert served.request(method, path, body, headers={"Authorization": "Bearer s3cret"})[0] == 200
@@ -215,6 +217,8 @@ def test_bodies_past_max_body_are_refused_before_being_read(tiny):
     with serving(tiny, "--max-body", "1000") as served:
         big = json.dumps({**COMPLETION, "prompt": "x" * 2000}).encode()
         status, err = error_of(served.request("POST", "/v1/completions", raw=big))
+        assert status == 413 and err["code"] == "request_too_large"
+        status, err = error_of(served.request("POST", "/tokenize", {"content": "x" * 2000}))
         assert status == 413 and err["code"] == "request_too_large"
         # no Content-Length (chunked): refused as the bytes read pass the limit
         sock = send_raw(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
