@@ -44,7 +44,7 @@ from pyml.nlp.loaders.store import TensorStore
 from pyml.nlp.models.gpt2 import GPT2, GPT2Config
 from pyml.report import aggregate, plots
 from pyml.report.doc import Doc, render_md
-from pyml.report.machine import machine_info
+from pyml.report.machine import machine_info, memory
 from pyml.report.records import normalize
 
 # name -> (d_model, d_ff, n_layers, n_heads): the sizes of the GPT-2 family (as in the Nsight sweep)
@@ -91,14 +91,7 @@ class Shape:
 
 
 def available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return memory().get("MemAvailable")
 
 
 def build_gpt2(shape: Shape, n_positions: int, seed: int = 0):

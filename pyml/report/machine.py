@@ -37,14 +37,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in read_text("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or platform.machine())
+def memory() -> dict:
+    """/proc/meminfo's MemTotal and MemAvailable in bytes (a key is absent where it cannot be read)."""
     mem = {}
     for line in read_text("/proc/meminfo").splitlines():
         k, _, v = line.partition(":")
         if k in ("MemTotal", "MemAvailable"):
             mem[k] = int(v.split()[0]) * 1024
+    return mem
+
+
+def machine_info() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in read_text("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine())
+    mem = memory()
     affinity = usable_cores()
     blas = []
     try:

@@ -18,8 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pyml
 from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED
 from pyml.cli.standins import write_gpt2
+from pyml.core.errors import PymlError
 from tests.cli.test_serve import HOST, SERVE, serve_env, serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -324,3 +326,34 @@ def test_an_empty_api_key_in_the_environment_is_refused(tmp_path):
                           env=dict(serve_env(), PYML_API_KEY=""), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.splitlines() == [
         "pyml-serve: error: PYML_API_KEY is empty: give the key, or leave it out for a server without one"]
+
+
+def test_a_parallel_whose_cache_could_outgrow_the_memory_is_refused(tiny):
+    """Clients decide how long their sequences get: --parallel x --ctx-size sequences of keys and values
+    that the machine could not hold are refused at start, in one line whose figure is checked by hand
+    (at least layers x (k, v) x heads x head_dim x positions x 2 bytes a sequence: f16, before padding)."""
+    parallel = 10**7
+    done = subprocess.run([*SERVE, "-m", str(tiny), "--port", "0", "--parallel", str(parallel)], env=serve_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    said = re.fullmatch(rf"pyml-serve: error: --parallel {parallel}: {parallel} sequences of 256 positions could hold "
+                        r"([\d.]+) GB of keys and values, more than this machine's [\d.]+ GB of memory; "
+                        r"lower --parallel or --ctx-size", line)
+    assert said, line
+    config = json.loads((tiny / "config.json").read_text())
+    least = parallel * config["n_layer"] * 2 * config["n_embd"] * 256 * 2 / 1e9  # heads x head_dim = n_embd
+    assert least - 0.05 <= float(said.group(1)) <= 2 * least  # said to 0.1 GB
+
+
+def test_a_parallel_that_could_outgrow_the_free_memory_is_said(tiny, monkeypatch, capsys):
+    from pyml.cli import pyml_serve
+    lm = pyml.load_model(tiny, warmup=False)
+    one = lm.new_cache(256).nbytes
+    monkeypatch.setattr(pyml_serve, "memory", lambda: {"MemTotal": 100 * one, "MemAvailable": 10 * one})
+    pyml_serve.check_kv_memory(lm, 256, 10)  # fits what is free: nothing said
+    assert capsys.readouterr().err == ""
+    pyml_serve.check_kv_memory(lm, 256, 11)
+    assert "pyml-serve: warning: 11 sequences of 256 positions could hold" in capsys.readouterr().err
+    with pytest.raises(PymlError, match="--parallel 101: 101 sequences"):
+        pyml_serve.check_kv_memory(lm, 256, 101)
