@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyml
-from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED
+from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED, TOKEN_FIELDS
 from pyml.cli.standins import write_gpt2
 from pyml.core.errors import PymlError
 from tests.cli.test_serve import HOST, SERVE, serve_env, serving
@@ -154,6 +154,23 @@ def test_fuzz_no_request_body_gives_a_5xx(server, body, chat):
     raw = json.dumps(body, allow_nan=True).encode()  # ASCII: a lone surrogate travels as its \u escape
     status, data = server.request("POST", path, raw=raw, timeout=30)
     assert status < 500, (body, status, data[:300])
+
+
+token_bodies = st.dictionaries(st.sampled_from(sorted(set().union(*TOKEN_FIELDS.values()))) | st.text(max_size=6),
+                               json_values(4), max_size=5) | \
+    st.fixed_dictionaries({"content": st.text(max_size=40)},
+                          optional={"add_special": json_values(1), "with_pieces": json_values(1)}) | \
+    st.fixed_dictionaries({"tokens": st.lists(st.integers(-2**70, 2**70) | st.integers(0, 300), max_size=8)}) | \
+    st.fixed_dictionaries({"messages": messages})
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=token_bodies, path=st.sampled_from(sorted(TOKEN_FIELDS)))
+def test_fuzz_no_token_endpoint_body_gives_a_5xx(server, body, path):
+    raw = json.dumps(body, allow_nan=True).encode()
+    status, data = server.request("POST", path, raw=raw, timeout=30)
+    assert status < 500, (path, body, status, data[:300])
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
