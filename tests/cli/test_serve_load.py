@@ -119,6 +119,23 @@ def test_a_whole_reply_client_that_leaves_frees_the_model(server):
           f"{generated:.0f} of 1000 tokens generated")
 
 
+def test_a_whole_reply_client_of_several_prompts_that_leaves_frees_every_slot(server):
+    """A list of three prompts (three jobs on three slots), the client gone before the reply: all three
+    stop - the server is idle at once, and together they made fewer tokens than one prompt's 1000."""
+    wait_idle(server, within=10)
+    before = generated_tokens(server)
+    sock = post(server.port, {**LONG, "prompt": ["Long story", "Another story", "A third one"]})
+    deadline = time.monotonic() + 5
+    while health(server)["busy"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    assert wait_idle(server, within=2) < 1.0
+    assert 1 <= generated_tokens(server) - before < 1000
+
+
 def test_a_full_queue_answers_503_with_retry_after(wide):
     with serving(wide, "--max-queue", "2") as served:
         holders = [post(served.port, LONG) for _ in range(4 + 2)]  # four run (--parallel 4), two wait
