@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from dataclasses import dataclass
 
 import anyio
@@ -28,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pyml.cli.main import one_line
+from pyml.cli.openai_objects import FINISH, choice, envelope, new_id, usage
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_logprobs import Replies
 from pyml.cli.serve_requests import TOKEN_FIELDS, Request, RequestError, parse, parse_token_request
@@ -40,9 +40,6 @@ from pyml.nlp.api import LanguageModel
 from pyml.nlp.constrained import Constraint
 from pyml.nlp.generator import GenerationResult, check_prompt
 from pyml.nlp.sampling import SamplingConfig
-
-FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length", "cancelled": "stop"}
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -74,15 +71,6 @@ def longest_token_chars(lm: LanguageModel) -> int:
     if tok is None:
         return 1
     return max(1, max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)))
-
-
-def usage(*prompts: list) -> dict:
-    """OpenAI's usage of a request's choices (a list of results per prompt): each prompt counted
-    once, every choice's tokens."""
-    n_prompt = sum(len(results[0].prompt_tokens) for results in prompts)
-    n_gen = sum(len(r.tokens) for results in prompts for r in results)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": sum(results[0].cached_tokens for results in prompts)}}
 
 
 class Server:
@@ -337,7 +325,7 @@ class _Answer:
     def __init__(self, server: Server, job: Job, chat: bool, arrived: float, http: HTTPRequest):
         self.server, self.job, self.chat, self.arrived, self.http = server, job, chat, arrived, http
         self.deadline = arrived + server.limits.timeout
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = new_id(chat)
         self.created = int(time.time())
         self.first_token = None
         self.logprobs = Replies(server.lm.tokenizer, job.request, chat, job.ids)
@@ -383,11 +371,7 @@ class _Answer:
         return out
 
     def _choice(self, text: str | None, finish: str | None, delta: bool, index: int = 0, logprobs=None) -> dict:
-        if self.chat:
-            content = {"delta": {} if text is None else {"content": text}} if delta else \
-                {"message": {"role": "assistant", "content": text}}
-            return {"index": index, **content, "finish_reason": finish, "logprobs": logprobs}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        return choice(self.chat, text, finish, delta, index, logprobs)
 
     @property
     def _tools(self) -> Structured | None:
@@ -416,9 +400,7 @@ class _Answer:
         return self._choice(text, None, True, index), FINISH.get(result.stop_reason, "stop")
 
     def _envelope(self, choices, delta: bool) -> dict:
-        kind = ("chat.completion.chunk" if delta else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_id,
-                "system_fingerprint": "pyml", "choices": choices}
+        return envelope(self.chat, delta, self.id, self.created, self.server.model_id, choices)
 
     async def whole(self) -> Response:
         watcher = asyncio.create_task(_watch_disconnect(self.http, [self.job]))
