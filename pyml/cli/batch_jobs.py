@@ -5,6 +5,12 @@ An input line is `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...
 OVERRIDES beside it (they replace the command's flags for that line). An output line is
 `{"id", "text", "tokens", "stop_reason", "timings"}` or, for a line that could not be read or
 run, `{"id" (when the line had one), "line", "error"}`: a bad line never stops the batch.
+
+A line may also be a request of OpenAI's batch format (as OpenAI's Batch API and vLLM's run_batch
+read them): `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or "/v1/completions",
+"body"}`, the body checked as pyml-serve checks one (serve_requests.parse). Its output line is that
+format's: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`,
+the body the reply pyml-serve would give, or `{"error": {...}}` with a 4xx/5xx status_code.
 """
 
 from __future__ import annotations
@@ -12,9 +18,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pyml.cli.openai_objects import FINISH, choice, envelope, new_id, usage
+from pyml.cli.serve_requests import SHAPES, TOOLS, RequestError, parse
+from pyml.cli.serve_structured import template_messages
 from pyml.core.errors import PymlError
 
 # per-line overrides of the command's flags, with the JSON types each accepts
@@ -23,17 +34,24 @@ OVERRIDES = {"max_tokens": int, "temperature": _NUMBER, "top_k": int, "top_p": _
              "repetition_penalty": _NUMBER, "seed": int, "stop": list, "system": str, "chat": bool}
 _KEYS = {"id", "prompt", "messages", *OVERRIDES}
 
+OPENAI_URLS = {"/v1/chat/completions": True, "/v1/completions": False}  # a batch request's url -> chat
+_OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+# body fields that ask for more than one text reply: accepted only at the value that asks for none
+_ONE_TEXT_REPLY = {"stream": (False,), "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,)}
+_NOT_IN_BATCH = SHAPES | TOOLS | {"stream_options", "cache_prompt", "pyml"}
+
 
 @dataclass(frozen=True)
 class Job:
     """One input line to generate from: its id, its line number, and everything it asks for."""
     id: object
     line: int
-    prompt: str | None = None
+    prompt: str | list | None = None                # text, or token ids (an OpenAI completions request's)
     messages: tuple | None = None
     options: dict = field(default_factory=dict)   # the command's sampling options, with the line's overrides
     chat: bool = False
     system: str | None = None
+    openai: str | None = None                      # the url of a line in OpenAI's batch format (id: its custom_id)
 
     @property
     def size(self) -> int:
@@ -42,9 +60,52 @@ class Job:
         return len(text) + (len(self.system) if self.system else 0)
 
 
+class LineError(PymlError):
+    """A line that cannot run; `custom_id` when the line is in OpenAI's batch format (its output line
+    is then that format's)."""
+
+    def __init__(self, message: str, custom_id: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.custom_id, self.param = custom_id, param
+
+
 def error_line(line: int, message: str, job_id=None) -> dict:
     out = {"id": job_id} if job_id is not None else {}
     return {**out, "line": line, "error": message}
+
+
+def openai_line(custom_id: str, status: int, body: dict) -> dict:
+    """An output line of OpenAI's batch format."""
+    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex[:24]}", "body": body},
+            "error": None}
+
+
+def openai_error(custom_id: str, message: str, status: int = 400, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return openai_line(custom_id, status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+def job_error(job: Job, message: str, status: int = 400) -> dict:
+    """The output line of a job that could not run, in its line's format."""
+    return openai_error(job.id, message, status) if job.openai else error_line(job.line, message, job.id)
+
+
+def failed(out: dict) -> bool:
+    """Whether an output line says its input line did not run."""
+    return out["response"]["status_code"] != 200 if "custom_id" in out else "error" in out
+
+
+def output_id(out: dict):
+    """The input line's id an output line answers (an OpenAI line's custom_id)."""
+    return out["custom_id"] if "custom_id" in out else out.get("id")
+
+
+def output_tokens(out: dict) -> int:
+    """The tokens an output line's reply generated."""
+    if "custom_id" in out:
+        return 0 if failed(out) else out["response"]["body"]["usage"]["completion_tokens"]
+    return len(out.get("tokens", ()))
 
 
 def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system: str | None = None) -> Job:
@@ -55,6 +116,8 @@ def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system:
         raise PymlError(f"not a JSON object ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise PymlError(f"expected a JSON object, got {type(obj).__name__}")
+    if "custom_id" in obj:
+        return _openai_job(obj, line, defaults)
     unknown = sorted(set(obj) - _KEYS)
     if unknown:
         raise PymlError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
@@ -88,8 +151,55 @@ def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system:
     return Job(obj["id"], line, prompt, tuple(messages) if messages is not None else None, options, chat, system)
 
 
+def _openai_job(obj: dict, line: int, defaults: dict) -> Job:
+    """A Job from a request of OpenAI's batch format. The body's fields replace the command's flags,
+    as a pyml line's do; what it asks beyond one text reply (a stream, n > 1, log-probabilities, a
+    JSON shape or tools) is refused by name. Its `model` is taken as given: the reply names the
+    model that answered."""
+    custom_id = obj["custom_id"]
+    if not isinstance(custom_id, str) or not custom_id:
+        raise PymlError("\"custom_id\" must be a non-empty string (OpenAI's batch format)")
+    try:
+        if unknown := sorted(set(obj) - _OPENAI_KEYS):
+            raise PymlError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                            f"(a request of OpenAI's batch format has {', '.join(sorted(_OPENAI_KEYS))})")
+        if obj.get("method", "POST") != "POST":
+            raise PymlError(f"\"method\" must be \"POST\", got {obj['method']!r}")
+        url, body = obj.get("url"), obj.get("body")
+        if url not in OPENAI_URLS:
+            raise PymlError(f"\"url\" must be one of {', '.join(OPENAI_URLS)}, got {url!r}")
+        if not isinstance(body, dict):
+            raise PymlError("\"body\" must be a JSON object: the request")
+        for key, value in body.items():
+            if value is None:
+                continue
+            if key in _NOT_IN_BATCH or (key in _ONE_TEXT_REPLY and not any(
+                    type(value) is type(v) and value == v for v in _ONE_TEXT_REPLY[key])):
+                raise RequestError(f"'{key}' is not run by pyml-batch: it writes one text reply a line "
+                                   "(pyml-serve answers this request)", key, code="unsupported_parameter")
+        messages = []
+        reqs = parse({k: v for k, v in body.items() if k != "model"}, OPENAI_URLS[url], "",
+                     lambda checked: messages.extend(checked) or "")
+        if len(reqs) > 1:
+            raise RequestError("'prompt' is a list of several prompts: a batch file has one a line", "prompt")
+    except RequestError as e:
+        raise LineError(e.message, custom_id, e.param) from None
+    except PymlError as e:
+        raise LineError(str(e), custom_id) from None
+    req, options = reqs[0], dict(defaults)
+    given = {k for k, v in body.items() if v is not None} | ({"repetition_penalty"} if "repeat_penalty" in body else set())
+    if given & {"max_tokens", "max_completion_tokens"}:
+        options["max_tokens"] = req.max_tokens
+    if "stop" in given:
+        options["stop"] = req.stop
+    options.update({k: v for k, v in req.sampling.items() if k in given})
+    prompt = None if messages else (req.prompt_ids if req.prompt_ids is not None else req.prompt)
+    return Job(custom_id, line, prompt, tuple(messages) if messages else None, options, openai=url)
+
+
 def read_jobs(path, defaults: dict, chat: bool = False, system: str | None = None) -> tuple[list, list]:
-    """(jobs, errors) from an input file: errors are output lines for the lines that cannot run."""
+    """(jobs, errors) from an input file: errors are (line number, output line) of the lines that
+    cannot run."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
@@ -101,12 +211,16 @@ def read_jobs(path, defaults: dict, chat: bool = False, system: str | None = Non
             continue
         try:
             job = parse_line(text, n, defaults, chat, system)
+        except LineError as e:
+            errors.append((n, error_line(n, str(e)) if e.custom_id is None else
+                           openai_error(e.custom_id, str(e), param=e.param)))
+            continue
         except PymlError as e:
-            errors.append(error_line(n, str(e)))
+            errors.append((n, error_line(n, str(e))))
             continue
         key = id_key(job.id)
         if key in seen:
-            errors.append(error_line(n, f"id {job.id!r} repeats the id of line {seen[key]}", job.id))
+            errors.append((n, job_error(job, f"id {job.id!r} repeats the id of line {seen[key]}")))
             continue
         seen[key] = n
         jobs.append(job)
@@ -120,16 +234,22 @@ def id_key(job_id) -> str:
 
 # --- one job ------------------------------------------------------------------------------------
 
-def _prompt(lm, job: Job) -> str:
+def _prompt(lm, job: Job) -> str | list:
     if job.messages is not None or job.chat or job.system is not None:
         messages = list(job.messages) if job.messages is not None else [{"role": "user", "content": job.prompt}]
         if job.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": job.system})
-        return lm.chat_prompt(messages)
+        return lm.chat_prompt(template_messages(messages))
     return job.prompt
 
 
-def _output(job: Job, result) -> dict:
+def _output(lm, job: Job, result) -> dict:
+    if job.openai:  # the reply pyml-serve would give
+        chat = OPENAI_URLS[job.openai]
+        body = envelope(chat, False, new_id(chat), int(time.time()), Path(lm.source).name,
+                        [choice(chat, result.text, FINISH.get(result.stop_reason, "stop"))])
+        body.update(usage=usage([result]), timings=result.timings())
+        return openai_line(job.id, 200, body)
     return {"id": job.id, "text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
             "timings": result.timings()}
 
@@ -140,10 +260,10 @@ def run_job(lm, job: Job, speculative: dict | None = None) -> dict:
     try:
         result = lm.generate(_prompt(lm, job), **job.options, **(speculative or {}))
     except PymlError as e:
-        return error_line(job.line, str(e), job.id)
+        return job_error(job, str(e))
     except Exception as e:  # one line's failure is that line's output, never the batch's end
-        return error_line(job.line, f"internal error: {type(e).__name__}: {e}", job.id)
-    return _output(job, result)
+        return job_error(job, f"internal error: {type(e).__name__}: {e}", 500)
+    return _output(lm, job, result)
 
 
 BATCH_ONLY = ("ctx_size", "context_shift", "n_keep")  # the options a batch shares (not per line)
@@ -160,10 +280,11 @@ def run_jobs_batched(lm, jobs: list, batch: int, speculative: dict | None = None
     for job in jobs:
         ask = {k: v for k, v in job.options.items() if k not in BATCH_ONLY}
         try:
-            prompt = lm.encode(_prompt(lm, job))
+            prompt = _prompt(lm, job)
+            prompt = lm.encode(prompt) if isinstance(prompt, str) else prompt
             lm.stream_batch([prompt], ctx_size=shared.get("ctx_size"), options=[ask]).close()  # checks it all
         except PymlError as e:
-            yield job, error_line(job.line, str(e), job.id)
+            yield job, job_error(job, str(e))
             continue
         ready.append(job)
         prompts.append(prompt)
@@ -173,16 +294,19 @@ def run_jobs_batched(lm, jobs: list, batch: int, speculative: dict | None = None
     for index, event in lm.stream_batch(prompts, batch=batch, ctx_size=shared.get("ctx_size"), options=options,
                                         **(speculative or {})):
         if event.result is not None:
-            yield ready[index], _output(ready[index], event.result)
+            yield ready[index], _output(lm, ready[index], event.result)
 
 
 # --- the output file ----------------------------------------------------------------------------
 
 _RESULT_KEYS, _ERROR_KEYS = {"id", "text", "tokens", "stop_reason", "timings"}, {"id", "line", "error"}
+_OPENAI_OUTPUT_KEYS = {"id", "custom_id", "response", "error"}
 
 
 def _is_output_line(obj) -> bool:
     """A line pyml-batch writes: a result or an error line, nothing else."""
+    if isinstance(obj, dict) and set(obj) == _OPENAI_OUTPUT_KEYS:
+        return isinstance(obj["response"], dict) and isinstance(obj["response"].get("status_code"), int)
     return isinstance(obj, dict) and (set(obj) == _RESULT_KEYS or set(obj) in (_ERROR_KEYS, _ERROR_KEYS - {"id"}))
 
 
@@ -218,8 +342,8 @@ def resume(path) -> set:
         if not _is_output_line(obj):
             raise PymlError(f"--out {path}: line {number} is not a line pyml-batch writes; not resuming into "
                             f"(nor overwriting) a file that is not its own output")
-        if "error" not in obj and id_key(obj["id"]) not in done:
-            done.add(id_key(obj["id"]))
+        if not failed(obj) and id_key(output_id(obj)) not in done:
+            done.add(id_key(output_id(obj)))
             kept.append(raw + b"\n")
     if len(kept) < len(lines) - 1 or lines[-1]:
         _rewrite(path, b"".join(kept), status)

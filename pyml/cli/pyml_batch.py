@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 
-from pyml.cli.batch_jobs import OrderedWriter, id_key, read_jobs, resume, run_job, run_jobs_batched
+from pyml.cli.batch_jobs import (OrderedWriter, failed, id_key, output_tokens, read_jobs, resume, run_job,
+                                 run_jobs_batched)
 from pyml.cli.main import Parser, run_command, say
 from pyml.cli.options import (add_model_options, add_sampling_options, add_speculative_options, check_speculative,
                               model_options, profiling, sampling_options, speculative_options)
@@ -63,8 +64,8 @@ class Tally:
 
     def add(self, out: dict) -> None:
         self.prompts += 1
-        self.errors += "error" in out
-        self.tokens += len(out.get("tokens", ()))
+        self.errors += failed(out)
+        self.tokens += output_tokens(out)
         self.bar.set_postfix_str(f"{self.tok_s:.1f} tok/s", refresh=False)
         self.bar.update(1)
 
@@ -103,13 +104,13 @@ def run(args) -> int:
 def _batch(args, jobs: list, errors: list) -> int:
     done = resume(args.out)
     todo = [j for j in jobs if id_key(j.id) not in done]
-    writer = OrderedWriter(args.out, sorted([j.line for j in todo] + [e["line"] for e in errors]))
+    writer = OrderedWriter(args.out, sorted([j.line for j in todo] + [line for line, _ in errors]))
     tally = Tally(len(todo) + len(errors))
     ctx = profiling(args.profile)
     with writer, ctx as prof:
-        for e in errors:
-            writer.add(e["line"], e)
-            tally.add(e)
+        for line, out in errors:
+            writer.add(line, out)
+            tally.add(out)
         if todo:
             where = (_run_on_ray(args, todo, writer, tally, prof) if args.ray
                      else _run_here(args, todo, writer, tally, prof))

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 
-from pyml.cli.batch_jobs import Job, error_line, run_job, run_jobs_batched
+from pyml.cli.batch_jobs import Job, job_error, run_job, run_jobs_batched
 from pyml.cli.request_profile import recording
 from pyml.core import perf
 from pyml.core.errors import PymlError
@@ -223,13 +223,12 @@ class WorkerPool:
                     if attempts[job.line] < MAX_ATTEMPTS or not alive:
                         again.append(job)  # with no worker left, it is counted among those not run
                     else:
-                        replies.append({"out": error_line(job.line, f"the Ray worker died running this prompt "
-                                                                    f"({attempts[job.line]} times): {_first_line(e)}",
-                                                          job.id)})
+                        replies.append({"out": job_error(job, f"the Ray worker died running this prompt "
+                                                              f"({attempts[job.line]} times): {_first_line(e)}", 500)})
                 queue.extendleft(reversed(again))
                 unit = [job for job in unit if job not in again]
             except RayTaskError as e:  # run_job turns every failure into a line: this is Ray's own
-                replies = [{"out": error_line(job.line, f"Ray: {_first_line(cause(e))}", job.id)} for job in unit]
+                replies = [{"out": job_error(job, f"Ray: {_first_line(cause(e))}", 500)} for job in unit]
             for job, reply in zip(unit, replies):
                 self.done[w] += 1
                 self._received(w, reply)

@@ -80,7 +80,7 @@ def _name(key) -> str:
 
 
 def unsupported(name: str, why: str) -> RequestError:
-    return RequestError(f"'{name}' is not supported by pyml-serve: {why}", name, code="unsupported_parameter")
+    return RequestError(f"'{name}' is not supported by pyml: {why}", name, code="unsupported_parameter")
 
 
 def check_fields(body: dict, chat: bool) -> None:
