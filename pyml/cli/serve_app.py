@@ -36,7 +36,9 @@ from pyml.cli.serve_structured import (HeldCalls, Structured, call_id, parse_str
 from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
 from pyml.core.errors import PymlError
 from pyml.core.runtime import cpu_count
+from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel
+from pyml.nlp.chat import CHATML_TEMPLATE
 from pyml.nlp.constrained import Constraint
 from pyml.nlp.generator import GenerationResult, check_prompt
 from pyml.nlp.sampling import SamplingConfig
@@ -95,7 +97,7 @@ class Server:
 
     def app(self):
         routes = [Route("/health", self.health), Route("/metrics", self.prometheus),
-                  Route("/v1/models", self.models),
+                  Route("/v1/models", self.models), Route("/props", self.props),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   *[Route(path, self.token_endpoint, methods=["POST"]) for path in TOKEN_FIELDS]]
@@ -135,6 +137,19 @@ class Server:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pyml",
              "meta": {"context_size": self.ctx_size, "source": self.lm.source}}]})
+
+    async def props(self, request):
+        """llama-server's /props, the part pyml has: the context, the slots, a request's defaults and
+        the chat template in effect (clients that render prompts themselves read it here)."""
+        tok = self.lm.tokenizer
+        defaults = parse({"prompt": "x"}, False, self.model_id, None)[0].sampling
+        return JSONResponse({
+            "model_alias": self.model_id, "total_slots": self.limits.parallel,
+            "default_generation_settings": {"n_ctx": self.ctx_size,
+                                            "params": {"n_predict": self.limits.max_tokens, **defaults}},
+            "chat_template": None if tok is None else self.lm.chat_template or tok.chat_template or CHATML_TEMPLATE,
+            "bos_token": None if tok is None else tok.bos_token, "eos_token": None if tok is None else tok.eos_token,
+            "build_info": f"pyml {__version__}"})
 
     # --- completions ---
     async def chat_completions(self, request):

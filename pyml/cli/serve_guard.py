@@ -28,7 +28,8 @@ from pyml.cli.serve_worker import Metrics
 OPEN_PATHS = {"/health"}  # answered without the API key: a load balancer's probe holds none
 COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 ENDPOINTS = {**COMPLETION_PATHS, "/v1/models": "models", "/health": "health", "/metrics": "metrics",
-             "/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply-template"}
+             "/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply-template",
+             "/props": "props"}
 
 
 def is_loopback(host: str) -> bool:

@@ -183,7 +183,7 @@ def test_fuzz_no_byte_string_gives_a_5xx(server, raw):
 def test_the_api_key_guards_everything_but_health(tiny):
     with serving(tiny, "--api-key", "s3cret") as served:
         assert served.request("GET", "/health")[0] == 200
-        for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None),
+        for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None), ("GET", "/props", None),
                                    ("POST", "/v1/completions", COMPLETION), ("POST", "/tokenize", {"content": "hi"}),
                                    ("POST", "/detokenize", {"tokens": [1]}),
                                    ("POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})):

@@ -1,7 +1,7 @@
 """pyml-serve's token endpoints, as llama-server has them: POST /tokenize, /detokenize and
-/apply-template on the real SmolLM2 file, against transformers' tokenizer and chat template read
-from the same GGUF (an independent conversion of its vocabulary, merges and template). The server
-is a real process on 127.0.0.1."""
+/apply-template, and GET /props, on the real SmolLM2 file, against transformers' tokenizer and chat
+template read from the same GGUF (an independent conversion of its vocabulary, merges and
+template) and gguf-py's reading of its metadata. The server is a real process on 127.0.0.1."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.cli.test_serve import serving
 from tests.nlp.test_chat import CONVERSATIONS
-from tests.nlp.test_tokenizer import transformers_tokenizer
+from tests.nlp.test_tokenizer import read_metadata, transformers_tokenizer
 
 TEXTS = ["Hello world", "  spaced\tand\nlines  ", "🤗 日本語 and ᚠᛇᚻ", "<|im_start|>user\nHi<|im_end|>"]
 
@@ -79,3 +79,15 @@ def test_a_bad_body_is_a_4xx_naming_what_is_wrong(server, path, body, status, sa
     got, answer = post(server, path, body)
     assert got == status and says in answer["error"]["message"], answer
     assert "/" not in answer["error"]["message"].replace(path, "")  # no file path of the server's
+
+
+def test_props_gives_the_context_the_slots_the_defaults_and_the_chat_template(server, smollm2_gguf):
+    status, data = server.request("GET", "/props")
+    props = json.loads(data)
+    assert status == 200 and props["total_slots"] == 4 and props["model_alias"] == "tiny"
+    metadata = read_metadata(smollm2_gguf)
+    assert props["chat_template"] == metadata["tokenizer.chat_template"]
+    assert props["default_generation_settings"]["n_ctx"] == min(4096, metadata["llama.context_length"])
+    params = props["default_generation_settings"]["params"]
+    assert params["n_predict"] == 1024 and params["temperature"] == 1.0 and params["top_p"] == 1.0
+    assert props["eos_token"] == "<|im_end|>"
