@@ -129,6 +129,27 @@ def test_resume_on_ray_runs_only_what_is_missing(local_ray, tiny, batch_in, sequ
     assert without_timings(got[3:]) == without_timings(rest)
 
 
+@pytest.mark.deep  # Ray; OpenAI's batch format in-process: tests/cli/test_batch_openai.py
+def test_openai_batch_lines_on_ray_give_the_one_process_replies(local_ray, tiny, tmp_path):
+    """A file in OpenAI's batch format: the Ray workers write the same output lines as one process
+    (ids and times apart), a refused line included."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url, "body": body}) for i, (url, body) in
+                             enumerate([("/v1/completions", {"prompt": p, "max_tokens": 6}) for p in PROMPTS[:3]] +
+                                       [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                        ("/v1/completions", {"prompt": "x", "n": 2})])) + "\n")
+
+    def replies(*flags):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        assert pyml_batch.main([str(src), "--out", str(out), "-m", str(tiny), "-n", "8", "-t", "1", *flags]) == 1
+        return [(o["custom_id"], o["response"]["status_code"],
+                 {k: v for k, v in o["response"]["body"].items() if k not in ("id", "created", "timings")})
+                for o in read_output(out)]
+
+    alone, on_ray = replies(), replies("--ray", "--workers", "2")
+    assert on_ray == alone and [status for _, status, _ in alone] == [200, 200, 200, 200, 400]
+
+
 @pytest.mark.deep  # Ray; the jobs its workers run: tests/cli/test_batch.py and test_sweep.py in-process
 def test_sweep_on_ray_gives_the_sequential_table(local_ray, monkeypatch, tmp_path):
     monkeypatch.setattr(pyml_sweep, "SIZES", {"t1": (64, 256, 2, 4), "t2": (96, 384, 3, 4)})
