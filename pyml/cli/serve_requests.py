@@ -209,7 +209,7 @@ def parse_token_request(body, path: str, model_id: str) -> dict:
         return {"messages": _messages(body)}
     if path == "/detokenize":
         tokens = body.get("tokens")
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+        if not (tokens == [] or _are_token_ids(tokens)):
             raise RequestError("'tokens' must be a list of token ids", "tokens")
         return {"tokens": tokens}
     content = body.get("content")
@@ -227,15 +227,20 @@ def _prompts(prompt) -> list[tuple[str, list | None]]:
     """The completions prompts: text or token ids (as lm-evaluation-harness sends them), one or a list:
     a string, [ids], or a list of strings and [ids] (OpenAI's batched form, each its own choices).
     Ids give ("", ids): the server decodes them."""
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _are_token_ids(prompt):
         return [("", prompt)]
     if not (isinstance(prompt, list) and prompt):
         return [_one_prompt(prompt, "'prompt'")]
     return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
 
 
+def _are_token_ids(value) -> bool:
+    """A non-empty list of integers (JSON's true and false are not)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _one_prompt(prompt, where: str) -> tuple[str, list | None]:
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _are_token_ids(prompt):
         return "", prompt
     if not isinstance(prompt, str) or not prompt:
         raise RequestError(f"{where} must be a non-empty string or a non-empty list of token ids", "prompt")
