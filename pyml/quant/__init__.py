@@ -11,7 +11,7 @@ interleaved.py  the 8-row "x8" layout and its packing; interleaved_gemv.py, inte
                 interleaved_tiles.py the GEMMs' token-tile loop
 bf16_gemm.py    the bf16-compute GEMM for float weights (--float-compute bf16)
 activation.py   int8 activations; quantizers.py the weight quantizers; reference.py the scalar
-                oracle path
+                oracle path; ggml_grids.py llama.cpp's activation rounding (ggml_activations())
 The SIMD vocabulary the kernels are written in is core/simd.py's.
 """
 
@@ -23,6 +23,7 @@ from pyml.quant.dispatch import (FLOAT_COMPUTE, as_decode_rows, attention_comput
                                  dequantize_rows, every_row_decodes, float_compute,
                                  kernel_view, matmul, pack, pack_bf16, packed_from_cache, packs, quantize, row_reader,
                                  warmup, warmup_steps)
+from pyml.quant.ggml_grids import ggml_activations
 from pyml.quant.ggml_types import QuantType
 from pyml.quant.interleaved import Packed
 from pyml.quant.quantizers import to_bf16_bits
@@ -35,4 +36,4 @@ __all__ = ["QuantType", "TRAITS", "Traits", "FLOAT_TYPES", "is_supported", "trai
            "packed_from_cache", "Packed",
            "BF16Packed", "BF16_AVAILABLE", "FLOAT_COMPUTE", "float_compute", "attention_compute", "pack_bf16",
            "row_reader", "quantize", "to_bf16_bits", "warmup", "warmup_steps", "dequantize_reference",
-           "matmul_reference"]
+           "matmul_reference", "ggml_activations"]

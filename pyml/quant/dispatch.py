@@ -53,7 +53,7 @@ import numba
 import numpy as np
 
 from pyml.core.isa import BF16 as BF16_AVAILABLE
-from pyml.quant import bf16_gemm, interleaved
+from pyml.quant import bf16_gemm, ggml_grids, interleaved
 from pyml.quant.bf16_gemm import BF16Packed
 from pyml.quant.floats import to_f32
 from pyml.quant.ggml_types import QuantType
@@ -178,8 +178,11 @@ def matmul(x: np.ndarray, raw, qtype, n_cols: int, out: np.ndarray | None = None
 
     `raw` is the stored matrix, or a Packed one (pack()). `out` (float32 [T, rows],
     C-contiguous) is written and returned, so callers can reuse a buffer. `exact` selects
-    float32 activations for quantized weights (see the module doc).
+    float32 activations for quantized weights (see the module doc); inside ggml_activations(), x is
+    first rounded as llama.cpp's CPU backend rounds it for this type (ggml_grids.py), then exact.
     """
+    if ggml_grids.active() and not isinstance(raw, BF16Packed):
+        x, exact = ggml_grids.round_as_ggml(x, traits_of(qtype).ggml_activation), True
     if isinstance(raw, BF16Packed):
         if raw.kind != int(qtype) or raw.n_cols != n_cols:
             raise ValueError(f"bf16 blocks of {QuantType(raw.kind).name} weights of {raw.n_cols} columns used as "

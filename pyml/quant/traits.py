@@ -15,6 +15,8 @@ Each row of TRAITS says what pyml knows of a type:
     quantize                float32 (rows, n_cols) -> stored, `quantize(x, out)`, or None
     activation              what x becomes on the default path: "q8" (int8 per 32 values with a
                             float32 scale, activation.py: ggml's vec_dot_type) or "f32"
+    ggml_activation         what ggml's CPU backend rounds x to for this type (its vec_dot_type:
+                            q8_0, q8_1, q8_K, f16, bf16, f32), for quant.ggml_activations()
 
 Adding a type is one row here plus its kernels (a block layout documented beside them, and
 the row-level functions kernel_set.py runs).
@@ -43,6 +45,7 @@ class Traits:
     interleaved: InterleavedKernels | None = None
     quantize: Callable | None = None
     activation: str = "q8"
+    ggml_activation: str = "q8_K"
 
     @property
     def name(self) -> str:
@@ -72,20 +75,26 @@ Q4_K, Q5_K, Q6_K = QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K
 Q2_K, Q3_K, IQ4_NL, IQ4_XS = QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_NL, QuantType.IQ4_XS
 
 TRAITS: dict[QuantType, Traits] = {t.qtype: t for t in (
-    Traits(F32, float_kernels(F32), np.dtype(np.float32), quantize=quantizers.cast, activation="f32"),
-    Traits(F16, float_kernels(F16), np.dtype(np.float16), quantize=quantizers.cast, activation="f32"),
-    Traits(BF16, float_kernels(BF16), np.dtype(np.uint16), quantize=quantizers.to_bf16, activation="f32"),
-    Traits(Q4_0, block_kernels(Q4_0), _U8, interleaved_kernels(Q4_0), quantize=quantizers.quantize_q4_0),
-    Traits(Q4_1, block_kernels(Q4_1), _U8, interleaved_kernels(Q4_1), quantize=quantizers.quantize_q4_1),
-    Traits(Q5_0, block_kernels(Q5_0), _U8, interleaved_kernels(Q5_0)),
-    Traits(Q5_1, block_kernels(Q5_1), _U8, interleaved_kernels(Q5_1)),
-    Traits(Q8_0, block_kernels(Q8_0), _U8, interleaved_kernels(Q8_0), quantize=quantizers.quantize_q8_0),
+    Traits(F32, float_kernels(F32), np.dtype(np.float32), quantize=quantizers.cast, activation="f32",
+           ggml_activation="f32"),
+    Traits(F16, float_kernels(F16), np.dtype(np.float16), quantize=quantizers.cast, activation="f32",
+           ggml_activation="f16"),
+    Traits(BF16, float_kernels(BF16), np.dtype(np.uint16), quantize=quantizers.to_bf16, activation="f32",
+           ggml_activation="bf16"),
+    Traits(Q4_0, block_kernels(Q4_0), _U8, interleaved_kernels(Q4_0), quantize=quantizers.quantize_q4_0,
+           ggml_activation="q8_0"),
+    Traits(Q4_1, block_kernels(Q4_1), _U8, interleaved_kernels(Q4_1), quantize=quantizers.quantize_q4_1,
+           ggml_activation="q8_1"),
+    Traits(Q5_0, block_kernels(Q5_0), _U8, interleaved_kernels(Q5_0), ggml_activation="q8_0"),
+    Traits(Q5_1, block_kernels(Q5_1), _U8, interleaved_kernels(Q5_1), ggml_activation="q8_1"),
+    Traits(Q8_0, block_kernels(Q8_0), _U8, interleaved_kernels(Q8_0), quantize=quantizers.quantize_q8_0,
+           ggml_activation="q8_0"),
     Traits(Q4_K, block_kernels(Q4_K), _U8, interleaved_kernels(Q4_K)),
     Traits(Q5_K, block_kernels(Q5_K), _U8),
     Traits(Q6_K, block_kernels(Q6_K), _U8),
     Traits(Q2_K, lowbit_kernels(Q2_K), _U8),
     Traits(Q3_K, lowbit_kernels(Q3_K), _U8),
-    Traits(IQ4_NL, lowbit_kernels(IQ4_NL), _U8),
+    Traits(IQ4_NL, lowbit_kernels(IQ4_NL), _U8, ggml_activation="q8_0"),
     Traits(IQ4_XS, lowbit_kernels(IQ4_XS), _U8),
 )}
 

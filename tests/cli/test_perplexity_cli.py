@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pyml import quant
 from pyml.cli.pyml_perplexity import main
 from pyml.cli.standins import write_gpt2
 from pyml.nlp import perplexity as ppl
@@ -79,6 +80,25 @@ def test_json_and_several_chunks_a_pass(tiny, text_file, capsys):
     assert json.loads(out)["ppl"] == pytest.approx(doc["ppl"], rel=1e-5)
 
 
+def test_activations_rounded_as_ggml(smollm2_gguf, text_file, capsys):
+    """--activations ggml scores the same chunks with llama.cpp's activation rounding (how near that comes
+    to llama.cpp's own figures is the peer test's): said in --json, a draw of its own near pyml's, the
+    library's figure under quant.ggml_activations()."""
+    args = ("-m", str(smollm2_gguf), "-f", text_file, "-c", "64", "--chunks", "2", "--json")
+    rc, out, err = run(capsys, *args)
+    assert rc == 0, err
+    own = json.loads(out)
+    rc, out, err = run(capsys, *args, "--activations", "ggml")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (own["activations"], doc["activations"]) == ("pyml", "ggml")
+    assert doc["ppl"] != own["ppl"] and doc["ppl"] == pytest.approx(own["ppl"], rel=0.05)
+    lm = load_model(gguf=str(smollm2_gguf), warmup=False, float_compute="f32")
+    with quant.ggml_activations():
+        got = ppl.perplexity(lm, Path(text_file).read_text(), 64, 2, seqs=doc["n_seq"]).estimate.ppl  # as batched
+    assert got == pytest.approx(doc["ppl"], rel=1e-6)
+
+
 def test_kl_divergence_of_a_model_from_itself(tiny, text_file, tmp_path, capsys):
     base = tmp_path / "base.npz"
     rc, out, err = run(capsys, "-m", tiny, "-f", text_file, "-c", "128", "--kl-divergence-base", str(base),
@@ -103,6 +123,8 @@ def test_bad_input_is_one_line(tiny, text_file, tmp_path, capsys):
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "-c", "128", "-b", "200")[::2], "multiple")
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "--plot", "x.png")[::2], "--plot")
     one_error(*run(capsys, "-m", tiny, "--kl-divergence")[::2], "--kl-divergence-base")
+    one_error(*run(capsys, "-m", tiny, "-f", text_file, "--activations", "ggml", "--float-compute", "bf16")[::2],
+              "--activations ggml", "--float-compute bf16")
     one_error(*run(capsys, "-m", tiny, "--kl-divergence-base", str(tmp_path / "none.npz"), "--kl-divergence")[::2],
               "none.npz")
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "--kl-divergence-base", str(tmp_path / "no" / "b.npz"))[::2],
