@@ -66,7 +66,7 @@ def round_as_ggml(x: np.ndarray, grid: str) -> np.ndarray:
     if grid == "f32":
         return x
     with _perf.trace("quant::ggml_round", "[{}x{}] {}", *x.shape, grid, op="ggml_round"):
-        x = np.asarray(x, _F32)
+        x = np.ascontiguousarray(x, _F32)
         if grid in ("q8_0", "q8_1"):
             return _round_q8_0(x)
         if grid == "q8_K":

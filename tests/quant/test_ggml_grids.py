@@ -60,6 +60,9 @@ def test_float_grids_are_torchs_casts(rng):
         np.testing.assert_array_equal(round_as_ggml(x, grid), torch.from_numpy(x).to(dtype).float().numpy())
     assert round_as_ggml(x, "bf16")[0, :3].tolist() == [1.0, 1 + 2 ** -6, -1.0]
     assert round_as_ggml(x, "f32") is x
+    wide = rng.standard_normal((4, 1024)).astype(np.float32)
+    for grid in ("q8_0", "q8_K", "f16", "bf16"):  # a strided view (every other column) as its copy
+        np.testing.assert_array_equal(round_as_ggml(wide[:, ::2], grid), round_as_ggml(wide[:, ::2].copy(), grid))
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
