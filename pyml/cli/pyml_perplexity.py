@@ -56,7 +56,8 @@ def build_parser() -> Parser:
     p.add_argument("--activations", choices=("pyml", "ggml"), default="pyml",
                    help="how quantized products round their activations: pyml's int8 with a scale per 32 values "
                         "(default), or ggml's grids as llama.cpp's CPU backend (q8_0 / q8_1 with fp16 scales per "
-                        "32, q8_K per 256, f16 for F16 weights) on the float path: figures comparable with "
+                        "32, q8_K per 256, f16 for F16 weights; the attention's queries and probabilities in f16) "
+                        "on the float path: figures comparable with "
                         "llama-perplexity's, at about a third of the speed (docs/perplexity.md)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the text report")
     # f32 by default: a quantization's cost measured with llama.cpp's float attention, not with the bf16

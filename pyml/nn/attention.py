@@ -6,7 +6,9 @@ import numpy as np
 
 from pyml import quant
 from pyml.core import perf
+from pyml.quant import ggml_grids
 from pyml.nn import attention_kernels, attention_prefill
+from pyml.nn.attention_ggml import attend_as_ggml
 from pyml.nn.batch import Batch
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
@@ -91,6 +93,11 @@ class Attention:
         for t0 in range(0, T, piece):
             t1 = min(T, t0 + piece)
             cache.update(layer, pos + t0, k[t0:t1], v[t0:t1])
+            if ggml_grids.active():  # pyml-perplexity --activations ggml: llama.cpp's roundings
+                start = max(0, pos + t0 - self.window + 1) if self.window else 0
+                out[t0:t1] = attend_as_ggml(q[t0:t1], pos + t0, *cache.view(layer, pos + t1, start), start,
+                                            self.scale, self.window or 0)
+                continue
             out[t0:t1] = attention_prefill.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
                                                         self.window or 0, self.prefill_bf16)
         return out

@@ -23,9 +23,10 @@ The grids, as llama.cpp (llama-cpp-python 0.3.36's vendor/llama.cpp) computes th
                                 float32 (ggml-quants.c quantize_row_q8_K_ref, x86's too); x' = d * q
   f16, bf16                     x rounded to the weight's float type, to nearest even
   f32                           nothing
-Not emulated: the attention's own roundings (llama.cpp's Q in f16 against its f16 K cache), the order
-of its float sums. The compiled decode step does not go through quant.matmul: this serves forward
-passes of prompts (perplexity, scoring), and its matmuls run on the float path at its speed.
+The mode also rounds a prompt's attention as llama.cpp's does (Q and the probabilities to f16, around
+its f16 KV cache: nn/attention_ggml.py). Not emulated: the order of its float sums. The compiled decode
+step does not go through quant.matmul: this serves forward passes of prompts (perplexity, scoring), and
+its matmuls run on the float path at its speed.
 """
 
 from __future__ import annotations
