@@ -130,12 +130,14 @@ class JobQueue:
                 self._ready.wait()
             return self._jobs.popleft() if self._jobs else None
 
-    def remove(self, job: Job) -> None:
+    def remove(self, job: Job) -> bool:
+        """Take `job` out of the queue; whether it was waiting there."""
         with self._ready:
             try:
                 self._jobs.remove(job)
+                return True
             except ValueError:  # already taken by the worker, or never queued
-                pass
+                return False
 
     def close(self) -> list[Job]:
         """Refuse new jobs; the jobs that were waiting, now out of the queue."""
@@ -171,6 +173,7 @@ class Worker:
     def stop(self, timeout: float = 3.0) -> None:
         """Answer the waiting jobs 503, cancel the running one, and let the thread end."""
         for job in self.jobs.close():
+            self.metrics.cancelled.labels("shutdown").inc()
             job.put("error", shutting_down())
         if (job := self.current) is not None:
             job.cancelled = job.cancelled or "shutdown"
@@ -187,8 +190,15 @@ class Worker:
         """Stop `job`: out of the queue if it waits, at the next decode step if it runs."""
         if job.cancelled is None:
             job.cancelled = reason
-        self.jobs.remove(job)
+        if self.jobs.remove(job):  # it never ran: counted here, a running job where it ends (_finish)
+            self.metrics.cancelled.labels(job.cancelled).inc()
         self.metrics.queue.set(len(self.jobs))
+
+    def _skipped(self, job: Job) -> bool:
+        """Whether a job just taken from the queue was cancelled while the worker took it (counted)."""
+        if job.cancelled:
+            self.metrics.cancelled.labels(job.cancelled).inc()
+        return bool(job.cancelled)
 
     def _loop(self):
         numba.set_num_threads(self.threads)  # per thread: the main thread's setting does not reach here
@@ -200,7 +210,7 @@ class Worker:
         self._started.set()
         while (job := self.jobs.get()) is not None:
             self.metrics.queue.set(len(self.jobs))
-            if job.cancelled:
+            if self._skipped(job):
                 continue
             self.current = job
             self.metrics.busy.set(1)
@@ -335,7 +345,7 @@ class BatchWorker(Worker):
         self.metrics.busy.set(int(bool(self.active)))
 
     def _admit(self, gen: BatchGenerator, job: Job) -> None:
-        if job.cancelled:
+        if self._skipped(job):
             return
         req = job.request
         try:

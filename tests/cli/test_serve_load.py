@@ -142,6 +142,33 @@ def test_a_full_queue_answers_503_with_retry_after(wide):
         assert served.request("POST", "/v1/completions", {**LONG, "max_tokens": 2})[0] == 200
 
 
+def test_clients_that_leave_the_queue_are_counted_cancelled(wide):
+    """One runs (--parallel 1), two wait; all three clients leave: pyml_cancelled_total{reason="client"}
+    counts the two that never ran as well."""
+    with serving(wide, "--parallel", "1", "--max-queue", "4") as served:
+        holders = [post(served.port, LONG) for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while health(served)["queue"] < 2:
+            assert time.monotonic() < deadline, health(served)
+            time.sleep(0.01)
+        for sock in holders:
+            sock.close()
+        wait_idle(served, within=3)
+        deadline = time.monotonic() + 3
+        while (counted := metric(served, 'pyml_cancelled_total{reason="client"}')) < 3:
+            assert time.monotonic() < deadline, counted
+            time.sleep(0.01)
+        assert counted == metric(served, 'pyml_requests_total{endpoint="completions",status="499"}') == 3
+
+
+def metric(server, name: str) -> float:
+    """A sample of /metrics by its name and labels as written there (0 before the first)."""
+    for line in server.request("GET", "/metrics")[1].decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def test_a_request_past_the_timeout_is_cancelled_and_answered_504(wide):
     with serving(wide, "--timeout", "1") as served:
         t0 = time.monotonic()
