@@ -277,12 +277,22 @@ class LanguageModel:
     def _batch_events(self, gen: BatchGenerator, requests: list, eos, stops: list):
         outs = {id(r): TextOut(self.tokenizer, r.result, eos, s) for r, s in zip(requests, stops)}
         ended = set()
+
+        def end(r):  # its last text and its result
+            out = outs[id(r)]
+            if not out.stopped:
+                text = out.end()
+                if text:
+                    yield r.index, StreamEvent(text)
+            out.close()
+            ended.add(id(r))
+            yield r.index, StreamEvent("", r.result)
+
         try:
             for r in [r for r in requests if r.done]:  # max_tokens 0: ended before a step
-                outs[id(r)].close()
-                ended.add(id(r))
-                yield r.index, StreamEvent("", r.result)
+                yield from end(r)
             while gen.busy:
+                running = list(gen.running)
                 chosen = gen.step()
                 last = {id(r): i for i, (r, _) in enumerate(chosen)}  # a speculative step chooses several
                 for i, (r, token) in enumerate(chosen):
@@ -295,13 +305,11 @@ class LanguageModel:
                     if out.stopped:
                         r.cancel()  # its slot is freed at the next step; the reason stays "stop"
                     if out.stopped or (r.done and last[id(r)] == i):
-                        if not out.stopped:
-                            text = out.end()
-                            if text:
-                                yield r.index, StreamEvent(text)
-                        out.close()
-                        ended.add(id(r))
-                        yield r.index, StreamEvent("", r.result)
+                        yield from end(r)
+                # a sequence whose cache filled left at the step's start, choosing nothing ("context")
+                for r in running:
+                    if r.done and id(r) not in ended:
+                        yield from end(r)
         finally:
             for r in requests:
                 r.cancel()

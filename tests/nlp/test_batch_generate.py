@@ -73,6 +73,17 @@ def test_a_full_cache_ends_with_context_as_alone(lm):
     assert (r.result.tokens, r.result.stop_reason) == (ref.tokens, "context") and other.result.stop_reason == "max_tokens"
 
 
+def test_a_full_cache_ends_a_streamed_batch_with_its_result(lm):
+    """stream_batch (generate_batch, pyml-batch --batch) gives the last event of a sequence whose cache
+    filled - it leaves at a step's start choosing nothing - the first and the last to run included."""
+    ctx = len(lm.encode(PROMPTS[0])) + 3
+    got = lm.generate_batch(PROMPTS[:3], 20, batch=2, ctx_size=ctx, options=[{}, {"max_tokens": 2}, {}])
+    for prompt, result, n in zip(PROMPTS, got, (20, 2, 20)):
+        ref = lm.generate(prompt, n, ctx_size=ctx)
+        assert result is not None and (result.tokens, result.stop_reason) == (ref.tokens, ref.stop_reason), prompt
+    assert [r.stop_reason for r in got] == ["context", "max_tokens", "context"]
+
+
 def test_a_consumer_that_leaves_frees_every_slot(lm):
     events = lm.stream_batch(PROMPTS, 50, batch=2)
     for _ in zip(range(3), events):
