@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyml.cli.openai_objects import FINISH, choice, envelope, new_id, usage
-from pyml.cli.serve_requests import SHAPES, TOOLS, RequestError, parse
+from pyml.cli.serve_requests import SHAPES, TOOLS, RequestError, check_context, parse
 from pyml.cli.serve_structured import template_messages
 from pyml.core.errors import PymlError
 
@@ -52,6 +52,7 @@ class Job:
     chat: bool = False
     system: str | None = None
     openai: str | None = None                      # the url of a line in OpenAI's batch format (id: its custom_id)
+    max_tokens_given: bool = False                 # an OpenAI line's own max_tokens: refused if it cannot fit
 
     @property
     def size(self) -> int:
@@ -81,9 +82,10 @@ def openai_line(custom_id: str, status: int, body: dict) -> dict:
             "error": None}
 
 
-def openai_error(custom_id: str, message: str, status: int = 400, param: str | None = None) -> dict:
+def openai_error(custom_id: str, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return openai_line(custom_id, status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+    return openai_line(custom_id, status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def job_error(job: Job, message: str, status: int = 400) -> dict:
@@ -194,7 +196,8 @@ def _openai_job(obj: dict, line: int, defaults: dict) -> Job:
         options["stop"] = req.stop
     options.update({k: v for k, v in req.sampling.items() if k in given})
     prompt = None if messages else (req.prompt_ids if req.prompt_ids is not None else req.prompt)
-    return Job(custom_id, line, prompt, tuple(messages) if messages else None, options, openai=url)
+    return Job(custom_id, line, prompt, tuple(messages) if messages else None, options, openai=url,
+               max_tokens_given="max_tokens" in given or "max_completion_tokens" in given)
 
 
 def read_jobs(path, defaults: dict, chat: bool = False, system: str | None = None) -> tuple[list, list]:
@@ -254,11 +257,31 @@ def _output(lm, job: Job, result) -> dict:
             "timings": result.timings()}
 
 
+def _refusal(lm, job: Job, ids: list) -> dict | None:
+    """The error line of an OpenAI-format line whose own max_tokens does not fit the context after its
+    prompt: pyml-serve's 400 for the same request (check_context), not a reply cut at the window."""
+    if not job.max_tokens_given:
+        return None
+    try:
+        check_context(len(ids), job.options["max_tokens"], job.options.get("ctx_size") or lm.model.max_positions)
+    except RequestError as e:
+        return openai_error(job.id, e.message, e.status, e.param, e.code)
+    return None
+
+
+def _prompt_ids(lm, job: Job) -> list:
+    prompt = _prompt(lm, job)
+    return lm.encode(prompt) if isinstance(prompt, str) else prompt
+
+
 def run_job(lm, job: Job, speculative: dict | None = None) -> dict:
     """The output line of one job on a loaded LanguageModel (an error line if it cannot run);
     `speculative`: LanguageModel.generate's speculative keyword (pyml-batch --lookup-ngram), or none."""
     try:
-        result = lm.generate(_prompt(lm, job), **job.options, **(speculative or {}))
+        ids = _prompt_ids(lm, job)
+        if (refused := _refusal(lm, job, ids)) is not None:
+            return refused
+        result = lm.generate(ids, **job.options, **(speculative or {}))
     except PymlError as e:
         return job_error(job, str(e))
     except Exception as e:  # one line's failure is that line's output, never the batch's end
@@ -280,8 +303,10 @@ def run_jobs_batched(lm, jobs: list, batch: int, speculative: dict | None = None
     for job in jobs:
         ask = {k: v for k, v in job.options.items() if k not in BATCH_ONLY}
         try:
-            prompt = _prompt(lm, job)
-            prompt = lm.encode(prompt) if isinstance(prompt, str) else prompt
+            prompt = _prompt_ids(lm, job)
+            if (refused := _refusal(lm, job, prompt)) is not None:
+                yield job, refused
+                continue
             lm.stream_batch([prompt], ctx_size=shared.get("ctx_size"), options=[ask]).close()  # checks it all
         except PymlError as e:
             yield job, job_error(job, str(e))

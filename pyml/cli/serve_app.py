@@ -30,7 +30,7 @@ from pyml.cli.main import one_line
 from pyml.cli.openai_objects import FINISH, choice, envelope, new_id, usage
 from pyml.cli.serve_guard import Guard, read_body
 from pyml.cli.serve_logprobs import Replies
-from pyml.cli.serve_requests import TOKEN_FIELDS, Request, RequestError, parse, parse_token_request
+from pyml.cli.serve_requests import TOKEN_FIELDS, Request, RequestError, check_context, parse, parse_token_request
 from pyml.cli.serve_structured import (HeldCalls, Structured, call_id, parse_structured, reply_calls,
                                        template_messages, tool_call_objects, tool_prompt)
 from pyml.cli.serve_worker import BatchWorker, Job, Metrics, QueueFull, Worker
@@ -266,7 +266,7 @@ class Server:
                 req.constraint = Constraint(self.lm.tokenizer, structured.grammar, f"'{structured.param}'")
             except PymlError as e:
                 raise RequestError(one_line(e), structured.param) from None
-        self._check_length(ids, req)
+        check_context(len(ids), req.max_tokens, self.ctx_size)
         if req.max_tokens is None:
             req.max_tokens = min(self.limits.max_tokens, self.ctx_size - len(ids))
         return req, ids
@@ -288,17 +288,6 @@ class Server:
             raise RequestError(f"the {what} is {n_chars:,} characters: more than the context size of "
                                f"{self.ctx_size} tokens can hold (at most {self.max_prompt_chars:,})",
                                code="context_length_exceeded")
-
-    def _check_length(self, ids, req: Request):
-        if len(ids) > self.ctx_size:
-            raise RequestError(f"the prompt is {len(ids)} tokens, longer than the context size of "
-                               f"{self.ctx_size}", code="context_length_exceeded")
-        if req.max_tokens is not None and len(ids) + req.max_tokens > self.ctx_size:
-            raise RequestError(f"max_tokens {req.max_tokens} + the prompt's {len(ids)} tokens exceed the "
-                               f"context size of {self.ctx_size}", "max_tokens", code="context_length_exceeded")
-        if len(ids) >= self.ctx_size:
-            raise RequestError(f"the prompt is {len(ids)} tokens and fills the context size of "
-                               f"{self.ctx_size}: no room to generate", code="context_length_exceeded")
 
     async def _http_error(self, request, exc: HTTPException):
         err = RequestError(exc.detail or "not found", status=exc.status_code)

@@ -46,6 +46,21 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def check_context(n_prompt: int, max_tokens: int | None, ctx_size: int) -> None:
+    """A prompt of n_prompt tokens and max_tokens more (None: the room left) in a context of ctx_size,
+    or the request's refusal (400 context_length_exceeded): pyml-serve's, and pyml-batch's for an
+    OpenAI-format line, where OpenAI's own API refuses too rather than generate less than asked."""
+    if n_prompt > ctx_size:
+        raise RequestError(f"the prompt is {n_prompt} tokens, longer than the context size of {ctx_size}",
+                           code="context_length_exceeded")
+    if max_tokens is not None and n_prompt + max_tokens > ctx_size:
+        raise RequestError(f"max_tokens {max_tokens} + the prompt's {n_prompt} tokens exceed the context size "
+                           f"of {ctx_size}", "max_tokens", code="context_length_exceeded")
+    if n_prompt >= ctx_size:
+        raise RequestError(f"the prompt is {n_prompt} tokens and fills the context size of {ctx_size}: no room "
+                           "to generate", code="context_length_exceeded")
+
+
 @dataclass
 class Request:
     """One checked request: the prompt (text), the options, and what the client asked of the server."""

@@ -87,6 +87,28 @@ def test_a_request_line_that_is_not_openais_format_is_named(tiny, tmp_path, extr
     assert code == 1 and says in line["response"]["body"]["error"]["message"]
 
 
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_a_max_tokens_past_the_context_is_refused_as_pyml_serve_refuses_it(tiny, tiny_lm, tmp_path, batch):
+    """An OpenAI line whose own max_tokens cannot fit after its prompt gets pyml-serve's 400
+    (context_length_exceeded), not a reply cut at the window; without max_tokens (the flag's -n), or in
+    pyml's own format, generation runs to the window as pyml-infer's does."""
+    ctx = tiny_lm.model.max_positions
+    n_prompt = len(tiny_lm.encode("Hello there"))
+    code, (refused, fits, own) = run(tiny, tmp_path, [
+        request("long", "/v1/completions", {"prompt": "Hello there", "max_tokens": ctx}),
+        request("fits", "/v1/completions", {"prompt": "Hello there", "max_tokens": ctx - n_prompt, "temperature": 0}),
+        json.dumps({"id": "own", "prompt": "Hello there", "max_tokens": ctx}),
+    ], "--batch", batch)
+    assert code == 1
+    assert refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"] == {
+        "message": f"max_tokens {ctx} + the prompt's {n_prompt} tokens exceed the context size of {ctx}",
+        "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}
+    reply = Completion.model_validate(fits["response"]["body"])
+    assert reply.usage.completion_tokens == ctx - n_prompt
+    assert own["stop_reason"] == "context" and len(own["tokens"]) == ctx - n_prompt + 1  # the last from the full cache
+
+
 def test_a_custom_id_that_is_not_a_string_is_a_pyml_error_line(tiny, tmp_path):
     code, (line,) = run(tiny, tmp_path, [json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions",
                                                      "body": {"prompt": "x"}})])
