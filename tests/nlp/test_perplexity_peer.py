@@ -100,10 +100,11 @@ def test_smollm2_perplexity_matches_llama_cpp(kind, activations, say, smollm2_gg
                         tmp_path, draws=1 if kind == "f16" else DRAWS, activations=activations)
 
 
-# With ggml's activation rounding: pyml's own (int8 per 32 values, where llama.cpp's K-quant products take a
-# scale per 256) reads 0.7% below llama.cpp's mean of 8 draws and 0.1% below the F16 file of the same
-# weights, where the two engines agree to 0.001%. ggml's q8_K draws spread 3x as wide as pyml's (sd 0.5%
-# a draw): 8 of them (docs/perplexity.md, "Activations rounded as ggml rounds them").
+# With ggml's roundings (its activation grids and its attention's f16 Q and probabilities): pyml's own
+# (int8 per 32 values, where llama.cpp's K-quant products take a scale per 256) reads 0.7% below
+# llama.cpp's mean of 8 draws and 0.1% below the F16 file of the same weights, where the two engines
+# agree to 0.001%. ggml's q8_K draws spread 3x as wide as pyml's (sd 0.5% a draw): 8 of them
+# (docs/perplexity.md, "Activations rounded as ggml rounds them").
 def test_gemma3_perplexity_matches_llama_cpp(say, gemma3_gguf, text, tmp_path):
     check_against_llama(say, gemma3_gguf, text, "Gemma 3 Q4_K_M", tmp_path, draws=8, activations="ggml")
 

@@ -5,7 +5,9 @@ both have. `-m peer` runs it (pip install ".[bench]").
 
 Equal to float32 sums: the rounding is ggml's, code for code. pyml's own path is not (its int8 per 32
 values with float32 scales), which keeps the test able to fail. Q4_1 / Q5_1 (q8_1) add the one rounding
-the mode leaves out: ggml keeps a block's d x sum(q) as fp16, for the weights' mins (ggml_grids.py)."""
+the mode leaves out: ggml keeps a block's d x sum(q) as fp16, for the weights' mins (ggml_grids.py).
+The mode's attention (nn/attention_ggml.py) against ggml's mul_mat / soft_max_ext / mul_mat over an f16
+cache, as llama.cpp's graph runs it without flash attention."""
 
 import ctypes
 from pathlib import Path
