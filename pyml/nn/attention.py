@@ -6,12 +6,12 @@ import numpy as np
 
 from pyml import quant
 from pyml.core import perf
-from pyml.quant import ggml_grids
 from pyml.nn import attention_kernels, attention_prefill
 from pyml.nn.attention_ggml import attend_as_ggml
 from pyml.nn.batch import Batch
 from pyml.nn.kv_cache import KVCache
 from pyml.nn.linear import Linear
+from pyml.quant import ggml_grids
 
 _perf = perf.get("pyml.nn.attention")
 FORWARD_SPAN = ("attention::forward", "layer={} {} tokens={} pos={}")  # layer, kind, T, pos
