@@ -96,7 +96,7 @@ class Attention:
             if ggml_grids.active():  # pyml-perplexity --activations ggml: llama.cpp's roundings
                 start = max(0, pos + t0 - self.window + 1) if self.window else 0
                 out[t0:t1] = attend_as_ggml(q[t0:t1], pos + t0, *cache.view(layer, pos + t1, start), start,
-                                            self.scale, self.window or 0)
+                                            self.scale, self.window or 0, cache.kv_type)
                 continue
             out[t0:t1] = attention_prefill.attend_tiled(q[t0:t1], pos + t0, *cache.layer(layer), self.scale,
                                                         self.window or 0, self.prefill_bf16)

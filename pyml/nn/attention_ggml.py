@@ -8,7 +8,9 @@ layer's attention as two ggml mul_mats around a softmax, over its f16 KV cache:
     kqv  = mul_mat(V^T, kq)               V f16: the probabilities rounded to f16, dotted in float32
 pyml's own kernels (attention_prefill.attend_tiled) keep Q and the probabilities in float32. Two
 roundings of 2^-11 relative each: small, but a perplexity drawn through one engine's roundings is
-compared with the other's (docs/perplexity.md). Gemma scales Q before the attention (kq scale 1):
+compared with the other's (docs/perplexity.md). Over an f32 cache (kv_type="f32") ggml's vec_dot_type
+is f32 and nothing is rounded; a q8_0 V cache llama.cpp runs only with flash attention, not emulated
+here (refused). Gemma scales Q before the attention (kq scale 1):
 rounding Q then scaling is the same for its power-of-two scales (1/16 for the 270M's head_dim 256).
 
 NumPy, unfused, the scores of a piece formed whole ([T, S] per head): for evaluating prompts in the
@@ -19,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyml.core import perf
+from pyml.core.errors import PymlError
 from pyml.quant.ggml_grids import round_as_ggml
 
 _perf = perf.get("pyml.nn.attention_ggml")
@@ -26,9 +29,13 @@ _F32 = np.float32
 
 
 def attend_as_ggml(q: np.ndarray, pos: int, keys: np.ndarray, values: np.ndarray, start: int,
-                   scale: float, window: int = 0) -> np.ndarray:
+                   scale: float, window: int = 0, kv_type: str = "f16") -> np.ndarray:
     """q [T, H, hd] float32 at positions pos .. pos+T-1; keys, values [Hkv, S, hd] float32 (the cache's
-    positions start .. start+S-1, as stored) -> [T, H, hd] float32, causal (and windowed if window)."""
+    positions start .. start+S-1, as stored in kv_type) -> [T, H, hd] float32, causal (and windowed if
+    window)."""
+    if kv_type not in ("f16", "f32"):
+        raise PymlError(f"llama.cpp's attention over a {kv_type} KV cache needs its flash attention, which "
+                        "--activations ggml does not emulate: use an f16 or f32 cache")
     T, H, hd = q.shape
     n_kv, S = keys.shape[0], keys.shape[1]
     with _perf.trace("attention::sdpa", "q=[{}, {}, {}] kv=[{}, {}, {}] ggml", T, H, hd, n_kv, S, hd, op="sdpa"):
@@ -38,12 +45,12 @@ def attend_as_ggml(q: np.ndarray, pos: int, keys: np.ndarray, values: np.ndarray
         if window:
             hidden |= key_pos <= query_pos - window
         mask = np.where(hidden, -np.inf, 0).astype(_F32)
-        q16 = round_as_ggml(q.reshape(T, H * hd), "f16").reshape(T, H, hd)
+        q16 = round_as_ggml(q.reshape(T, H * hd), kv_type).reshape(T, H, hd)
         out = np.empty((T, H, hd), _F32)
         group = H // n_kv
         for h in range(H):
             scores = (q16[:, h] @ keys[h // group].T) * _F32(scale) + mask
             exps = np.exp(scores - scores.max(axis=1, keepdims=True))
             probs = exps * (1.0 / exps.sum(axis=1, dtype=np.float64, keepdims=True)).astype(_F32)
-            out[:, h] = round_as_ggml(probs, "f16") @ values[h // group]
+            out[:, h] = round_as_ggml(probs, kv_type) @ values[h // group]
         return out

@@ -9,6 +9,7 @@ import torch
 
 import pyml
 from pyml import quant
+from pyml.core.errors import PymlError
 from pyml.nn import attention
 from pyml.nn.attention_ggml import attend_as_ggml
 
@@ -50,6 +51,19 @@ def test_attention_as_ggml_is_sdpa_on_f16_queries_with_f16_probabilities(window)
     unrounded, _, _ = sdpa64(q, keys, values, POS, start, scale, window)
     assert not np.all(np.abs(got - unrounded) <= bound)
     assert np.abs(got - want).max() > 10 * sums
+
+
+def test_an_f32_cache_rounds_nothing_and_q8_0_is_refused():
+    """ggml's vec_dot_type of an f32 cache is f32: the attention is sdpa's to float32 sums; a q8_0 cache
+    llama.cpp attends only with flash attention, not emulated: refused by name."""
+    rng = np.random.default_rng(4)
+    q = (rng.standard_normal((T, H, HD)) * 4).astype(np.float32)
+    keys, values = rng.standard_normal((2, N_KV, POS + T, HD)).astype(np.float32)
+    got = attend_as_ggml(q, POS, keys, values, 0, HD ** -0.5, 0, "f32")
+    want, _, _ = sdpa64(q, keys, values, POS, 0, HD ** -0.5, 0)
+    assert np.abs(got - want).max() < 1e-5
+    with pytest.raises(PymlError, match="q8_0 KV cache needs its flash attention"):
+        attend_as_ggml(q, POS, keys, values, 0, HD ** -0.5, 0, "q8_0")
 
 
 def test_prompts_attend_as_ggml_inside_the_mode(smollm2_gguf, monkeypatch):
