@@ -9,7 +9,6 @@ import http.client
 import json
 import re
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,9 +19,11 @@ from hypothesis import strategies as st
 
 import pyml
 from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED, TOKEN_FIELDS
+from pyml.cli import pyml_serve
 from pyml.cli.standins import write_gpt2
 from pyml.core.errors import PymlError
-from tests.cli.test_serve import HOST, SERVE, serve_env, serving
+from tests.cli.test_infer import in_process
+from tests.cli.test_serve import HOST, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -332,15 +333,16 @@ def test_a_template_that_refuses_the_conversation_is_a_400_in_one_line(tmp_path)
                                          (["--api-key", ""], "--api-key is empty: give the key, or leave it out for "
                                                              "a server without one")])
 def test_a_limit_out_of_range_is_one_line_and_exit_2(tmp_path, flags, said):
-    done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags],
-                          env=serve_env(), capture_output=True, text=True, timeout=120)
+    # main(argv) in this process (a refusal comes before any model or socket); test_serve.py's
+    # test_a_port_in_use_is_one_line_before_the_model_loads runs the command itself
+    done = in_process("-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", *flags, main=pyml_serve.main)
     assert done.returncode == 2 and done.stderr.splitlines() == [f"pyml-serve: error: {said}"]
 
 
-def test_an_empty_api_key_in_the_environment_is_refused(tmp_path):
+def test_an_empty_api_key_in_the_environment_is_refused(tmp_path, monkeypatch):
     # an exported but empty PYML_API_KEY made "Bearer " alone the key
-    done = subprocess.run([*SERVE, "-m", str(tmp_path / "never-loaded.gguf"), "--port", "0"],
-                          env=dict(serve_env(), PYML_API_KEY=""), capture_output=True, text=True, timeout=120)
+    monkeypatch.setenv("PYML_API_KEY", "")
+    done = in_process("-m", str(tmp_path / "never-loaded.gguf"), "--port", "0", main=pyml_serve.main)
     assert done.returncode == 2 and done.stderr.splitlines() == [
         "pyml-serve: error: PYML_API_KEY is empty: give the key, or leave it out for a server without one"]
 
@@ -350,8 +352,7 @@ def test_a_parallel_whose_cache_could_outgrow_the_memory_is_refused(tiny):
     that the machine could not hold are refused at start, in one line whose figure is checked by hand
     (at least layers x (k, v) x heads x head_dim x positions x 2 bytes a sequence: f16, before padding)."""
     parallel = 10**7
-    done = subprocess.run([*SERVE, "-m", str(tiny), "--port", "0", "--parallel", str(parallel)], env=serve_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = in_process("-m", str(tiny), "--port", "0", "--parallel", str(parallel), main=pyml_serve.main)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.splitlines()
     said = re.fullmatch(rf"pyml-serve: error: --parallel {parallel}: {parallel} sequences of 256 positions could hold "
@@ -364,7 +365,6 @@ def test_a_parallel_whose_cache_could_outgrow_the_memory_is_refused(tiny):
 
 
 def test_a_parallel_that_could_outgrow_the_free_memory_is_said(tiny, monkeypatch, capsys):
-    from pyml.cli import pyml_serve
     lm = pyml.load_model(tiny, warmup=False)
     one = lm.new_cache(256).nbytes
     monkeypatch.setattr(pyml_serve, "memory", lambda: {"MemTotal": 100 * one, "MemAvailable": 10 * one})
