@@ -18,8 +18,7 @@ What SentencePiece does not do the way llama.cpp reads a GGUF is done here, arou
 
 from __future__ import annotations
 
-import struct
-
+import numpy as np
 from gguf import TokenType
 from sentencepiece import SentencePieceProcessor
 from tokenizers import AddedToken
@@ -34,8 +33,7 @@ _UNKNOWN_PIECE = "\ufffepyml-unk"   # the unknown piece, when the file types non
 _EMPTY_PIECE = "\ufffepyml-empty-"  # + id: a token whose text is empty
 
 # ModelProto fields (sentencepiece_model.proto), as tag bytes: field number << 3 | wire type
-_PIECES, _TRAINER_SPEC, _NORMALIZER_SPEC = b"\x0a", b"\x12", b"\x1a"  # 1, 2, 3: length-delimited
-_PIECE_TAIL = struct.Struct("<BfBB").pack  # 0x15 score (2, fixed32), 0x18 type (3, varint: 1..6, one byte)
+_TRAINER_SPEC, _NORMALIZER_SPEC = b"\x12", b"\x1a"  # fields 2, 3: length-delimited (field 1, the pieces: model_proto)
 _BPE = 2  # TrainerSpec.model_type
 
 
@@ -56,26 +54,57 @@ def _field(tag: int, value: int) -> bytes:
 def model_proto(texts, scores, types, unk_id: int, byte_fallback: bool) -> bytes:
     """A serialised ModelProto: every piece (text, score, type), BPE, identity normalizer.
 
-    `types` are SentencePiece's piece types (the same numbers as gguf.TokenType)."""
-    parts = []
-    append = parts.append
-    for text, score, kind in zip(texts, scores, types):
-        raw = text.encode("utf-8")
-        n = len(raw)
-        if n < 119:  # the piece's message and its text both under 128 bytes: one-byte lengths
-            append(bytes((0x0A, n + 9, 0x0A, n)))
-        else:
-            text_field = b"\x0a" + _varint(n)
-            append(_PIECES + _varint(len(text_field) + n + 7) + text_field)
-        append(raw)
-        append(_PIECE_TAIL(0x15, score, 0x18, kind))
+    `types` are SentencePiece's piece types (the same numbers as gguf.TokenType). Each piece is
+    `0A len(msg) 0A len(text) text 15 score(f32) 18 type`, its lengths varints; the pieces are laid
+    out with NumPy, all at once (a loop over Gemma 3's 262,144 pieces took ~0.5 s of every load)."""
+    raws = [t.encode("utf-8") for t in texts]
+    n_text = np.fromiter(map(len, raws), np.int64, len(raws))
+    n_msg = 1 + _varint_sizes(n_text) + n_text + 7  # the text's field, then 15 + f32 and 18 + one-byte type
+    size = 1 + _varint_sizes(n_msg) + n_msg
+    at = np.zeros(len(raws) + 1, np.int64)
+    np.cumsum(size, out=at[1:])
+    out = np.empty(int(at[-1]), np.uint8)
+    at = at[:-1]
+    out[at] = 0x0A  # field 1 (pieces), length-delimited
+    text_at = _put_varint(out, at + 1, n_msg)
+    out[text_at] = 0x0A  # the piece's field 1 (piece), length-delimited
+    text_at = _put_varint(out, text_at + 1, n_text)
+    joined = np.frombuffer(b"".join(raws), np.uint8)
+    first = np.zeros(len(raws), np.int64)
+    np.cumsum(n_text[:-1], out=first[1:])
+    out[np.arange(joined.size) + np.repeat(text_at - first, n_text)] = joined
+    tail = text_at + n_text
+    out[tail] = 0x15  # field 2 (score), fixed32
+    out[tail[:, None] + np.arange(1, 5)] = np.asarray(scores, "<f4").view(np.uint8).reshape(-1, 4)
+    out[tail + 5] = 0x18  # field 3 (type), varint of one byte: 1 .. 6
+    out[tail + 6] = np.asarray(types, np.uint8)
     trainer = (_field(3, _BPE) + _field(4, len(texts)) + _field(35, int(byte_fallback))
                + _field(40, unk_id) + _field(41, -1) + _field(42, -1) + _field(43, -1))
     # identity, no dummy prefix, extra whitespace kept, spaces not escaped: all done by the caller
     normalizer = b"\x0a\x08identity" + _field(3, 0) + _field(4, 0) + _field(5, 0)
-    append(_TRAINER_SPEC + _varint(len(trainer)) + trainer)
-    append(_NORMALIZER_SPEC + _varint(len(normalizer)) + normalizer)
-    return b"".join(parts)
+    return b"".join((out.tobytes(), _TRAINER_SPEC, _varint(len(trainer)), trainer,
+                     _NORMALIZER_SPEC, _varint(len(normalizer)), normalizer))
+
+
+def _varint_sizes(values: np.ndarray) -> np.ndarray:
+    """How many bytes each non-negative value takes as a varint (7 bits a byte)."""
+    sizes = np.ones(values.shape, np.int64)
+    for bits in range(7, 64, 7):
+        sizes += values >= (1 << bits)
+    return sizes
+
+
+def _put_varint(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Writes each value as a varint at its offset; returns the offsets just past them."""
+    left = values.copy()
+    more = np.ones(values.shape, bool)
+    while more.any():
+        byte = left & 0x7F
+        left >>= 7
+        out[at[more]] = (byte | np.where(left > 0, 0x80, 0))[more]
+        at = at + more
+        more &= left > 0
+    return at
 
 
 class SentencePieceEncoder:
@@ -83,9 +112,11 @@ class SentencePieceEncoder:
 
     def __init__(self, texts, scores, types, space_prefix: bool, source: str):
         n = len(texts)
-        whole = {int(TokenType.CONTROL), int(TokenType.USER_DEFINED), int(TokenType.UNKNOWN)}
-        normal, byte, control = int(TokenType.NORMAL), int(TokenType.BYTE), int(TokenType.CONTROL)
-        unk_id = next((i for i, k in enumerate(types) if k == TokenType.UNKNOWN), None)
+        # plain ints: comparing an int with an enum member is ~10x slower, over 262,144 tokens
+        normal, byte, control, unknown = (int(TokenType.NORMAL), int(TokenType.BYTE), int(TokenType.CONTROL),
+                                          int(TokenType.UNKNOWN))
+        whole = {control, int(TokenType.USER_DEFINED), unknown}
+        unk_id = next((i for i, k in enumerate(types) if k == unknown), None)
         # SentencePiece merges into NORMAL pieces only and reads BYTE ones (<0xNN>) for the
         # fallback; every other token is one SentencePiece never produces (CONTROL), but for one UNKNOWN
         piece_types = [k if k == normal or k == byte and _is_byte_piece(t) else control
@@ -98,9 +129,9 @@ class SentencePieceEncoder:
                 piece_types[i] = control
         if unk_id is None:  # SentencePiece needs one: an extra piece, dropped from what encode gives
             texts, scores, unk_id = [*texts, _UNKNOWN_PIECE], [*scores, 0.0], n
-            piece_types.append(int(TokenType.UNKNOWN))
+            piece_types.append(unknown)
         else:
-            piece_types[unk_id] = int(TokenType.UNKNOWN)
+            piece_types[unk_id] = unknown
         # byte fallback needs all 256 byte pieces; without them an unknown character is <unk>
         byte_fallback = piece_types.count(byte) == 256
         if not byte_fallback:
@@ -116,7 +147,8 @@ class SentencePieceEncoder:
         self._space_prefix = space_prefix
         # the whole-matched tokens: an added-token matcher over a model that calls any other
         # stretch of text `n` (a word-level model with one word, never matched)
-        special = {t: i for i, (t, k) in enumerate(zip(texts, types)) if k in whole and t and i < n}
+        matched = np.flatnonzero(np.isin(np.asarray(types[:n], np.int64), list(whole)))
+        special = {texts[i]: i for i in matched.tolist() if texts[i]}
         self._text_id = n
         self._matcher = None
         if special:

@@ -90,6 +90,7 @@ def _precheck(path: Path, size: int):
 
 
 _VALUE_TYPES = {int(t) for t in GGUFValueType}
+_U64_LITTLE, _U64_BIG = struct.Struct("<Q"), struct.Struct(">Q")  # a string's length, as the file orders bytes
 
 
 class _Reader(GGUFReader):
@@ -227,16 +228,17 @@ class _Reader(GGUFReader):
         # decoded here in one pass, straight to str: a memoryview per length and per text (the stock
         # reader's parts) was ~100 MB at once for Gemma's 262K tokens, and most of the parse time
         mv, strings = self._bytes, _Strings()
-        order = "big" if self.byte_order == "S" else "little"
+        length_at = (_U64_BIG if self.byte_order == "S" else _U64_LITTLE).unpack_from  # 1/3 faster than int.from_bytes
+        append = strings.append
         try:
             for _ in range(n):
                 if offs + 8 > size:
                     self._need(offs, 8, "string length")
-                length = int.from_bytes(mv[offs:offs + 8], order)
+                (length,) = length_at(mv, offs)
                 offs += 8
                 if offs + length > size:
                     self._need(offs, length, f"string of {length} bytes")
-                strings.append(str(mv[offs:offs + length], "utf-8"))
+                append(str(mv[offs:offs + length], "utf-8"))
                 offs += length
         except UnicodeDecodeError:
             raise _Bad("a string is not valid UTF-8") from None
