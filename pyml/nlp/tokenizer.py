@@ -136,6 +136,10 @@ class Tokenizer:
             if scores is None:
                 raise ModelFormatError(f"{source}: tokenizer.ggml.scores is missing; a SentencePiece "
                                        f"vocabulary needs one score per token")
+            wide = np.asarray(scores, np.float64)
+            past = wide[np.isfinite(wide) & (np.abs(wide) > np.finfo(np.float32).max)]
+            if past.size:  # SentencePiece keeps float32 scores
+                raise ModelFormatError(f"{source}: tokenizer.ggml.scores holds {past[0]:g}, past float32's range")
             space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
             _check_unique(texts, source)
             backend = SentencePieceEncoder(texts, scores, types, space_prefix, source)

@@ -345,6 +345,19 @@ def test_spm_without_scores_is_a_format_error():
         Tokenizer.from_gguf_metadata(metadata)
 
 
+def test_spm_scores_past_float32_are_a_format_error():
+    """SentencePiece keeps float32 scores: a finite one past its range (a float64 array may hold it)
+    is named, not rounded to infinity; an infinite one was and is taken as it is."""
+    metadata = spm_metadata({"a": -1, "b": -2, "ab": -3})
+    scores = np.array(metadata["tokenizer.ggml.scores"], np.float64)
+    scores[-1] = -1e39
+    with pytest.raises(ModelFormatError, match=r"tokenizer.ggml.scores holds -1e\+39, past float32's range"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.scores": scores})
+    scores[-1] = -np.inf
+    tok = Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.scores": scores})
+    assert tok.encode("ab", add_special_tokens=False)
+
+
 def test_token_id_outside_vocabulary():
     tok = Tokenizer.from_gguf_metadata(byte_level_metadata("gpt2"))
     with pytest.raises(ModelFormatError, match="outside the vocabulary"):
