@@ -38,7 +38,7 @@ from numba.extending import intrinsic, overload
 from pyml.core import perf, simd
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
-from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, store_f32x8, zeros_f32x8
+from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, prefetch, store_f32x8, zeros_f32x8
 
 PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
@@ -251,11 +251,17 @@ def chunk_row_max(scores, r, width, c0, lo, hi, qp, window, masked, m, l, acc, a
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, error_model="numpy")
-def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores):
+def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, window, m, l, acc, scores,
+                next_keys, next_values, next_kv, next_lo):
     """Fold positions lo .. hi-1 of kv head `kv` into the online softmax of query rows q
     [R, hd] (R a multiple of ROWS, already scaled; rows >= n_rows are padding). Row r sees
     position p when p <= qpos[r] and (window == 0 or qpos[r] - p < window).
-    State: m, l [R] (running max, sum), acc [R, hd]; scores [R, CHUNK] is scratch."""
+    State: m, l [R] (running max, sum), acc [R, hd]; scores [R, CHUNK] is scratch.
+    While a chunk's values are folded in, the next chunk's keys and values are fetched ahead, a
+    line each position (one thread's span is two short streams the hardware prefetcher does not
+    run far enough ahead of); after the last chunk, the first of the caller's next span: positions
+    next_lo .. of kv head next_kv of (next_keys, next_values) (next_kv -1: none; -2: nothing ahead
+    at all, for a prefill, whose spans the items share in cache)."""
     R, hd = q.shape
     cap = values.shape[1]
     nkb = keys.shape[1]
@@ -300,6 +306,17 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         # cost the float32 prefill 18% of its time
         first_slot = (c0 + j0) % cap
         split = min(j1, j0 + cap - first_slot)
+        pk, pv, pkv, plo, phi = keys, values, kv, c1, min(c1 + CHUNK, hi)
+        if c1 >= hi:
+            pk, pv, pkv, plo, phi = next_keys, next_values, next_kv, next_lo, next_lo + CHUNK
+        nk, nv = 0, 0
+        if pkv >= 0 and next_kv >= -1:  # the tiles and slots of positions plo .. phi-1, up to the ring's end
+            tile = plo // BLOCK % nkb
+            nk = min((phi - plo + plo % BLOCK + BLOCK - 1) // BLOCK, nkb - tile) * hd * BLOCK
+            nv = min(phi - plo, cap - plo % cap) * hd
+        k_ahead, v_ahead = (pkv * nkb + plo // BLOCK % nkb) * hd * BLOCK, (pkv * cap + plo % cap) * hd
+        per_line = 64 // values.itemsize
+        ahead, n_ahead = 0, nk + nv
         for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
             for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
                 a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
@@ -310,6 +327,12 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
                     ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
                     for j in range(ja, jb):
                         slot = j + shift
+                        if ahead < n_ahead:
+                            if ahead < nk:
+                                prefetch(pk, k_ahead + ahead)
+                            else:
+                                prefetch(pv, v_ahead + ahead - nk)
+                            ahead += per_line
                         vx = _load8(values, (kv * cap + slot) * hd + i)
                         vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
                         d = _scale1(v_scale, kv, slot, i // QBLOCK)
@@ -334,7 +357,9 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
-                 m, l, acc, scores):
+                 m, l, acc, scores, next_keys, next_values, next_lo):
+    # after the last item: positions next_lo .. of kv head 0 of (next_keys, next_values) come next
+    # (next_lo < 0: nothing); before it, the call's next item
     kv, part = item // splits, item % splits
     step = ((end - start + splits - 1) // splits + CHUNK - 1) // CHUNK * CHUNK
     lo = start + part * step
@@ -342,9 +367,13 @@ def decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, s
     m[item, :] = -np.inf
     l[item, :] = 0.0
     acc[item, :, :] = 0.0
+    n_kv = values.shape[0]
+    nkv, nlo, nkeys, nvalues = (item + 1) // splits, start + (item + 1) % splits * step, keys, values
+    if item + 1 == n_kv * splits:
+        nkv, nlo, nkeys, nvalues = 0 if next_lo >= 0 else -1, next_lo, next_keys, next_values
     if lo < hi:
         attend_rows(qs[kv], qpos, group, keys, k_scale, values, v_scale, kv, lo, hi, window,
-                     m[item], l[item], acc[item], scores[item])
+                     m[item], l[item], acc[item], scores[item], nkeys, nvalues, nkv, nlo)
 
 
 def decode_scratch(n_heads: int, n_kv: int, hd: int, items: int) -> tuple:
@@ -416,7 +445,7 @@ def _decode_parallel(q, k, v, keys, k_scale, values, v_scale, start, end, window
     group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, splits, scale, end)
     for item in numba.prange(n_kv * splits):
         decode_item(item, splits, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
-                     m, l, acc, scores)
+                     m, l, acc, scores, keys, values, -1)
     return decode_merge(n_kv, splits, group, m, l, acc, out)
 
 
@@ -427,7 +456,7 @@ def _decode_serial(q, k, v, keys, k_scale, values, v_scale, start, end, window, 
     group, qs, qpos, m, l, acc, scores = _decode_setup(q, values, 1, scale, end)
     for item in range(n_kv):
         decode_item(item, 1, qs, qpos, group, keys, k_scale, values, v_scale, start, end, window,
-                     m, l, acc, scores)
+                     m, l, acc, scores, keys, values, -1)
     return decode_merge(n_kv, 1, group, m, l, acc, out)
 
 
@@ -443,8 +472,12 @@ def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, splits, w
         start = max(0, end - window) if window else 0
         n_kv = vs.shape[0]
         group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, parts, scale, end)
+        # after this row's items, the next row's (a thread takes rows in order)
+        nb = min(b + 1, q.shape[0] - 1)
+        next_lo = max(0, ends[nb] - window) if window else 0
         for item in range(n_kv * parts):
-            decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores)
+            decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores,
+                        keys[seqs[nb]], values[seqs[nb]], next_lo if nb > b else -1)
         decode_merge(n_kv, parts, group, m, l, acc, out[b])
     return out
 
@@ -470,7 +503,7 @@ def _query_item(i, item_query, offsets, splits, qs, qpos, group, keys, k_scale, 
     t = item_query[i]
     o = offsets[t]
     decode_item(i - o, splits[t], qs[t], qpos[t], group, keys, k_scale, values, v_scale, starts[t], ends[t], 0,
-                m[o:], l[o:], acc[o:], scores[o:])
+                m[o:], l[o:], acc[o:], scores[o:], keys, values, -1)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")

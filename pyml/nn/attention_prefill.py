@@ -91,7 +91,7 @@ def _tiled(q, pos, keys, k_scale, values, v_scale, window, scale, out, n_threads
                 break
             kv, t0, nt, lo = _item_begin(q, pos, item, n_kv, n_tiles, scale, window, qs, qpos, m, l, acc)
             attend_rows(qs, qpos, nt * group, keys, k_scale, values, v_scale, kv, lo, pos + t0 + nt, window,
-                         m, l, acc, scores)
+                         m, l, acc, scores, keys, values, -2, 0)
             _item_out(acc, l, kv, t0, nt, group, out)
     return out
 

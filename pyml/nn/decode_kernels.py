@@ -386,7 +386,7 @@ def _make_region_layers(shape, e):
                 if c >= items:
                     break
                 attention_kernels.decode_item(c, splits, qs, qpos, group, keys, k_scale, values, v_scale, start,
-                                              end, 0, m, l, acc, scores)
+                                              end, 0, m, l, acc, scores, keys, values, -1)
                 _piece_done(counters, ph + 3, False)
             _wait(counters, ph + 3, items)
             took = _first(counters, ph + 4)
