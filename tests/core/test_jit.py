@@ -166,7 +166,7 @@ _ORDER_PROBE = textwrap.dedent("""
         keys, k_scale, values, v_scale = cache.layer(0)
         ak.attend_rows(np.zeros((4, 64), np.float32), np.zeros(4, np.int64), 3, keys, k_scale, values, v_scale,
                        0, 0, 8, 0, np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros((4, 64), np.float32),
-                       np.zeros((4, 64), np.float32))
+                       np.zeros((4, 64), np.float32), keys, values, -1, 0)
     nothing = np.zeros((0, 3, 64), np.float32)
     out = ak._decode_serial(q, nothing, nothing, *cache.layer(0), 0, 125, 0, np.float32(0.125), 1, np.empty_like(q))
     print(hashlib.sha1(out.tobytes()).hexdigest())
