@@ -329,6 +329,17 @@ def prefetch(typingctx, ary, idx):
     return types.none(ary, idx), codegen
 
 
+@intrinsic
+def prefetch_l2(typingctx, ary, idx):
+    """Hint the cache line holding element idx of the array into L2 (prefetcht1; never faults)."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), _I8.as_pointer())
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, _I32(0), _I32(2), _I32(1)])
+        return context.get_dummy_value()
+    return types.none(ary, idx), codegen
+
+
 # --- scalar conversions ---------------------------------------------------------------
 
 @intrinsic

@@ -38,7 +38,7 @@ from numba.extending import intrinsic, overload
 from pyml.core import perf, simd
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
-from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, prefetch, store_f32x8, zeros_f32x8
+from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, prefetch_l2, store_f32x8, zeros_f32x8
 
 PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
@@ -257,10 +257,11 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
     [R, hd] (R a multiple of ROWS, already scaled; rows >= n_rows are padding). Row r sees
     position p when p <= qpos[r] and (window == 0 or qpos[r] - p < window).
     State: m, l [R] (running max, sum), acc [R, hd]; scores [R, CHUNK] is scratch.
-    While a chunk's values are folded in, the next chunk's keys and values are fetched ahead, a
-    line each position (one thread's span is two short streams the hardware prefetcher does not
-    run far enough ahead of); after the last chunk, the first of the caller's next span: positions
-    next_lo .. of kv head next_kv of (next_keys, next_values) (next_kv -1: none; -2: nothing ahead
+    While a chunk's values are folded in, the next chunk's keys and values are fetched ahead into
+    L2, a line each pass of the P.V loop: one thread's span is two short streams the hardware
+    prefetcher does not run far enough ahead of (into L1, SmolLM2's shape ran up to 1.5x slower).
+    After the last chunk, the first of the caller's next span is fetched: positions next_lo .. of
+    kv head next_kv of (next_keys, next_values) (next_kv -1: none; -2: nothing ahead
     at all, for a prefill, whose spans the items share in cache)."""
     R, hd = q.shape
     cap = values.shape[1]
@@ -329,9 +330,9 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
                         slot = j + shift
                         if ahead < n_ahead:
                             if ahead < nk:
-                                prefetch(pk, k_ahead + ahead)
+                                prefetch_l2(pk, k_ahead + ahead)
                             else:
-                                prefetch(pv, v_ahead + ahead - nk)
+                                prefetch_l2(pv, v_ahead + ahead - nk)
                             ahead += per_line
                         vx = _load8(values, (kv * cap + slot) * hd + i)
                         vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
