@@ -318,26 +318,27 @@ def load_u32(typingctx, ary, idx):
     return types.uint32(ary, idx), codegen
 
 
-@intrinsic
-def prefetch(typingctx, ary, idx):
-    """Hint the cache line holding element idx of the array into L1 (prefetcht0; never faults)."""
+def _prefetch_codegen(locality: int):
+    """llvm.prefetch of the line holding element idx of the array: a read, kept at `locality`
+    (3: L1, prefetcht0; 2: L2, prefetcht1); it never faults."""
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.bitcast(builder.gep(data, [args[1]]), _I8.as_pointer())
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, _I32(0), _I32(3), _I32(1)])
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, _I32(0), _I32(locality), _I32(1)])
         return context.get_dummy_value()
-    return types.none(ary, idx), codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, ary, idx):
+    """Hint the cache line holding element idx of the array into L1 (prefetcht0; never faults)."""
+    return types.none(ary, idx), _prefetch_codegen(3)
 
 
 @intrinsic
 def prefetch_l2(typingctx, ary, idx):
     """Hint the cache line holding element idx of the array into L2 (prefetcht1; never faults)."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), _I8.as_pointer())
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, _I32(0), _I32(2), _I32(1)])
-        return context.get_dummy_value()
-    return types.none(ary, idx), codegen
+    return types.none(ary, idx), _prefetch_codegen(2)
 
 
 # --- scalar conversions ---------------------------------------------------------------

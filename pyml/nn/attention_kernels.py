@@ -475,10 +475,11 @@ def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, splits, w
         group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, parts, scale, end)
         # after this row's items, the next row's (a thread takes rows in order)
         nb = min(b + 1, q.shape[0] - 1)
-        next_lo = max(0, ends[nb] - window) if window else 0
+        next_keys, next_values = keys[seqs[nb]], values[seqs[nb]]
+        next_lo = (max(0, ends[nb] - window) if window else 0) if nb > b else -1
         for item in range(n_kv * parts):
             decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores,
-                        keys[seqs[nb]], values[seqs[nb]], next_lo if nb > b else -1)
+                        next_keys, next_values, next_lo)
         decode_merge(n_kv, parts, group, m, l, acc, out[b])
     return out
 
