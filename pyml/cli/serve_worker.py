@@ -95,10 +95,13 @@ class QueueFull(Exception):
 
 
 class JobQueue:
-    """FIFO of waiting jobs, at most `limit`; a cancelled job leaves it at once (its slot is free)."""
+    """FIFO of waiting jobs, at most `limit` beyond the worker's free slots (a burst that the slots
+    can take at the next step is not refused for passing through here first); a cancelled job leaves
+    it at once (its slot is free)."""
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.free_slots = 0  # jobs the worker takes at once: set by the worker, one less each job taken
         self._jobs: collections.deque = collections.deque()
         self._ready = threading.Condition()
         self._closed = False
@@ -111,9 +114,10 @@ class JobQueue:
         with self._ready:
             if self._closed:
                 raise QueueFull(SHUTTING_DOWN)
-            if len(self._jobs) + len(jobs) > self.limit:
+            waiting = max(0, len(self._jobs) - self.free_slots)
+            if len(self._jobs) + len(jobs) > self.limit + self.free_slots:
                 more = f" (and this request's {len(jobs)} prompts would take {len(jobs)})" if len(jobs) > 1 else ""
-                raise QueueFull(f"{len(self._jobs)} requests are waiting for the model{more}, the most this "
+                raise QueueFull(f"{waiting} requests are waiting for the model{more}, the most this "
                                 f"server queues (--max-queue {self.limit})")
             self._jobs.extend(jobs)
             self._ready.notify()
@@ -121,14 +125,22 @@ class JobQueue:
     def get_nowait(self) -> Job | None:
         """The next job if one waits, else None (a running batch does not wait for one)."""
         with self._ready:
-            return self._jobs.popleft() if self._jobs else None
+            return self._take() if self._jobs else None
 
     def get(self) -> Job | None:
         """The next job, waiting for one; None once the queue is closed."""
         with self._ready:
             while not self._jobs and not self._closed:
                 self._ready.wait()
-            return self._jobs.popleft() if self._jobs else None
+            return self._take() if self._jobs else None
+
+    def _take(self) -> Job:
+        self.free_slots = max(0, self.free_slots - 1)  # with the pop, so that put never counts a slot twice
+        return self._jobs.popleft()
+
+    def set_free_slots(self, n: int) -> None:
+        with self._ready:
+            self.free_slots = max(0, n)
 
     def remove(self, job: Job) -> bool:
         """Take `job` out of the queue; whether it was waiting there."""
@@ -208,9 +220,11 @@ class Worker:
         except Exception as e:  # the first request warms them again, and answers what goes wrong
             _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
         self._started.set()
+        self.jobs.set_free_slots(1)
         while (job := self.jobs.get()) is not None:
             self.metrics.queue.set(len(self.jobs))
             if self._skipped(job):
+                self.jobs.set_free_slots(1)
                 continue
             self.current = job
             self.metrics.busy.set(1)
@@ -224,6 +238,7 @@ class Worker:
             finally:
                 self.current = None
                 self.metrics.busy.set(0)
+                self.jobs.set_free_slots(1)
 
     def _run(self, job: Job):
         req = job.request
@@ -304,6 +319,7 @@ class BatchWorker(Worker):
         except Exception as e:
             _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
         gen = BatchGenerator(self.lm.model, self.parallel, self.ctx_size, speculative=self.speculative)
+        self.jobs.set_free_slots(self.parallel)
         self._started.set()
         while True:
             # idle: wait for work; busy: take a job only into a free slot, so that the rest wait in the
@@ -343,6 +359,7 @@ class BatchWorker(Worker):
         """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""
         self.current = next(iter(self.active.values()))[0] if self.active else None
         self.metrics.busy.set(int(bool(self.active)))
+        self.jobs.set_free_slots(self.parallel - len(self.active))
 
     def _admit(self, gen: BatchGenerator, job: Job) -> None:
         if self._skipped(job):

@@ -125,12 +125,15 @@ def test_a_whole_reply_client_that_leaves_frees_the_model(server, prompt):
 
 
 def test_a_full_queue_answers_503_with_retry_after(wide):
+    """A burst of --parallel + --max-queue requests is taken whole (four run, two wait; the queue
+    counts only what the free slots will not take at the next step); one more is refused."""
     with serving(wide, "--max-queue", "2") as served:
-        holders = [post(served.port, LONG) for _ in range(4 + 2)]  # four run (--parallel 4), two wait
-        deadline = time.monotonic() + 30  # 5 s was missed once in CI with the other worker busy (busy 1, queue 0)
-        while health(served)["queue"] < 2:
-            assert time.monotonic() < deadline, health(served)
+        holders = [post(served.port, LONG) for _ in range(4 + 2)]  # each runs 1,000 tokens: seconds
+        deadline = time.monotonic() + 30
+        while metric(served, "pyml_queue_wait_seconds_count") < 4 or health(served)["queue"] < 2:
+            assert time.monotonic() < deadline, (health(served), replies(holders))
             time.sleep(0.01)
+        assert replies(holders) == [b""] * 6  # none refused: a burst did not find the slots full
         status, data = served.request("POST", "/v1/completions", LONG)
         assert status == 503, (status, data[:300], health(served))
         err = json.loads(data)["error"]
@@ -159,6 +162,11 @@ def test_clients_that_leave_the_queue_are_counted_cancelled(wide):
             assert time.monotonic() < deadline, counted
             time.sleep(0.01)
         assert counted == metric(served, 'pyml_requests_total{endpoint="completions",status="499"}') == 3
+
+
+def replies(holders: list) -> list[bytes]:
+    """What each held request has been answered so far (a failing wait says why)."""
+    return [read_until_closed(sock, time.monotonic() + 0.2)[:200] for sock in holders]
 
 
 def metric(server, name: str) -> float:

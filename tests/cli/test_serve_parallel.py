@@ -202,6 +202,24 @@ def test_a_list_of_prompts_queues_whole_or_not_at_all():
     assert [queue.get_nowait() for _ in range(3)] == ["waiting", "a", None]
 
 
+def test_the_queue_takes_a_burst_the_free_slots_will_take_beside_its_limit():
+    """A burst reaches the queue before the worker moves it into free slots: with three slots free and
+    a limit of two, five requests are taken, the sixth refused; a job taken uses its slot up at once
+    (put never counts it twice), and the worker says again what it has free after each step."""
+    queue = JobQueue(2)
+    queue.set_free_slots(3)
+    for job in "abcde":
+        queue.put(job)
+    with pytest.raises(QueueFull, match=r"^2 requests are waiting for the model, the most this server queues \(--max-queue 2\)"):
+        queue.put("f")
+    assert [queue.get_nowait() for _ in range(3)] == ["a", "b", "c"] and queue.free_slots == 0
+    with pytest.raises(QueueFull):
+        queue.put("f")
+    queue.set_free_slots(1)  # a step ended one sequence
+    queue.put("f")
+    assert len(queue) == 3
+
+
 def test_n_beyond_the_slots_is_refused_by_name(server):
     status, data = server.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 5})
     err = json.loads(data)["error"]
