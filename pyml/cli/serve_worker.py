@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -95,13 +96,13 @@ class QueueFull(Exception):
 
 
 class JobQueue:
-    """FIFO of waiting jobs, at most `limit` beyond the worker's free slots (a burst that the slots
-    can take at the next step is not refused for passing through here first); a cancelled job leaves
-    it at once (its slot is free)."""
+    """FIFO of waiting jobs, at most `limit` beyond what the worker's free slots take at its next
+    step (a burst those slots take is not refused for passing through here first); a cancelled job
+    leaves it at once. `slots_of(job)`: the slots a job takes (a request's n)."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.free_slots = 0  # jobs the worker takes at once: set by the worker, one less each job taken
+    def __init__(self, limit: int, slots_of=lambda job: 1):
+        self.limit, self.slots_of = limit, slots_of
+        self.free_slots = 0  # set by the worker; a job taken uses its slots up at once (_take)
         self._jobs: collections.deque = collections.deque()
         self._ready = threading.Condition()
         self._closed = False
@@ -109,15 +110,25 @@ class JobQueue:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def _waiting(self, more=()) -> int:
+        """How many of the queued jobs, then `more`, the free slots will not take (the worker takes
+        jobs while a slot is free: a job of n choices beside one free slot is taken)."""
+        room, waiting = self.free_slots, 0
+        for job in itertools.chain(self._jobs, more):
+            if room > 0:
+                room -= self.slots_of(job)
+            else:
+                waiting += 1
+        return waiting
+
     def put(self, *jobs: Job) -> None:
         """Queue `jobs` (a request's prompts: all of them or none), in order."""
         with self._ready:
             if self._closed:
                 raise QueueFull(SHUTTING_DOWN)
-            waiting = max(0, len(self._jobs) - self.free_slots)
-            if len(self._jobs) + len(jobs) > self.limit + self.free_slots:
+            if self._waiting(jobs) > self.limit:
                 more = f" (and this request's {len(jobs)} prompts would take {len(jobs)})" if len(jobs) > 1 else ""
-                raise QueueFull(f"{waiting} requests are waiting for the model{more}, the most this "
+                raise QueueFull(f"{self._waiting()} requests are waiting for the model{more}, the most this "
                                 f"server queues (--max-queue {self.limit})")
             self._jobs.extend(jobs)
             self._ready.notify()
@@ -135,8 +146,9 @@ class JobQueue:
             return self._take() if self._jobs else None
 
     def _take(self) -> Job:
-        self.free_slots = max(0, self.free_slots - 1)  # with the pop, so that put never counts a slot twice
-        return self._jobs.popleft()
+        job = self._jobs.popleft()
+        self.free_slots = max(0, self.free_slots - self.slots_of(job))  # with the pop: put never counts a slot twice
+        return job
 
     def set_free_slots(self, n: int) -> None:
         with self._ready:
@@ -169,7 +181,7 @@ class Worker:
         self.lm, self.metrics, self.threads = lm, metrics, threads
         self.speculative = speculative  # a SpeculativeConfig server-wide, or None
         self.cache = lm.new_prompt_cache(ctx_size)
-        self.jobs = JobQueue(max_queue)
+        self.jobs = JobQueue(max_queue, lambda job: job.request.n)
         self.current: Job | None = None
         self.threads_in_use: int | None = None
         self._started = threading.Event()

@@ -220,6 +220,24 @@ def test_the_queue_takes_a_burst_the_free_slots_will_take_beside_its_limit():
     assert len(queue) == 3
 
 
+def test_a_burst_of_many_choices_takes_the_free_slots_by_its_choices():
+    """n = 4 requests against four free slots: the first takes them all, so two more wait (the
+    limit) and a fourth is refused; beside one free slot an n = 4 request is still taken (the
+    worker takes a job while a slot is free), leaving the queue's two places to what follows."""
+    queue = JobQueue(2, slots_of=len)  # a job here: a string of its n choices
+    queue.set_free_slots(4)
+    for job in ("aaaa", "bbbb", "cccc"):
+        queue.put(job)
+    with pytest.raises(QueueFull, match=r"^2 requests are waiting"):
+        queue.put("dddd")
+    assert queue.get_nowait() == "aaaa" and queue.free_slots == 0
+    queue.set_free_slots(1)
+    queue.put("e")
+    with pytest.raises(QueueFull):
+        queue.put("f")
+    assert [queue.get_nowait() for _ in range(4)] == ["bbbb", "cccc", "e", None]
+
+
 def test_n_beyond_the_slots_is_refused_by_name(server):
     status, data = server.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 5})
     err = json.loads(data)["error"]
