@@ -365,7 +365,9 @@ class BatchWorker(Worker):
         self.metrics.busy.set(0)
 
     def _free(self, gen: BatchGenerator) -> bool:
-        return len(gen.running) + len(gen.waiting) < self.parallel
+        """Whether a slot is free: counted by the sequences admitted (a job of n choices waits in the
+        generator as one group until n slots are free, so the generator's lists count it once)."""
+        return len(self.active) < self.parallel
 
     def _note_busy(self) -> None:
         """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""

@@ -145,6 +145,21 @@ def test_a_full_queue_answers_503_with_retry_after(wide):
         assert served.request("POST", "/v1/completions", {**LONG, "max_tokens": 2})[0] == 200
 
 
+def test_a_burst_of_requests_for_n_choices_counts_their_slots(wide):
+    """Five n = 4 requests at once (--parallel 4 --max-queue 2): the first takes the four slots, two
+    wait, two are refused 503 - the slots counted by choices, not by requests."""
+    with serving(wide, "--max-queue", "2") as served:
+        holders = [post(served.port, {**LONG, "n": 4}) for _ in range(5)]
+        answers, deadline = [b""] * 5, time.monotonic() + 30
+        while sum(a.startswith(b"HTTP/1.1 503") for a in answers) < 2:
+            assert time.monotonic() < deadline, (health(served), answers)
+            answers = [a or read_until_closed(sock, time.monotonic() + 0.05) for a, sock in zip(answers, holders)]
+        assert metric(served, "pyml_queue_wait_seconds_count") == 1 and health(served)["queue"] == 2, answers
+        for sock in holders:
+            sock.close()
+        wait_idle(served, within=3)
+
+
 def test_clients_that_leave_the_queue_are_counted_cancelled(wide):
     """One runs (--parallel 1), two wait; all three clients leave: pyml_cancelled_total{reason="client"}
     counts the two that never ran as well."""
