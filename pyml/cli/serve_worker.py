@@ -232,11 +232,12 @@ class Worker:
         except Exception as e:  # the first request warms them again, and answers what goes wrong
             _perf.logger.warning("pyml-serve: warming the prefill kernels failed: %s", one_line(e))
         self._started.set()
-        self.jobs.set_free_slots(1)
-        while (job := self.jobs.get()) is not None:
+        while True:
+            self.jobs.set_free_slots(1)  # idle: the next job is taken at once
+            if (job := self.jobs.get()) is None:
+                break
             self.metrics.queue.set(len(self.jobs))
             if self._skipped(job):
-                self.jobs.set_free_slots(1)
                 continue
             self.current = job
             self.metrics.busy.set(1)
@@ -250,7 +251,6 @@ class Worker:
             finally:
                 self.current = None
                 self.metrics.busy.set(0)
-                self.jobs.set_free_slots(1)
 
     def _run(self, job: Job):
         req = job.request

@@ -252,16 +252,30 @@ def test_a_client_that_leaves_mid_stream_frees_the_model(wide_server):
     check_a_client_that_leaves_frees_the_model(wide_server)
 
 
+def health(server) -> dict:
+    status, data = server.request("GET", "/health", timeout=5)
+    assert status == 200
+    return json.loads(data)
+
+
+def wait_idle(server, within: float) -> float:
+    """Seconds until /health says busy 0 and queue 0; fails after `within`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        h = health(server)
+        if h["busy"] == 0 and h["queue"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    pytest.fail(f"not idle within {within} s: {health(server)}")
+
+
 def check_a_client_that_leaves_frees_the_model(server):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=60, max_retries=0)
     before = generated_tokens(server)
     stream_then_leave(server, {"model": "tiny", "prompt": "Long story", "max_tokens": 1000, "temperature": 0})
     r = client.completions.create(model="tiny", prompt="Next", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
-    deadline = time.monotonic() + 30  # beside --parallel slots the abandoned one may still be ending
-    while (h := json.loads(server.request("GET", "/health")[1]))["busy"] or h["queue"]:
-        assert time.monotonic() < deadline, h
-        time.sleep(0.02)
+    wait_idle(server, within=30)  # beside --parallel slots the abandoned one may still be ending
     abandoned = generated_tokens(server) - before - 3
     assert 1 <= abandoned < 900, abandoned  # it stopped soon after the client left, not at 1000
 

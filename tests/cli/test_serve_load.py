@@ -17,7 +17,7 @@ import time
 import pytest
 
 from pyml.cli.standins import write_gpt2
-from tests.cli.test_serve import HOST, generated_tokens, serving, start_server
+from tests.cli.test_serve import HOST, generated_tokens, health, serving, start_server, wait_idle
 
 # deep: a load test; each bound it stresses, one request at a time: tests/cli/test_serve_abuse.py
 pytestmark = pytest.mark.deep
@@ -34,23 +34,6 @@ def wide(tmp_path_factory):
 def server(wide):
     with serving(wide) as served:
         yield served
-
-
-def health(server) -> dict:
-    status, data = server.request("GET", "/health", timeout=5)
-    assert status == 200
-    return json.loads(data)
-
-
-def wait_idle(server, within: float) -> float:
-    """Seconds until /health says busy 0 and queue 0; fails after `within`."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within:
-        h = health(server)
-        if h["busy"] == 0 and h["queue"] == 0:
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    pytest.fail(f"not idle within {within} s: {health(server)}")
 
 
 def post(port, body: dict | bytes, path="/v1/completions") -> socket.socket:

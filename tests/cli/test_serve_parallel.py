@@ -19,8 +19,7 @@ from pyml.cli.standins import write_gpt2
 from pyml.report.aggregate import ATTN_CORE
 from tests.cli.test_serve import (check_a_client_that_leaves_frees_the_model, check_concurrent_streams_equal_one_at_a_time,
                                   check_conversation_reuses_its_cached_prefix, generated_tokens, malformed, start_server,
-                                  stop_server, stream_then_leave)
-from tests.cli.test_serve_load import wait_idle
+                                  stop_server, stream_then_leave, wait_idle)
 
 
 @pytest.fixture(scope="module")
