@@ -336,12 +336,12 @@ class BatchWorker(Worker):
         while True:
             # idle: wait for work; busy: take a job only into a free slot, so that the rest wait in the
             # bounded queue (--max-queue, its 503s), not in the generator's
-            job = (self.jobs.get_nowait() if self._free(gen) else None) if self.active else self.jobs.get()
+            job = (self.jobs.get_nowait() if self._free() else None) if self.active else self.jobs.get()
             if job is None and not self.active:
                 break  # the queue is closed
             while job is not None:
                 self._admit(gen, job)
-                job = self.jobs.get_nowait() if self._free(gen) else None
+                job = self.jobs.get_nowait() if self._free() else None
             self.metrics.queue.set(len(self.jobs))
             self._note_busy()
             if not self.active:
@@ -364,7 +364,7 @@ class BatchWorker(Worker):
         self.current = None
         self.metrics.busy.set(0)
 
-    def _free(self, gen: BatchGenerator) -> bool:
+    def _free(self) -> bool:
         """Whether a slot is free: counted by the sequences admitted (a job of n choices waits in the
         generator as one group until n slots are free, so the generator's lists count it once)."""
         return len(self.active) < self.parallel
