@@ -95,11 +95,26 @@ class LlamaBatched:
         self.ll.llama_model_free(self.model)
 
 
+SPREAD = "; after a ratio, the range of the repetitions' own ratios"
+
+
+def _ratio(runs: list, base_runs: list) -> str:
+    """The ratio of two medians of rates, then, over more than one repetition, the range of the
+    repetitions' own ratios (each the two runs of one repetition, close in time): on a shared machine
+    whose speed drifts between runs, what shows whether a line a ratio has to reach is within noise."""
+    text = f"{statistics.median(runs) / statistics.median(base_runs):.2f}x"
+    if len(runs) > 1:
+        each = [a / b for a, b in zip(runs, base_runs)]
+        text += f" ({min(each):.2f}-{max(each):.2f})"
+    return text
+
+
 def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt: int, n_gen: int,
                 reps: int, peers: tuple = ()) -> str:
     llama = "llama.cpp" in peers
     lines = [f"pyml-bench --batch: {threads} threads, PP {n_prompt} tokens a sequence, TG {n_gen} steps "
-             f"(medians of {reps}{'; llama.cpp in turn with pyml' if llama else ''})", "",
+             f"(medians of {reps}{'; llama.cpp in turn with pyml' if llama else ''}"
+             f"{SPREAD if reps > 1 else ''})", "",
              "| model | B | PP t/s (all sequences) | TG t/s (all sequences) | TG t/s (a sequence) | TG vs B=1 |"
              + (" llama.cpp PP t/s | llama.cpp TG t/s | pyml/llama.cpp TG |" if llama else ""),
              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else "")]
@@ -122,16 +137,17 @@ def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt
                     times[e, B].append(engines[e](B, n_gen, rng))
         if peer:
             peer.close()
+        decode = {key: [key[1] * n_gen / d for _, d in runs] for key, runs in times.items()}  # a repetition each
         base = None
         for B in batches:
             rate = {e: (statistics.median(B * n_prompt / p for p, _ in times[e, B]),
-                        statistics.median(B * n_gen / d for _, d in times[e, B])) for e in engines}
+                        statistics.median(decode[e, B])) for e in engines}
             pp, tg = rate["pyml"]
-            base = tg if B == 1 else base
-            vs = f"{tg / base:.2f}x" if base else "-"
+            base = decode["pyml", B] if B == 1 else base
+            vs = "-" if base is None else "1.00x" if B == 1 else _ratio(decode["pyml", B], base)
             line = f"| {name} | {B} | {pp:.1f} | {tg:.1f} | {tg / B:.1f} | {vs} |"
             if peer:
                 lpp, ltg = rate["llama.cpp"]
-                line += f" {lpp:.1f} | {ltg:.1f} | {tg / ltg:.2f}x |"
+                line += f" {lpp:.1f} | {ltg:.1f} | {_ratio(decode['pyml', B], decode['llama.cpp', B])} |"
             lines.append(line)
     return "\n".join(lines) + "\n"

@@ -197,6 +197,10 @@ def test_batch_table(tmp_path, smollm2_gguf):
     assert [row[1] for row in rows] == ["1", "2", "4"] and rows[0][5] == "1.00x"
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
     assert all(abs(float(row[4]) - float(row[3]) / int(row[1])) < 0.2 for row in rows)  # per sequence
+    for row in rows[1:]:  # the ratio of the medians, then the range of the two repetitions' own ratios
+        ratio, lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+)x \(([\d.]+)-([\d.]+)\)", row[5]).groups())
+        assert abs(ratio - float(row[3]) / float(rows[0][3])) < 0.01 + 0.01 * ratio and 0 < lo <= hi
+    assert "the range of the repetitions' own ratios" in r.stdout.splitlines()[0]
     refused = bench_here("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --batch is not implemented" in refused.stderr
 
@@ -212,7 +216,8 @@ def test_batch_table_beside_llama_cpp(tmp_path, smollm2_gguf):
     assert [row[1] for row in rows] == ["1", "4"] and all(len(row) == 9 for row in rows)
     for row in rows:
         assert float(row[6]) > 0 and float(row[7]) > 0
-        assert abs(float(row[8][:-1]) - float(row[3]) / float(row[7])) < 0.02 * float(row[8][:-1]) + 0.01
+        ratio = float(row[8].split("x")[0])
+        assert abs(ratio - float(row[3]) / float(row[7])) < 0.02 * ratio + 0.01 and row[8].endswith(")")
 
 
 def test_spec_table(tmp_path, smollm2_gguf):
