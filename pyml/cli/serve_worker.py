@@ -364,16 +364,19 @@ class BatchWorker(Worker):
         self.current = None
         self.metrics.busy.set(0)
 
-    def _free(self) -> bool:
-        """Whether a slot is free: counted by the sequences admitted (a job of n choices waits in the
+    def _free_slots(self) -> int:
+        """The slots free: counted by the sequences admitted (a job of n choices waits in the
         generator as one group until n slots are free, so the generator's lists count it once)."""
-        return len(self.active) < self.parallel
+        return self.parallel - len(self.active)
+
+    def _free(self) -> bool:
+        return self._free_slots() > 0
 
     def _note_busy(self) -> None:
         """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""
         self.current = next(iter(self.active.values()))[0] if self.active else None
         self.metrics.busy.set(int(bool(self.active)))
-        self.jobs.set_free_slots(self.parallel - len(self.active))
+        self.jobs.set_free_slots(self._free_slots())
 
     def _admit(self, gen: BatchGenerator, job: Job) -> None:
         if self._skipped(job):
