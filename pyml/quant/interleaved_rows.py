@@ -19,11 +19,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from pyml.core.simd import FASTMATH, load_f32x8, prefetch, store_f32x8
+from pyml.core.simd import FASTMATH, load_f32x8, store_f32x8
 from pyml.quant.ggml_types import Q4_K
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import (_block, _codes, _corrections, _k_block, _k_codes, _sb_size, activation_bytes,
-                                         gemv_activation, k_prefetch)
+                                         block_prefetch, gemv_activation, k_prefetch)
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
 CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
@@ -46,8 +46,7 @@ def _rows_group(kind, w, y, xd, xs, xoff, acc):
     acc[:] = 0.0
     for b in range(xd.shape[1]):
         o = sb * b
-        prefetch(w, o + 1024)  # as the GEMV: the streams stay ahead of their loads
-        prefetch(w, o + 1088)
+        block_prefetch(w, o, sb)  # as the GEMV
         v = _codes(kind, w, o)
         corr = _corrections(kind, v)
         for t in range(xd.shape[0]):
