@@ -41,7 +41,7 @@ def _sb_size(kind):
 @numba.njit
 def block_prefetch(w, o, sb):
     """Every cache line of the sb-byte superblock 1 KB past o into L1 (prefetch never faults past the
-    end), so the streams of both threads stay ahead of their loads. Two lines a superblock covered
+    end), so the streams of both threads stay ahead of their loads. Two lines a superblock nearly covered
     Q4_0's 144 bytes but not Q5_0's 176 or Q8_0's 272: their other lines waited on memory, most in the
     few-rows kernel, where a superblock takes T rows' time and the hardware prefetcher falls behind."""
     for a in range(0, sb, 64):
