@@ -218,12 +218,17 @@ def _rope_rows(x, pos, inv_freq, interleaved):  # x [T, H, hd] in place
     return x
 
 
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _angles(position, inv_freq, cos, sin):  # cos, sin [half] of one position (an int64)
+    for i in range(inv_freq.shape[0]):
+        angle = position * inv_freq[i]  # float64, as _rope_rows
+        cos[i], sin[i] = np.float32(math.cos(angle)), np.float32(math.sin(angle))
+
+
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def _rope_table(positions, inv_freq, cos, sin):  # cos, sin [T, half] for positions [T] (int64)
     for t in numba.prange(cos.shape[0]):
-        for i in range(inv_freq.shape[0]):
-            angle = positions[t] * inv_freq[i]  # float64, as _rope_rows
-            cos[t, i], sin[t, i] = np.float32(math.cos(angle)), np.float32(math.sin(angle))
+        _angles(positions[t], inv_freq, cos[t], sin[t])
     return cos, sin
 
 
@@ -240,8 +245,10 @@ def _rope_apply(x, cos, sin, interleaved):  # x [T, H, hd] in place, by the tabl
     return x
 
 
-# The row kernels the fused decode step (nn/fused.py) calls from inside its own kernels.
-rms_norm_rows, layer_norm_rows, rope_rows, act_row = _rms_norm_rows, _layer_norm_rows, _rope_rows, _act_row
+# The row kernels the fused decode step (nn/fused.py) calls from inside its own kernels (a step's
+# q and k share one position's angles: rope_angles, then rope_apply to each).
+rms_norm_rows, layer_norm_rows, act_row = _rms_norm_rows, _layer_norm_rows, _act_row
+rope_angles, rope_apply = _angles, _rope_apply
 
 
 # Below this many multiply-adds a parallel region costs more than it saves: waking the

@@ -132,7 +132,8 @@ class PostWeights(NamedTuple):
 class StepBuffers(NamedTuple):
     """A run's scratch, allocated once per block: h [1, d] a norm's output; qkv [nq + 2 nkv] and its
     views q2 [H, hd], k2 [Hkv, hd], q3 [1, H, hd], k3, v3 [1, Hkv, hd]; y [1, d] a product's output;
-    gu [1, f or 2f] the up product's; a [1, f] the activation's."""
+    gu [1, f or 2f] the up product's; a [1, f] the activation's; rot [2, 1, hd/2] the cos and sin
+    of the position RoPE turns q and k by."""
     h: object
     qkv: object
     q2: object
@@ -145,6 +146,7 @@ class StepBuffers(NamedTuple):
     y: object
     gu: object
     a: object
+    rot: object
 
 
 # --- op ids: what an event stands for (FusedBlock's op tables name them) --------------------------
@@ -410,11 +412,13 @@ def _after_qkv(s, e):
             _rms(k2, pw.k_norm_w, pw.qk_eps, qk_unit, k2)
             t = now(trace, counters)
             event(events, trace, r + e_kn, A_KNORM, li, t_q, t)
-        if rope:
-            ops.rope_rows(q3, pos, pw.inv_freq, rope == 2)
+        if rope:  # the angles once for q and k (a libm cos and sin a pair: 1024 a layer at 16 rows)
+            cos, sin = buf.rot[0], buf.rot[1]
+            ops.rope_angles(pos, pw.inv_freq, cos[0], sin[0])
+            ops.rope_apply(q3, cos, sin, rope == 2)
             t_q = now(trace, counters)
             event(events, trace, r + e_rq, A_ROPE_Q, li, t, t_q)
-            ops.rope_rows(k3, pos, pw.inv_freq, rope == 2)
+            ops.rope_apply(k3, cos, sin, rope == 2)
             t = now(trace, counters)
             event(events, trace, r + e_rk, A_ROPE_K, li, t_q, t)
         keys, k_scale, values, v_scale = kv

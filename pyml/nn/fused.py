@@ -163,7 +163,8 @@ class FusedBlock:
             up2_kind=w2[0], up2_layout=w2[1], down_kind=wd[0], down_layout=wd[1], act=act,
             post_ffn=int(pfn is not None), post_ffn_unit=int(pfn is not None and pfn.unit_offset))
         self.ctx = np.zeros((H, attn.head_dim), np.float32)
-        self.bufs = StepBuffers(self.h, self.qkv, q2, k2, self.q3, self.k3, self.v3, nq, nkv, self.y, self.gu, self.a)
+        self.bufs = StepBuffers(self.h, self.qkv, q2, k2, self.q3, self.k3, self.v3, nq, nkv, self.y, self.gu, self.a,
+                                np.zeros((2, 1, hd // 2), np.float32))
         self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
@@ -199,7 +200,7 @@ class FusedBlock:
                                   z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart))
             h, gu, a, y, out, *rows = (v[:B] for v in self._rows_max)
             b = self.bufs
-            bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a),
+            bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a, b.rot),
                                     RowBuffers(*rows), out)
         return bufs
 

@@ -36,11 +36,19 @@ def _block_scale(x, b):  # (d, 1/d) of block b of x [n] f32
 
 
 @numba.njit(cache=True, fastmath=False)
+def quantize_block_q8(x, b, xq, xd, xs, xp):
+    """Block b of x into xq, xd, xs, xp (quantize_row_q8's arrays); returns the block's code sum."""
+    d, inv = _block_scale(x, b)
+    xd[b] = d
+    codes = round_store32(x, b * 32, inv, xq, b * 32, xp)
+    xs[b] = d * np.float32(codes)
+    return codes
+
+
+@numba.njit(cache=True, fastmath=False)
 def quantize_row_q8(x, xq, xd, xs, xp):  # x [n] -> xq [n] i8, xd [n/32], xs [n/32] f32, xp [n/2] i16
     for b in range(xd.size):
-        d, inv = _block_scale(x, b)
-        xd[b] = d
-        xs[b] = d * np.float32(round_store32(x, b * 32, inv, xq, b * 32, xp))
+        quantize_block_q8(x, b, xq, xd, xs, xp)
 
 
 @numba.njit(cache=True)

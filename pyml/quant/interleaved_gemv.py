@@ -23,7 +23,7 @@ from pyml.core.simd import (HAVE_VNNI, f32x8, fma, fnma, load_fp16x8c, load_i32_
                             zeros_f32x8, zeros_i32x8)
 from pyml.core.simd_int import (abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, maddubs, nibbles_hi, nibbles_lo,
                                 or_u8, sign_i8, sub_lanes_i32, sum_pairs)
-from pyml.quant.activation import quantize_row_q8
+from pyml.quant.activation import quantize_block_q8
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPE_SIZE
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 
@@ -193,9 +193,15 @@ def _k_block(v, w, o, j, y, u, yd, ys, acc):
 
 
 @numba.njit
+def _code_offset(kind):  # the code offset o of the module doc
+    numba.literally(kind)
+    return 8 if kind == Q4_0 else 16 if kind == Q5_0 else 0
+
+
+@numba.njit
 def _offset_sums(kind, xq, out):  # xq [nb*32] int8 -> out int32 [nb]: code offset o (module doc) x block code sums
     numba.literally(kind)
-    offset = 8 if kind == Q4_0 else 16 if kind == Q5_0 else 0
+    offset = _code_offset(kind)
     for b in range(out.size):
         acc = 0
         for j in range(32):
@@ -283,10 +289,12 @@ def activation_bytes(kind, xq, y8):
 @numba.njit
 def gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8):
     """x [n] f32 quantized into the gemv_buffers (activation.py's blocks, the code offsets'
-    sums); returns activation_bytes."""
+    sums: _offset_sums' integers from the quantizer's own code sums, not a second pass over the
+    codes, which took as long as the quantization); returns activation_bytes."""
     numba.literally(kind)
-    quantize_row_q8(x, xq, xd, xs, xp)
-    _offset_sums(kind, xq, xoff)
+    offset = _code_offset(kind)
+    for b in range(xd.size):
+        xoff[b] = offset * quantize_block_q8(x, b, xq, xd, xs, xp)
     if kind == Q8_0 and HAVE_VNNI:
         codes = xq.view(np.uint8)
         for i in range(codes.size):
