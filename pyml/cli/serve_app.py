@@ -127,7 +127,7 @@ class Server:
     async def health(self, request):
         w = self.worker
         return JSONResponse({"status": "ok", "queue": len(w.jobs), "busy": int(w.current is not None),
-                             "threads": w.threads_in_use, "max_queue": self.limits.queue,
+                             "running": w.running, "threads": w.threads_in_use, "max_queue": self.limits.queue,
                              "parallel": self.limits.parallel})
 
     async def prometheus(self, request):

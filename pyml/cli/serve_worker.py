@@ -53,6 +53,8 @@ class Metrics:
         self.cancelled = Counter("pyml_cancelled", "generations ended early", ["reason"], registry=r)
         self.queue = Gauge("pyml_queue_length", "requests waiting for the model", registry=r)
         self.busy = Gauge("pyml_busy", "1 while a generation runs", registry=r)
+        self.running = Gauge("pyml_running_sequences", "sequences generating now (at most --parallel)",
+                             registry=r)
         self.decode_tok_s = Gauge("pyml_decode_tokens_per_second", "decode speed of the last request",
                                   registry=r)
         self.latency = Histogram("pyml_request_seconds", "completion request latency, arrival to the last "
@@ -187,6 +189,11 @@ class Worker:
         self._started = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="pyml-serve-model", daemon=True)
 
+    @property
+    def running(self) -> int:
+        """The sequences generating now: /health's `running` (this worker's one at a time)."""
+        return int(self.current is not None)
+
     def start(self) -> None:
         """Start the thread (once) and wait until it has set its thread count and warmed up (on a
         first run the kernels compile: a minute, with a progress bar)."""
@@ -241,6 +248,7 @@ class Worker:
                 continue
             self.current = job
             self.metrics.busy.set(1)
+            self.metrics.running.set(1)
             try:
                 self._run(job)
             except PymlError as e:  # bad input the model side found: the request's fault, one line
@@ -251,6 +259,7 @@ class Worker:
             finally:
                 self.current = None
                 self.metrics.busy.set(0)
+                self.metrics.running.set(0)
 
     def _run(self, job: Job):
         req = job.request
@@ -363,6 +372,7 @@ class BatchWorker(Worker):
             self._note_busy()  # before waiting for the next job: /health says idle while the model is
         self.current = None
         self.metrics.busy.set(0)
+        self.metrics.running.set(0)
 
     def _free_slots(self) -> int:
         """The slots free: counted by the sequences admitted (a job of n choices waits in the
@@ -372,10 +382,16 @@ class BatchWorker(Worker):
     def _free(self) -> bool:
         return self._free_slots() > 0
 
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
     def _note_busy(self) -> None:
-        """/health's `busy` and pyml_busy: whether a generation runs (a job of the running batch)."""
+        """/health's `busy` and `running`, pyml_busy and pyml_running_sequences: whether a generation
+        runs (a job of the running batch), and how many sequences the batch holds."""
         self.current = next(iter(self.active.values()))[0] if self.active else None
         self.metrics.busy.set(int(bool(self.active)))
+        self.metrics.running.set(len(self.active))
         self.jobs.set_free_slots(self._free_slots())
 
     def _admit(self, gen: BatchGenerator, job: Job) -> None:

@@ -280,6 +280,26 @@ def check_a_client_that_leaves_frees_the_model(server):
     assert 1 <= abandoned < 900, abandoned  # it stopped soon after the client left, not at 1000
 
 
+def test_health_counts_the_sequences_of_the_running_batch(wide_server):
+    """/health's `running` and pyml_running_sequences: a streamed n = 2 request runs two sequences
+    side by side (a reply of 1,000 tokens: seconds here); once its client has left, none."""
+    conn = http.client.HTTPConnection(HOST, wide_server.port, timeout=30)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"model": "tiny", "prompt": "Long story", "max_tokens": 1000, "n": 2, "temperature": 0, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()
+    assert resp.fp.readline().startswith(b"data: ")  # both choices were admitted together: both run now
+    h = health(wide_server)
+    metrics = wide_server.request("GET", "/metrics")[1].decode()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert (h["busy"], h["running"]) == (1, 2), h
+    assert re.search(r"^pyml_running_sequences 2\.0$", metrics, re.M), "two sequences should be counted"
+    wait_idle(wide_server, within=30)
+    assert health(wide_server)["running"] == 0
+
+
 def stream_then_leave(server, body: dict) -> None:
     """Ask for a streamed completion and leave (close the socket) once its first chunk came."""
     conn = http.client.HTTPConnection(HOST, server.port, timeout=30)
@@ -352,6 +372,8 @@ def test_health_and_metrics(server, client):
         time.sleep(0.01)
     text = server.request("GET", "/metrics")[1].decode()
     assert re.search(r"^pyml_busy 0\.0$", text, re.M), "pyml_busy should be 0 once idle"
+    assert re.search(r"^pyml_running_sequences 0\.0$", text, re.M), "no sequence runs once idle"
+    assert json.loads(server.request("GET", "/health")[1])["running"] == 0
     for name in ("pyml_requests_total", "pyml_generated_tokens_total", "pyml_queue_length",
                  "pyml_request_seconds_bucket", "pyml_time_to_first_token_seconds_bucket",
                  "pyml_decode_tokens_per_second"):

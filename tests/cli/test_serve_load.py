@@ -92,9 +92,11 @@ def test_a_whole_reply_client_that_leaves_frees_the_model(server, prompt):
     before = generated_tokens(server)
     sock = post(server.port, {**LONG, "prompt": prompt})  # not a stream: nothing is sent until the end
     deadline = time.monotonic() + 5
-    while health(server)["busy"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
+    n = 1 if isinstance(prompt, str) else len(prompt)
+    while health(server)["running"] < n:  # its prompts side by side in the batch, each a sequence
+        assert time.monotonic() < deadline, ("the request's sequences never all ran", health(server))
         time.sleep(0.01)
+    assert f"pyml_running_sequences {n:.1f}" in server.request("GET", "/metrics")[1].decode()
     time.sleep(0.3)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
