@@ -18,7 +18,9 @@ import time
 import numpy as np
 
 from pyml.core.errors import PymlError
+from pyml.cli.bench_engines import ggml_type
 from pyml.nlp.api import load_model
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 
 
 def _one(model, B: int, n_prompt: int, n_gen: int, rng) -> tuple[float, float]:
@@ -37,9 +39,10 @@ def _one(model, B: int, n_prompt: int, n_gen: int, rng) -> tuple[float, float]:
 class LlamaBatched:
     """llama.cpp's batched decode (llama-batched-bench's loop) through llama-cpp-python's C API."""
 
-    def __init__(self, path: str, threads: int):
+    def __init__(self, path: str, threads: int, kv_type: str = DEFAULT_KV_TYPE):
         import llama_cpp  # a bench extra, imported only when it is a peer
         self.ll, self.threads, self.ctx, self.size = llama_cpp, threads, None, None
+        self.cache_type = ggml_type(kv_type)  # flash attention on its default (auto): on, on a CPU
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
@@ -56,6 +59,7 @@ class LlamaBatched:
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, max(512, n_ctx), 512, B
         p.n_threads = p.n_threads_batch = self.threads
         p.kv_unified = True  # llama-server's default (one buffer over the sequences)
+        p.type_k = p.type_v = self.cache_type
         self.ctx = self.ll.llama_init_from_model(self.model, p)
         if not self.ctx:
             raise PymlError(f"llama.cpp could not make a context of {n_ctx} tokens for {B} sequences")
@@ -110,19 +114,21 @@ def _ratio(runs: list, base_runs: list) -> str:
 
 
 def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt: int, n_gen: int,
-                reps: int, peers: tuple = ()) -> str:
+                reps: int, peers: tuple = (), kv_type: str = DEFAULT_KV_TYPE) -> str:
     llama = "llama.cpp" in peers
-    lines = [f"pyml-bench --batch: {threads} threads, PP {n_prompt} tokens a sequence, TG {n_gen} steps "
-             f"(medians of {reps}{'; llama.cpp in turn with pyml' if llama else ''}"
+    lines = [f"pyml-bench --batch: {threads} threads, {{kv}} KV cache, PP {n_prompt} tokens a sequence, "
+             f"TG {n_gen} steps (medians of {reps}{'; llama.cpp in turn with pyml' if llama else ''}"
              f"{SPREAD if reps > 1 else ''})", "",
              "| model | B | PP t/s (all sequences) | TG t/s (all sequences) | TG t/s (a sequence) | TG vs B=1 |"
              + (" llama.cpp PP t/s | llama.cpp TG t/s | pyml/llama.cpp TG |" if llama else ""),
              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else "")]
+    used = set()
     for name in names:
         model = models[name]
         path = str(model.locate())
-        lm = load_model(threads=threads, **{model.kind: path})
-        peer = LlamaBatched(path, threads) if llama else None
+        lm = load_model(threads=threads, kv_type=kv_type, **{model.kind: path})
+        used.add(lm.model.kv_type)  # the header says the type the pools were made of
+        peer = LlamaBatched(path, threads, kv_type) if llama else None
         engines = {"pyml": lambda B, n, rng: _one(lm.model, B, n_prompt, n, rng)}
         if peer:
             engines["llama.cpp"] = lambda B, n, rng: peer.one(B, n_prompt, n, rng)
@@ -150,4 +156,5 @@ def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt
                 lpp, ltg = rate["llama.cpp"]
                 line += f" {lpp:.1f} | {ltg:.1f} | {_ratio(decode['pyml', B], decode['llama.cpp', B])} |"
             lines.append(line)
+    lines[0] = lines[0].replace("{kv}", "/".join(sorted(used)))
     return "\n".join(lines) + "\n"

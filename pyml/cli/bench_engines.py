@@ -20,6 +20,7 @@ from pyml.cli.bench_models import BenchModel
 from pyml.cli.bench_openvino import exported
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 
 UBATCH = 512  # tokens per forward pass while filling a context (llama.cpp's default micro-batch)
 
@@ -27,8 +28,10 @@ UBATCH = 512  # tokens per forward pass while filling a context (llama.cpp's def
 class PymlEngine:
     name = "pyml"
 
-    def __init__(self, model: BenchModel, path: Path, threads: int, float_compute: str = "auto"):
-        self.lm = load_model(threads=threads, warmup=True, float_compute=float_compute, **{model.kind: str(path)})
+    def __init__(self, model: BenchModel, path: Path, threads: int, float_compute: str = "auto",
+                 kv_type: str = DEFAULT_KV_TYPE):
+        self.lm = load_model(threads=threads, warmup=True, float_compute=float_compute, kv_type=kv_type,
+                             **{model.kind: str(path)})
         self.lm.warm_up(prefill=True)  # pp calls the model itself: its kernels load here, not in a timed pass
         self.vocab = self.lm.model.lm_head.out_features
         self.set_context([], 2048)
@@ -68,10 +71,12 @@ class LlamaCppEngine:
     name = "llama.cpp"
     flash_attn = False
 
-    def __init__(self, model: BenchModel, path: Path, threads: int):
+    def __init__(self, model: BenchModel, path: Path, threads: int, kv_type: str = DEFAULT_KV_TYPE):
         if model.kind != "gguf":
             raise PymlError("llama.cpp runs GGUF files only")
-        self.path, self.threads = path, threads
+        if kv_type == "q8_0" and not self.flash_attn:
+            raise PymlError("llama.cpp quantizes its V cache only with flash attention: --peers llama.cpp-fa")
+        self.path, self.threads, self.kv_type = path, threads, kv_type
         self.llm, self.n_ctx = None, 0
         self.set_context([], 2048)
         self.vocab = self.llm.n_vocab()
@@ -81,8 +86,10 @@ class LlamaCppEngine:
         if n_ctx > self.n_ctx:  # the context size is fixed when llama.cpp makes its context
             from llama_cpp import Llama  # a bench extra, imported only when it is a peer
             self.close()
+            cache = ggml_type(self.kv_type)
             self.llm = Llama(str(self.path), n_threads=self.threads, n_threads_batch=self.threads, n_ctx=n_ctx,
-                             n_batch=2048, n_ubatch=UBATCH, flash_attn=self.flash_attn, verbose=False)
+                             n_batch=2048, n_ubatch=UBATCH, flash_attn=self.flash_attn, type_k=cache,
+                             type_v=cache, verbose=False)
             self.n_ctx = n_ctx
         self.llm.reset()
         self.llm.eval(list(tokens))
@@ -203,6 +210,14 @@ class OpenVINOEngine:
     def close(self):
         self.pipe = None
 
+
+def ggml_type(kv_type: str) -> int:
+    """llama.cpp's id of a KV cache type (ggml_type: f32 0, f16 1, q8_0 8)."""
+    import llama_cpp  # a bench extra, imported only when it is a peer
+    return {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[kv_type]
+
+
+KV_PEERS = ("llama.cpp", "llama.cpp-fa")  # the peers whose KV cache type --kv-type sets
 
 ENGINES = {"pyml": PymlEngine, "llama.cpp": LlamaCppEngine, "llama.cpp-fa": LlamaCppFlashEngine,
            "transformers": TransformersEngine, "openvino": OpenVINOEngine}

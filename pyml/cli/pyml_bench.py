@@ -41,7 +41,7 @@ from tqdm import tqdm
 from pyml import quant
 from pyml.cli import bench_cold
 from pyml.cli.bench_batch import batch_table
-from pyml.cli.bench_engines import ENGINES
+from pyml.cli.bench_engines import ENGINES, KV_PEERS
 from pyml.cli.bench_models import DEFAULT_MODELS, FLOAT_QUANTS, MODELS
 from pyml.cli.bench_spec import spec_table
 from pyml.cli.kernel_bench import bf16_peak, compute_peaks
@@ -51,6 +51,7 @@ from pyml.core import ops, perf
 from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
 from pyml.nlp.api import load_model
+from pyml.nn.kv_cache import DEFAULT_KV_TYPE, KV_TYPES
 from pyml.report.machine import git_info, machine_info, read_bandwidth
 from pyml.report.timing import RecordSink
 
@@ -186,7 +187,7 @@ def model_size(path: Path) -> int:
 
 
 def run(models, threads_list, reps, peers, tests: list, progress=True,
-        float_compute: str = "auto") -> tuple[list, dict]:
+        float_compute: str = "auto", kv_type: str = DEFAULT_KV_TYPE) -> tuple[list, dict]:
     rows, info = [], {"git": git_info(), "machine": machine_info(), "peers": _peer_versions()}
     with tqdm(total=0, desc="bandwidth", file=sys.stderr, disable=not progress, bar_format="{desc}") as bar:
         numba.set_num_threads(max(threads_list))
@@ -197,7 +198,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
             info["peaks"] = {"fp32_gflops": fp32, "int8_gops": int8}
             if quant.BF16_AVAILABLE:
                 info["peaks"]["bf16_gflops"] = bf16_peak(rounds=3, n=1_000_000)
-    info["float_compute"] = float_compute
+    info["float_compute"], info["kv_type"] = float_compute, kv_type
     work = [(m, t) for m in models for t in threads_list]
     bar = tqdm(work, desc="benchmarking", file=sys.stderr, disable=not progress, unit="model")
     bytes_per_token = {}
@@ -210,12 +211,15 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
         for engine_name in ["pyml", *peers]:
             bar.set_postfix_str(f"{name} t={threads}: loading {engine_name}")
             try:
-                engines[engine_name] = ENGINES[engine_name](
-                    model, path, threads, **({"float_compute": float_compute} if engine_name == "pyml" else {}))
+                options = {"float_compute": float_compute} if engine_name == "pyml" else {}
+                if kv_type != DEFAULT_KV_TYPE:
+                    options["kv_type"] = kv_type
+                engines[engine_name] = ENGINES[engine_name](model, path, threads, **options)
             except (ImportError, PymlError, OSError, ValueError) as e:
                 print(f"pyml-bench: {engine_name} skipped on {name}: {type(e).__name__}: {e}", file=sys.stderr)
         if "pyml" in engines:
             lm = engines["pyml"].lm
+            info["kv_type"] = lm.model.kv_type  # the type its caches are made of, as the header says
             bytes_per_token[name] = (weight_bytes_per_token(lm), kv_bytes_per_position(lm))
             params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()[:-1])
             info.setdefault("params_m", {})[name] = params / 1e6
@@ -292,7 +296,8 @@ def markdown(rows, info, peers) -> str:
                  f"kernels for {machine.get('isa', '?')} of {', '.join(machine.get('isa_supported', []))}), "
                  f"Python {machine.get('python', '?')}, NumPy {machine.get('numpy', '?')}, "
                  f"Numba {machine.get('numba', '?')}"
-                 + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items()) + ".")
+                 + "".join(f", {k} {v}" for k, v in (info.get("peers") or {}).items())
+                 + f"; {info.get('kv_type', DEFAULT_KV_TYPE)} KV cache.")
     lines.append("")
     if "peaks" in info:
         lines.append(f"Compute peak per core ({machine.get('isa', '?')}): int8 {info['peaks']['int8_gops']:.0f} "
@@ -472,6 +477,9 @@ def build_parser() -> Parser:
     p.add_argument("--peers", default="", help="comma-separated: " + ", ".join(e for e in ENGINES if e != "pyml"))
     p.add_argument("--float-compute", choices=list(quant.FLOAT_COMPUTE), default="auto",
                    help="what pyml computes float weights' prefill in (pyml-infer --help; default auto)")
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default=DEFAULT_KV_TYPE,
+                   help=f"the KV cache's type, pyml's and llama.cpp's (llama-bench's -ctk/-ctv; default "
+                        f"{DEFAULT_KV_TYPE}): pp/tg and --batch")
     p.add_argument("--out", default="bench-results", help="directory for bench.md / .csv / .json")
     p.add_argument("--log-cost", action="store_true",
                    help="instead of pp/tg: decode ms/step with LOG off, debug, trace and --profile recording, "
@@ -531,13 +539,21 @@ def run_bench(args) -> int:
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     check_output_folder(args.out, "--out")  # not found unwritable after the whole run
+    if args.kv_type != DEFAULT_KV_TYPE:
+        modes = [flag for flag, on in (("--spec", args.spec), ("--cold", args.cold), ("--memory", args.memory),
+                                       ("--log-cost", args.log_cost)) if on and args.batch is None]
+        others = [x for x in peers if x not in KV_PEERS]
+        if modes or others:
+            raise PymlError(f"--kv-type {args.kv_type} with {', '.join(modes) or '--peers ' + ','.join(others)} "
+                            f"is not implemented: the pp/tg tests and --batch take it, for pyml and "
+                            f"{' and '.join(KV_PEERS)}")
     if args.batch is not None:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
                             "implemented: its batched peer is llama.cpp")
         batches = _int_list(args.batch, "--batch", 1)
         return _table_out(args.out, "batch.md", batch_table(MODELS, models, threads[0], batches, n_prompts[0],
-                                                            n_gens[0], reps, tuple(peers)))
+                                                            n_gens[0], reps, tuple(peers), args.kv_type))
     if args.spec:
         if args.draft_model is not None and args.draft_model not in MODELS:
             raise PymlError(f"unknown --draft-model {args.draft_model}: choose from {', '.join(MODELS)}")
@@ -564,7 +580,7 @@ def run_bench(args) -> int:
         sys.stdout.write(table)
         return 0
     rows, info = run(models, threads, reps, peers, plan(kinds, n_prompts, n_gens, depths),
-                     progress=sys.stderr.isatty(), float_compute=args.float_compute)
+                     progress=sys.stderr.isatty(), float_compute=args.float_compute, kv_type=args.kv_type)
     write_outputs(rows, info, peers, Path(args.out))
     sys.stdout.write(markdown(rows, info, peers))
     return 0

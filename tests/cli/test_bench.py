@@ -203,8 +203,24 @@ def test_batch_table(tmp_path, smollm2_gguf):
         assert abs(ratio - float(row[3]) / float(rows[0][3])) < 0.01 + 0.01 * ratio
         assert 0 < lo <= hi and lo - 0.011 <= ratio <= hi + 0.011
     assert "the range of the repetitions' own ratios" in r.stdout.splitlines()[0]
+    assert ", f16 KV cache," in r.stdout.splitlines()[0]  # the default, as the pools were made
     refused = bench_here("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --batch is not implemented" in refused.stderr
+
+
+def test_batch_table_on_a_q8_0_kv_cache(tmp_path, smollm2_gguf):
+    """--kv-type q8_0 (llama-bench's -ctk/-ctv): the sequences' caches are q8_0, as the header says
+    (read off the loaded model, not the flag); a mode or a peer it does not reach is refused by name."""
+    r = run_bench("--batch", "1,2", "--kv-type", "q8_0", "--models", "smollm2-135m-q4_1", "--reps", "1",
+                  "--n-prompt", "8", "--n-gen", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ", q8_0 KV cache," in r.stdout.splitlines()[0]
+    assert [line.split("|")[2].strip() for line in r.stdout.splitlines() if line.startswith("| smollm2")] == ["1", "2"]
+    for args, said in [(("--spec",), "--kv-type q8_0 with --spec is not implemented"),
+                       (("--peers", "transformers"), "--kv-type q8_0 with --peers transformers is not implemented"),
+                       (("--kv-type", "q4_0"), "invalid choice: 'q4_0'")]:
+        refused = bench_here("--kv-type", "q8_0", *args, "--out", str(tmp_path))
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
 
 
 @pytest.mark.peer
@@ -220,6 +236,11 @@ def test_batch_table_beside_llama_cpp(tmp_path, smollm2_gguf):
         assert float(row[6]) > 0 and float(row[7]) > 0
         ratio = float(row[8].split("x")[0])
         assert abs(ratio - float(row[3]) / float(row[7])) < 0.02 * ratio + 0.01 and row[8].endswith(")")
+    # both engines on q8_0 caches (llama.cpp's with flash attention, which its quantized V cache needs)
+    r = run_bench("--batch", "1,2", "--kv-type", "q8_0", "--models", "smollm2-135m-q4_1", "--peers", "llama.cpp",
+                  "--reps", "1", "--n-prompt", "8", "--n-gen", "4", "--out", str(tmp_path))
+    assert r.returncode == 0 and ", q8_0 KV cache," in r.stdout.splitlines()[0], r.stderr[-2000:]
+    assert all(float(line.split("|")[8]) > 0 for line in r.stdout.splitlines() if line.startswith("| smollm2"))
 
 
 def test_spec_table(tmp_path, smollm2_gguf):
