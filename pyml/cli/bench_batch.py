@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from pyml.core.errors import PymlError
 from pyml.cli.bench_engines import ggml_type
+from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 

@@ -212,7 +212,7 @@ def run(models, threads_list, reps, peers, tests: list, progress=True,
             bar.set_postfix_str(f"{name} t={threads}: loading {engine_name}")
             try:
                 options = {"float_compute": float_compute} if engine_name == "pyml" else {}
-                if kv_type != DEFAULT_KV_TYPE:
+                if engine_name in ("pyml", *KV_PEERS):  # the others were refused a --kv-type (run_bench)
                     options["kv_type"] = kv_type
                 engines[engine_name] = ENGINES[engine_name](model, path, threads, **options)
             except (ImportError, PymlError, OSError, ValueError) as e:
