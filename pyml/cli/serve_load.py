@@ -1,8 +1,10 @@
-"""A small load test for pyml-serve: N concurrent streaming clients, requests/s, tokens/s and the
-p50 / p99 of the time to first text and of the whole reply's latency;
+"""A small load test for pyml-serve: N concurrent streaming clients, requests/s, tokens/s, the
+p50 / p99 of the time to first text and of the whole reply's latency, and the prompt tokens a
+request prefilled (its `timings`' prompt_n);
 or, with --give-up, a burst of clients that leave after S seconds and how soon the server is idle.
 
     python -m pyml.cli.serve_load --port 8080 --clients 1,4,16 --requests 16 --max-tokens 32
+    python -m pyml.cli.serve_load --port 8080 --clients 1,16 --cache-prompt
     python -m pyml.cli.serve_load --port 8080 --clients 300 --give-up 2 --max-tokens 900
 
 Talks only to 127.0.0.1; every client sends a bounded number of requests, each with a timeout.
@@ -23,10 +25,14 @@ from pyml.core.errors import PymlError
 HOST = "127.0.0.1"
 
 
-def one_request(port: int, i: int, max_tokens: int, timeout: float) -> tuple[int, float, float]:
-    """(tokens generated, seconds to first text, seconds in all) of one streamed chat request."""
+def one_request(port: int, i: int, max_tokens: int, timeout: float,
+                cache_prompt: bool = False) -> tuple[int, float, float, int]:
+    """(tokens generated, seconds to first text, seconds in all, prompt tokens prefilled) of one
+    streamed chat request. The prompts share the chat template's start; with `cache_prompt` (the
+    server's default, as llama-server's) a slot that held an earlier prompt prefills only what
+    differs, without it every request prefills its whole prompt."""
     body = {"messages": [{"role": "user", "content": f"Tell me fact number {i} about rivers."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False}
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": cache_prompt}
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
@@ -34,7 +40,7 @@ def one_request(port: int, i: int, max_tokens: int, timeout: float) -> tuple[int
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        first, tokens = None, 0
+        first, tokens, prefilled = None, 0, 0
         for line in resp:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
@@ -42,8 +48,8 @@ def one_request(port: int, i: int, max_tokens: int, timeout: float) -> tuple[int
             if first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
                 first = time.perf_counter() - t0
             if "timings" in event:
-                tokens = event["timings"]["predicted_n"] + 1
-        return tokens, first or 0.0, time.perf_counter() - t0
+                tokens, prefilled = event["timings"]["predicted_n"] + 1, event["timings"]["prompt_n"]
+        return tokens, first or 0.0, time.perf_counter() - t0, prefilled
     finally:
         conn.close()
 
@@ -56,16 +62,18 @@ def p50_p99(values: list) -> tuple[float, float]:
     return statistics.median(values), statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def run_level(port: int, clients: int, requests: int, max_tokens: int, timeout: float) -> dict:
+def run_level(port: int, clients: int, requests: int, max_tokens: int, timeout: float,
+              cache_prompt: bool = False) -> dict:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda i: one_request(port, i, max_tokens, timeout), range(requests)))
+        results = list(pool.map(lambda i: one_request(port, i, max_tokens, timeout, cache_prompt), range(requests)))
     wall = time.perf_counter() - t0
     tokens = sum(r[0] for r in results)
     (ttft_p50, ttft_p99), (latency_p50, latency_p99) = (p50_p99([r[k] for r in results]) for k in (1, 2))
     return {"clients": clients, "requests": requests, "seconds": wall, "requests_per_s": requests / wall,
             "tokens_per_s": tokens / wall, "ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99,
-            "latency_p50_s": latency_p50, "latency_p99_s": latency_p99}
+            "latency_p50_s": latency_p50, "latency_p99_s": latency_p99,
+            "prefilled_per_request": sum(r[3] for r in results) / len(results)}
 
 
 def health(port: int) -> dict:
@@ -116,7 +124,8 @@ def run(args) -> int:
                         f"{args.port}") from None
     print(TABLE_HEAD)
     for clients in levels:
-        print(table_row(run_level(args.port, clients, args.requests, args.max_tokens, args.timeout)), flush=True)
+        print(table_row(run_level(args.port, clients, args.requests, args.max_tokens, args.timeout, args.cache_prompt)),
+              flush=True)
     return 0
 
 
@@ -130,14 +139,15 @@ def _levels(text: str) -> list:
     return levels
 
 
-TABLE_HEAD = ("| clients | requests | requests/s | tokens/s | TTFT p50 s | TTFT p99 s | latency p50 s | latency p99 s |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| clients | requests | requests/s | tokens/s | TTFT p50 s | TTFT p99 s | latency p50 s | latency p99 s "
+              "| prefilled/request |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def table_row(r: dict) -> str:
     """run_level's figures as a row of TABLE_HEAD's table."""
     return (f"| {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
-            f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
+            f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} | "
+            f"{r['prefilled_per_request']:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -147,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    p.add_argument("--cache-prompt", action="store_true",
+                   help="let the server reuse a slot's cached prompt start (its default); without it every "
+                        "request sends cache_prompt false and prefills its whole prompt")
     p.add_argument("--give-up", type=float, default=None, metavar="S",
                    help="one burst of --clients clients that leave after S seconds; say how soon the server is idle")
     return run_command("serve_load", run, p.parse_args(argv))

@@ -256,7 +256,12 @@ def test_serve_load_reports_throughput_and_the_p50_p99_of_first_text_and_latency
     table = capsys.readouterr().out.splitlines()
     assert table[0] == serve_load.TABLE_HEAD.splitlines()[0] and len(table) == 4
     assert [row.split("|")[1].strip() for row in table[2:]] == ["1", "2"]
-    assert all(len(row.split("|")) == 10 for row in table)
+    assert all(len(row.split("|")) == 11 for row in table)
+    # the prompts share the chat template's start: one client's later requests prefill only what differs
+    # when they let the server reuse its slot's prompt, the whole prompt each when they say cache_prompt false
+    whole = serve_load.run_level(server.port, clients=1, requests=3, max_tokens=2, timeout=60)
+    reused = serve_load.run_level(server.port, clients=1, requests=3, max_tokens=2, timeout=60, cache_prompt=True)
+    assert 0 < reused["prefilled_per_request"] < whole["prefilled_per_request"]
     # no server: one line naming the address, not a traceback
     assert serve_load.main(["--port", "1", "--clients", "1"]) == 2
     err = capsys.readouterr().err
