@@ -428,16 +428,19 @@ class _Answer:
         """The whole reply's choices (and `results` set), the error that ended it, or None if the
         client left."""
         pieces = [[] for _ in range(self.job.request.n)]
-        async for kind, value in self.events():
-            if kind == "text":
-                pieces[value[0]].append(value[1])
-            elif kind == "error":
-                return value
-            elif kind == "done":
-                self.results = value
-                echo = self.job.request.prompt if self.job.request.echo else ""
-                return [self._ended(echo + "".join(p), r, i, self.logprobs.whole(r))
-                        for i, (p, r) in enumerate(zip(pieces, value))]
+        # closed on the way out: a return mid-loop would leave events() suspended, its --timeout timer
+        # (and the job it holds) alive until the generator is collected
+        async with contextlib.aclosing(self.events()) as events:
+            async for kind, value in events:
+                if kind == "text":
+                    pieces[value[0]].append(value[1])
+                elif kind == "error":
+                    return value
+                elif kind == "done":
+                    self.results = value
+                    echo = self.job.request.prompt if self.job.request.echo else ""
+                    return [self._ended(echo + "".join(p), r, i, self.logprobs.whole(r))
+                            for i, (p, r) in enumerate(zip(pieces, value))]
         return None
 
     async def sse(self):
