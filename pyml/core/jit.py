@@ -46,6 +46,12 @@ callee compiled, so loaded, before its callers) differed from a run on a warm ca
 a half-warm cache mixed the two. After optimisation, the copies linked into a module are renamed
 for that module alone (_own_linked_copies), so a kernel runs the same machine code in every process.
 
+A damaged cache file - an index or a kernel's machine code cut short or overwritten (a full disk, a
+copy interrupted, two builds sharing one NUMBA_CACHE_DIR) - stopped every run at its first kernel
+with "internal error: UnpicklingError: pickle data was truncated" until the user found the folder
+and deleted it. A file that does not unpickle is now a cache miss: one warning line names it, the
+kernel is compiled again and its entry (or the whole index) written anew.
+
 Importing this module installs the locators and that renaming; every kernel module imports
 FASTMATH from here, so both are in place before any kernel is decorated.
 """
@@ -61,7 +67,7 @@ from pathlib import Path
 
 from numba.core import caching, codegen, dispatcher
 
-from pyml.core import compiles
+from pyml.core import compiles, perf
 from pyml.core.isa import ISA
 
 FASTMATH = {"contract", "arcp", "reassoc", "nsz", "afn"}
@@ -98,6 +104,7 @@ def install() -> None:
         return
     impl._locator_classes[:0] = [_stamped(base) for base in bases]
     _compile_once_across_processes()
+    _unreadable_files_are_misses()
 
 
 def _stamped(base: type) -> type:
@@ -194,6 +201,47 @@ def _save_index_entries_one_process_at_a_time() -> None:
 
     locked_save._pyml = True
     caching.IndexDataCacheFile.save = locked_save
+
+
+def _unreadable_files_are_misses() -> None:
+    """An index or data file that does not unpickle reads as absent (see the module's docstring):
+    an index as empty (the next save writes it anew with the entry it saves), a data file as no
+    entry (the kernel is compiled and its file overwritten). OSErrors stay Numba's to handle."""
+    index, data = caching.IndexDataCacheFile._load_index, caching.IndexDataCacheFile._load_data
+    if getattr(index, "_pyml", False):
+        return
+
+    def load_index(self):
+        try:
+            return index(self)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises
+            _say_unreadable(self._index_path, e)
+            return {}
+
+    def load_data(self, name):
+        try:
+            return data(self, name)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            _say_unreadable(self._data_path(name), e)
+            return None
+
+    load_index._pyml = load_data._pyml = True
+    caching.IndexDataCacheFile._load_index, caching.IndexDataCacheFile._load_data = load_index, load_data
+
+
+_said_unreadable: set = set()  # each damaged file is said once (a miss looks the kernel up twice)
+
+
+def _say_unreadable(path: str, error: Exception) -> None:
+    if path in _said_unreadable:
+        return
+    _said_unreadable.add(path)
+    perf.get("pyml.core.jit").logger.warning("kernel cache file %s is unreadable (%s: %s); compiling it again",
+                                             path, type(error).__name__, error)
 
 
 def kernel_cache_folders() -> list[Path]:

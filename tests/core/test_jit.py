@@ -97,6 +97,33 @@ def test_a_run_on_another_isa_path_leaves_the_native_entries_alone(tmp_path):
     assert (again["hits"], again["misses"]) == (1, 0)  # still on disk after the portable run
 
 
+def test_a_damaged_cache_file_is_a_miss_said_once_and_written_anew(tmp_path):
+    """A kernel's machine code cut short, then its index: each run recompiles the kernel with one
+    warning line naming the file (it stopped every run with "UnpicklingError: pickle data was
+    truncated" until the folder was deleted), and the next run loads what it wrote."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("PYML_ISA", None)
+
+    def probe():
+        out = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=PACKAGE.parent,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    first, _ = probe()
+    assert first["misses"] == 1
+    folder = Path(first["path"])
+    for damaged in (next(folder.glob("*dequant_rows*.nbc")), next(folder.glob("*dequant_rows*.nbi"))):
+        damaged.write_bytes(damaged.read_bytes()[:len(damaged.read_bytes()) // 2])
+        again, err = probe()
+        assert again["misses"] == 1, err
+        said = [line for line in err.splitlines() if "unreadable" in line]
+        assert len(said) == 1 and str(damaged) in said[0] and "compiling it again" in said[0], err
+        assert "Traceback" not in err
+        healed, err = probe()
+        assert (healed["hits"], healed["misses"]) == (1, 0) and "unreadable" not in err
+
+
 _RACE = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
