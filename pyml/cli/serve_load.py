@@ -85,10 +85,10 @@ def health(port: int) -> dict:
         conn.close()
 
 
-def impatient_request(port: int, i: int, max_tokens: int, give_up: float) -> int:
+def impatient_request(port: int, i: int, max_tokens: int, give_up: float, cache_prompt: bool = False) -> int:
     """The HTTP status of a streamed request whose client leaves after `give_up` seconds (0: none came)."""
     try:
-        one_request(port, i, max_tokens, give_up)
+        one_request(port, i, max_tokens, give_up, cache_prompt)
         return 200
     except RuntimeError as e:  # "HTTP 503: ..."
         return int(str(e).split()[1].rstrip(":"))
@@ -96,10 +96,12 @@ def impatient_request(port: int, i: int, max_tokens: int, give_up: float) -> int
         return 0
 
 
-def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within: float = 60) -> dict:
+def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within: float = 60,
+                cache_prompt: bool = False) -> dict:
     """`clients` at once, each leaving after `give_up` s; then the seconds until /health is idle."""
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        statuses = list(pool.map(lambda i: impatient_request(port, i, max_tokens, give_up), range(clients)))
+        statuses = list(pool.map(lambda i: impatient_request(port, i, max_tokens, give_up, cache_prompt),
+                                 range(clients)))
     t0 = time.perf_counter()
     while (h := health(port)).get("busy") or h["queue"]:
         if time.perf_counter() - t0 > within:
@@ -111,17 +113,17 @@ def run_abandon(port: int, clients: int, max_tokens: int, give_up: float, within
 
 def run(args) -> int:
     levels = _levels(args.clients)
-    if args.give_up is not None:
-        r = run_abandon(args.port, levels[0], args.max_tokens, args.give_up)
-        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
-              f"idle {r['idle_after_s']:.2f} s after "
-              f"the last client left; /health {r['health']}")
-        return 0
     try:
         health(args.port)
     except OSError as e:
         raise PymlError(f"no pyml-serve answers on {HOST}:{args.port} ({e}); start one with pyml-serve --port "
                         f"{args.port}") from None
+    if args.give_up is not None:
+        r = run_abandon(args.port, levels[0], args.max_tokens, args.give_up, cache_prompt=args.cache_prompt)
+        print(f"statuses {r['statuses']} (0: the client left before the reply ended); "
+              f"idle {r['idle_after_s']:.2f} s after "
+              f"the last client left; /health {r['health']}")
+        return 0
     print(TABLE_HEAD)
     for clients in levels:
         print(table_row(run_level(args.port, clients, args.requests, args.max_tokens, args.timeout, args.cache_prompt)),

@@ -263,6 +263,7 @@ def test_serve_load_reports_throughput_and_the_p50_p99_of_first_text_and_latency
     reused = serve_load.run_level(server.port, clients=1, requests=3, max_tokens=2, timeout=60, cache_prompt=True)
     assert 0 < reused["prefilled_per_request"] < whole["prefilled_per_request"]
     # no server: one line naming the address, not a traceback
-    assert serve_load.main(["--port", "1", "--clients", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("serve_load: error: no pyml-serve answers on 127.0.0.1:1") and "Traceback" not in err
+    for burst in ([], ["--give-up", "1"]):  # the abandoned burst too (it was an internal error)
+        assert serve_load.main(["--port", "1", "--clients", "1", *burst]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("serve_load: error: no pyml-serve answers on 127.0.0.1:1") and "Traceback" not in err
