@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from pyml.cli.bench_engines import ggml_type
+from pyml.cli.options import check_kv_memory
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
@@ -127,6 +128,9 @@ def batch_table(models: dict, names: list, threads: int, batches: list, n_prompt
         model = models[name]
         path = str(model.locate())
         lm = load_model(threads=threads, kv_type=kv_type, **{model.kind: path})
+        # the largest batch's sequences all reach n_prompt + n_gen + 1 positions
+        check_kv_memory(lm, n_prompt + n_gen + 1, max(batches), f"--batch {max(batches)}", "lower --batch, -p or -n",
+                        "pyml-bench")
         used.add(lm.model.kv_type)  # the header says the type the pools were made of
         peer = LlamaBatched(path, threads, kv_type) if llama else None
         engines = {"pyml": lambda B, n, rng: _one(lm.model, B, n_prompt, n, rng)}

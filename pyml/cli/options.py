@@ -12,11 +12,13 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from pyml.cli.main import say
 from pyml.core.errors import PymlError, check_text
 from pyml.nlp.api import DEFAULT_MODEL, LanguageModel, load_model
 from pyml.nlp.speculative import MAX_DRAFT, SpeculativeConfig
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
+from pyml.report.machine import memory
 from pyml.nn.attention_kernels import KV_TYPES
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -188,3 +190,18 @@ def profiling(directory: str | None):
     # Deferred: the report package costs ~30 ms of a ~0.65 s import, and only --profile needs it.
     from pyml.report.capture import profile
     return profile(directory, report=True, argv=sys.argv)
+
+
+def check_kv_memory(lm: LanguageModel, ctx: int, sequences: int, flag: str, lower: str, prog: str) -> None:
+    """Refuse `sequences` sequences of `ctx` positions whose keys and values could outgrow the
+    machine's memory (`flag` is what asked for them, `lower` what to change) - the cache commits its
+    pages as sequences fill, so without this the run dies later, out of memory; say so when they
+    could outgrow what is free now."""
+    worst = sequences * lm.new_cache(ctx).nbytes
+    mem = memory()
+    total, available = mem.get("MemTotal"), mem.get("MemAvailable")
+    held = f"{sequences} sequence{'s' * (sequences > 1)} of {ctx} positions could hold {worst / 1e9:.1f} GB of keys and values"
+    if total is not None and worst > total:
+        raise PymlError(f"{flag}: {held}, more than this machine's {total / 1e9:.1f} GB of memory; {lower}")
+    if available is not None and worst > available:
+        say(f"{prog}: warning: {held}; {available / 1e9:.1f} GB of memory is free now")

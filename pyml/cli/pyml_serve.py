@@ -16,15 +16,14 @@ from pathlib import Path
 import uvicorn
 
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import add_model_options, add_speculative_options, check_speculative, model_options, \
-    speculative_options
+from pyml.cli.options import add_model_options, add_speculative_options, check_kv_memory, check_speculative, \
+    model_options, speculative_options
 from pyml.cli.serve_app import Limits, Server
 from pyml.cli.serve_guard import is_loopback, timed_h11
 from pyml.core import perf, runtime
 from pyml.core.errors import PymlError
 from pyml.core.version import __version__
 from pyml.nlp.api import DEFAULT_MODEL, load_model
-from pyml.report.machine import memory
 
 DEFAULT_CTX = 4096  # the whole window of a 8K-context model would be a 0.4-2 GB KV cache held for ever
 
@@ -109,21 +108,6 @@ def check_limits(args) -> Limits:
                   max_tokens=args.max_tokens, parallel=args.parallel)
 
 
-def check_kv_memory(lm, ctx: int, parallel: int) -> None:
-    """Refuse a --parallel x --ctx-size whose keys and values could outgrow the machine's memory
-    (clients decide how long their sequences get, and the cache commits its pages as they fill);
-    say so when they could outgrow what is free now."""
-    worst = parallel * lm.new_cache(ctx).nbytes
-    mem = memory()
-    total, available = mem.get("MemTotal"), mem.get("MemAvailable")
-    held = f"{parallel} sequence{'s' * (parallel > 1)} of {ctx} positions could hold {worst / 1e9:.1f} GB of keys and values"
-    if total is not None and worst > total:
-        raise PymlError(f"--parallel {parallel}: {held}, more than this machine's {total / 1e9:.1f} GB of memory; "
-                        "lower --parallel or --ctx-size")
-    if available is not None and worst > available:
-        say(f"pyml-serve: warning: {held}; {available / 1e9:.1f} GB of memory is free now")
-
-
 class Uvicorn(uvicorn.Server):
     """uvicorn's server, which on SIGTERM/SIGINT first ends pyml's work (waiting requests 503, the
     running one cancelled), so open streams end and the process exits within a few seconds."""
@@ -149,7 +133,8 @@ def run(args) -> int:
     lm = runtime.in_passing_thread(load_model, **model_options(args))  # the model thread alone launches kernels
     limits = dataclasses.replace(limits, threads=lm.runtime.threads)
     ctx = min(args.ctx_size, lm.model.max_positions)
-    check_kv_memory(lm, ctx, limits.parallel)
+    check_kv_memory(lm, ctx, limits.parallel, f"--parallel {limits.parallel}", "lower --parallel or --ctx-size",
+                    "pyml-serve")
     speculative = runtime.in_passing_thread(speculative_options, args, lm).get("speculative")  # a draft model too
     server = Server(lm, args.alias or model_id(args), ctx, api_key, limits, loopback_only=is_loopback(args.host),
                     speculative=speculative)

@@ -206,6 +206,13 @@ def test_batch_table(tmp_path, smollm2_gguf):
     assert ", f16 KV cache," in r.stdout.splitlines()[0]  # the default, as the pools were made
     refused = bench_here("--batch", "4", "--peers", "transformers", "--out", str(tmp_path))
     assert refused.returncode == 2 and "--peers transformers with --batch is not implemented" in refused.stderr
+    # a batch whose caches the machine could not hold: refused once the model says its cache's size
+    # (it was "error: out of memory" after minutes of trying)
+    refused = bench_here("--batch", "1,10000000", "--models", "smollm2-135m-q4_1", "--out", str(tmp_path))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert re.search(r"pyml-bench: error: --batch 10000000: 10000000 sequences of 257 positions could hold [\d.]+ GB "
+                     r"of keys and values, more than this machine's [\d.]+ GB of memory; lower --batch, -p or -n",
+                     refused.stderr), refused.stderr
 
 
 def test_batch_table_on_a_q8_0_kv_cache(tmp_path, smollm2_gguf):

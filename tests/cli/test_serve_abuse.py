@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import pyml
 from pyml.cli.serve_requests import AS_DEFAULT, HONOURED, IGNORED, TOKEN_FIELDS
-from pyml.cli import pyml_serve
+from pyml.cli import options, pyml_serve
 from pyml.cli.standins import write_gpt2
 from pyml.core.errors import PymlError
 from tests.cli.test_infer import in_process
@@ -367,10 +367,13 @@ def test_a_parallel_whose_cache_could_outgrow_the_memory_is_refused(tiny):
 def test_a_parallel_that_could_outgrow_the_free_memory_is_said(tiny, monkeypatch, capsys):
     lm = pyml.load_model(tiny, warmup=False)
     one = lm.new_cache(256).nbytes
-    monkeypatch.setattr(pyml_serve, "memory", lambda: {"MemTotal": 100 * one, "MemAvailable": 10 * one})
-    pyml_serve.check_kv_memory(lm, 256, 10)  # fits what is free: nothing said
+    monkeypatch.setattr(options, "memory", lambda: {"MemTotal": 100 * one, "MemAvailable": 10 * one})
+
+    def check(n):
+        options.check_kv_memory(lm, 256, n, f"--parallel {n}", "lower --parallel or --ctx-size", "pyml-serve")
+    check(10)  # fits what is free: nothing said
     assert capsys.readouterr().err == ""
-    pyml_serve.check_kv_memory(lm, 256, 11)
+    check(11)
     assert "pyml-serve: warning: 11 sequences of 256 positions could hold" in capsys.readouterr().err
     with pytest.raises(PymlError, match="--parallel 101: 101 sequences"):
-        pyml_serve.check_kv_memory(lm, 256, 101)
+        check(101)
