@@ -133,7 +133,8 @@ def _run_here(args, jobs, writer, tally, prof) -> str:
     for job, out in outputs:
         writer.add(job.line, out)
         tally.add(out)
-    batched = f", {args.batch} sequences a step" if args.batch > 1 else ""
+    at_once = min(args.batch, len(jobs))  # a step holds no more sequences than there are prompts
+    batched = f", {at_once} sequences a step" if at_once > 1 else ""
     return f"1 process, {lm.runtime.threads} threads{batched}"
 
 

@@ -259,7 +259,7 @@ class LanguageModel:
         longest = max(len(i) + a["max_tokens"] for i, a in zip(ids, asks))
         self._before_forward(max(len(i) for i in ids))
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
-        slots = min(len(ids), BATCH_DEFAULT) if batch is None else batch
+        slots = min(len(ids), BATCH_DEFAULT if batch is None else batch)  # no slot that no prompt could fill
         max_len = ctx_size if ctx_size is not None else min(longest, self.model.max_positions)
         gen = BatchGenerator(self.model, slots, max_len, speculative=speculative)
         requests, stops = [], []

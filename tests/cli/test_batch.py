@@ -91,6 +91,16 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys,
     assert ("3 sequences a step" in err) == (batch == 3)
 
 
+def test_a_batch_larger_than_the_prompts_says_the_sequences_a_step_holds(tiny, tmp_path, capsys):
+    """--batch 1000 over the four prompts: a step holds four sequences, and the summary says four (it
+    said 1000, and the pool was made of 1000 slots)."""
+    src = write_input(tmp_path / "in.jsonl")
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "out.jsonl"), "-m", str(tiny), "-n", "2", "-t", "1",
+                            "--batch", "1000"]) == 0
+    err = capsys.readouterr().err
+    assert "4 prompts done, 0 errors" in err and "4 sequences a step" in err and "1000" not in err
+
+
 @pytest.mark.parametrize("batch", ["1", "3"])
 def test_speculation_gives_the_same_lines_and_counts_its_drafts(tiny, tiny_lm, tmp_path, batch):
     """--lookup-ngram 1: every line's text is the library's plain greedy answer; the drafts are in its
