@@ -547,6 +547,7 @@ def run_bench(args) -> int:
             raise PymlError(f"--kv-type {args.kv_type} with {', '.join(modes) or '--peers ' + ','.join(others)} "
                             f"is not implemented: the pp/tg tests and --batch take it, for pyml and "
                             f"{' and '.join(KV_PEERS)}")
+    _refuse_what_the_mode_ignores(args)
     if args.batch is not None:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "
@@ -584,6 +585,38 @@ def run_bench(args) -> int:
     write_outputs(rows, info, peers, Path(args.out))
     sys.stdout.write(markdown(rows, info, peers))
     return 0
+
+
+# The settings each mode reads (besides -m, --reps, --out and --log), and those it reads one value of:
+# any other setting given is refused by name, not run past (`--batch 1,4 --depth 512` measured depth 0).
+_SETTINGS = {"threads": "-t", "tests": "--tests", "n_prompt": "-p", "n_gen": "-n", "depth": "--depth",
+             "peers": "--peers", "float_compute": "--float-compute", "kv_type": "--kv-type",
+             "lookup_ngram": "--lookup-ngram", "draft_model": "--draft-model"}
+_MODES = {"batch": ("--batch", {"threads", "n_prompt", "n_gen", "peers", "kv_type"}, {"threads", "n_prompt", "n_gen"}),
+          "spec": ("--spec", {"threads", "n_gen", "peers", "lookup_ngram", "draft_model"}, {"threads", "n_gen"}),
+          "cold": ("--cold", {"threads", "peers"}, {"threads"}),
+          "log_cost": ("--log-cost", {"threads"}, set()),
+          "memory": ("--memory", {"threads", "n_prompt", "n_gen", "depth"}, {"n_prompt", "n_gen"})}
+_PP_TG = ("the pp/tg tests", {"threads", "tests", "n_prompt", "n_gen", "depth", "peers", "float_compute", "kv_type"},
+          set())
+
+
+def _refuse_what_the_mode_ignores(args) -> None:
+    """One mode a run, and only the settings it reads (_MODES), each with as many values as it takes."""
+    chosen = [dest for dest in _MODES if getattr(args, dest) not in (None, False)]
+    if len(chosen) > 1:
+        raise PymlError(f"{' with '.join(_MODES[d][0] for d in chosen)}: one mode a run")
+    mode, reads, one = _MODES[chosen[0]] if chosen else _PP_TG
+    defaults = build_parser()
+    for dest, flag in _SETTINGS.items():
+        value = getattr(args, dest)
+        if value == defaults.get_default(dest):
+            continue
+        if dest not in reads:
+            raise PymlError(f"{flag} with {mode} is not implemented: it reads "
+                            f"{', '.join(_SETTINGS[d] for d in _SETTINGS if d in reads)}")
+        if dest in one and len([x for x in str(value).split(",") if x.strip()]) > 1:
+            raise PymlError(f"{flag} {value} with {mode} is not implemented: it takes one value")
 
 
 def _int_list(text: str, flag: str, low: int) -> list:

@@ -98,6 +98,23 @@ def test_bad_flags_are_one_line(tmp_path):
     one_line_error(bench_here("--out", str(tmp_path / "a-file" / "x")), f"{tmp_path / 'a-file'} is a file, not a folder")
 
 
+@pytest.mark.parametrize("args, said", [
+    (("--batch", "1,4", "--spec"), "--batch with --spec: one mode a run"),
+    (("--cold", "--memory"), "--cold with --memory: one mode a run"),
+    (("--batch", "1,4", "--depth", "512"), "--depth with --batch is not implemented: it reads -t, -p, -n, --peers, "
+                                           "--kv-type"),
+    (("--batch", "1,4", "-p", "64,128"), "-p 64,128 with --batch is not implemented: it takes one value"),
+    (("--spec", "-t", "1,2"), "-t 1,2 with --spec is not implemented: it takes one value"),
+    (("--memory", "--peers", "llama.cpp"), "--peers with --memory is not implemented"),
+    (("--cold", "--tests", "pp"), "--tests with --cold is not implemented"),
+    (("--lookup-ngram", "2",), "--lookup-ngram with the pp/tg tests is not implemented"),
+    (("--batch", "2", "--float-compute", "f32"), "--float-compute with --batch is not implemented")])
+def test_a_setting_the_mode_does_not_read_is_refused_by_name(tmp_path, args, said):
+    """Each mode reads some of the settings and one value of some (--batch ran at depth 0 with
+    --depth 512 given, on the first of -p 64,128): the rest are refused before anything loads."""
+    one_line_error(bench_here(*args, "--out", str(tmp_path)), said)
+
+
 @pytest.mark.deep  # a benchmark table; the bench's run, tables and figures: test_bench_writes_markdown_csv_json
 def test_memory_table(tmp_path, smollm2_gguf):
     """Each model measured in a process of its own: the weights it reads are resident (the model part
