@@ -205,3 +205,12 @@ def check_kv_memory(lm: LanguageModel, ctx: int, sequences: int, flag: str, lowe
         raise PymlError(f"{flag}: {held}, more than this machine's {total / 1e9:.1f} GB of memory; {lower}")
     if available is not None and worst > available:
         say(f"{prog}: warning: {held}; {available / 1e9:.1f} GB of memory is free now")
+
+
+def check_ray_only(args, *dests: str) -> None:
+    """Refuse by name a Ray setting (`dests`: --workers, --address) given without --ray, where the
+    run stays in this process and would ignore it."""
+    for dest in dests:
+        if getattr(args, dest) is not None and not args.ray:
+            raise PymlError(f"--{dest} without --ray is not implemented: it sets up Ray's workers (add --ray); "
+                            "this process runs the work itself")

@@ -18,8 +18,8 @@ from contextlib import nullcontext
 from pyml.cli.batch_jobs import (OrderedWriter, failed, id_key, output_tokens, read_jobs, resume, run_job,
                                  run_jobs_batched)
 from pyml.cli.main import Parser, run_command, say
-from pyml.cli.options import (add_model_options, add_sampling_options, add_speculative_options, check_speculative,
-                              model_options, profiling, sampling_options, speculative_options)
+from pyml.cli.options import (add_model_options, add_sampling_options, add_speculative_options, check_ray_only,
+                              check_speculative, model_options, profiling, sampling_options, speculative_options)
 from pyml.core import perf, progress
 from pyml.core.errors import PymlError
 from pyml.nlp.api import load_model
@@ -39,10 +39,10 @@ def build_parser() -> Parser:
                    help="sequences generated together, one model pass a step (default 1: one prompt at a time); "
                         "a prompt joins as another ends, the texts are those of one at a time")
     p.add_argument("--ray", action="store_true", help='run on Ray workers (needs pip install "pyml[ray]")')
-    p.add_argument("--workers", type=int, default=2, help="Ray workers, each with its own model and -t threads "
-                   "(default 2 workers; -t defaults to the cores shared out among them)")
+    p.add_argument("--workers", type=int, default=None, help="with --ray: Ray workers, each with its own model and -t "
+                   "threads (default 2 workers; -t defaults to the cores shared out among them)")
     p.add_argument("--address", default=None,
-                   help="a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
+                   help="with --ray: a Ray cluster's address (default: RAY_ADDRESS, else a local instance)")
     add_speculative_options(p)
     p.add_argument("--log", metavar="LEVEL", default=None, help="log level or filters (as pyml-infer's)")
     p.add_argument("--profile", metavar="DIR", default=None,
@@ -84,6 +84,8 @@ class Tally:
 
 def run(args) -> int:
     perf.configure(args.log)
+    check_ray_only(args, "workers", "address")
+    args.workers = 2 if args.workers is None else args.workers
     if args.workers < 1:
         raise PymlError(f"--workers must be at least 1, got {args.workers}")
     if args.batch < 1:

@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.cli.main import Parser, run_command
-from pyml.cli.options import check_output_folder
+from pyml.cli.options import check_output_folder, check_ray_only
 from pyml.core import perf
 from pyml.core.errors import PymlError
 from pyml.core.runtime import RuntimeConfig
@@ -353,6 +353,7 @@ def build_parser():
 def run(args) -> int:
     if args.passes < 1 or args.plain_passes < 0:
         raise PymlError("--passes must be at least 1 and --plain-passes at least 0")
+    check_ray_only(args, "address")
     check_output_folder(args.out, "--out")
     # Ray is reached (or found missing) before any output
     with _ray_runner().session(args.address) if args.ray else nullcontext():

@@ -204,6 +204,17 @@ def test_a_missing_input_file_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("pyml-batch: error: ") and "nope.jsonl" in err[0]
 
 
+@pytest.mark.parametrize("flag, value", [("--workers", "4"), ("--address", "10.0.0.1:6379")])
+def test_a_ray_setting_without_ray_is_refused_by_name(tmp_path, capsys, flag, value):
+    """--workers and --address set up Ray's workers: without --ray the prompts ran here and ignored them."""
+    src = write_input(tmp_path / "in.jsonl")
+    assert pyml_batch.main([str(src), "--out", str(tmp_path / "o.jsonl"), flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pyml-batch: error: {flag} without --ray is not implemented: it sets up Ray's workers (add --ray); "
+                   "this process runs the work itself"]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_messages_and_chat_use_the_chat_template(tiny, tiny_lm, tmp_path):
     src = tmp_path / "in.jsonl"
     messages = [{"role": "user", "content": "hi"}]

@@ -84,6 +84,13 @@ def test_sweep_refuses_an_out_it_cannot_make_before_the_work(tmp_path, capsys):
                                                f"{tmp_path / 'a-file'} is a file, not a folder")
 
 
+def test_an_address_without_ray_is_refused_by_name(tmp_path, capsys):
+    """--address sets up Ray: without --ray the sweep ran here and ignored it."""
+    assert pyml_sweep.main(["--address", "10.0.0.1:6379", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("pyml-sweep: error: --address without --ray is not implemented: it sets "
+                                               "up Ray's workers (add --ray); this process runs the work itself")
+
+
 def test_random_weights_are_float32_and_finite():
     model = pyml_sweep.build_gpt2(pyml_sweep.Shape("t", 32, 64, 1, 2, vocab=50), n_positions=8)
     logits = model.forward(np.arange(8), model.new_cache(8))
