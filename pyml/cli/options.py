@@ -124,15 +124,23 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
                         "occurrence of the newest N..2 tokens (0 = off; 4 is a good start)")
     g.add_argument("--draft-model", metavar="MODEL", default=None,
                    help="draft with a smaller model of the same tokenizer (a file or name, as -m)")
-    g.add_argument("--draft-max", type=int, default=MAX_DRAFT, metavar="K",
-                   help=f"tokens drafted per step at most, 1..{MAX_DRAFT} (default {MAX_DRAFT}; fewer after rejections)")
+    g.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help=f"with --lookup-ngram or --draft-model: tokens drafted per step at most, 1..{MAX_DRAFT} "
+                        f"(default {MAX_DRAFT}; fewer after rejections)")
+
+
+def _draft_max(args: argparse.Namespace) -> int:
+    return MAX_DRAFT if args.draft_max is None else args.draft_max
 
 
 def check_speculative(args: argparse.Namespace) -> None:
     """Bad speculative options fail here, before any model loads."""
     if args.lookup_ngram or args.draft_model is not None:
-        SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=args.draft_max,
+        SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=_draft_max(args),
                           draft_model=object() if args.draft_model is not None else None)
+    elif args.draft_max is not None:  # nothing drafts: it would be ignored
+        raise PymlError("--draft-max without --lookup-ngram or --draft-model is not implemented: it bounds the "
+                        "drafts of speculative decoding, which is off")
 
 
 def speculative_options(args: argparse.Namespace, target: LanguageModel) -> dict:
@@ -143,7 +151,7 @@ def speculative_options(args: argparse.Namespace, target: LanguageModel) -> dict
     draft = None
     if args.draft_model is not None:
         draft = load_model(args.draft_model, threads=args.threads, kv_type=args.kv_type)
-    return {"speculative": SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=args.draft_max,
+    return {"speculative": SpeculativeConfig(lookup_ngram=args.lookup_ngram, draft_max=_draft_max(args),
                                              draft_model=draft)}
 
 

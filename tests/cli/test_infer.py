@@ -18,7 +18,7 @@ from pathlib import Path
 import numba
 import pytest
 
-from pyml.cli import pyml_infer
+from pyml.cli import pyml_batch, pyml_chat, pyml_infer, pyml_serve
 from pyml.cli.standins import write_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,3 +281,15 @@ def test_a_bad_schema_or_grammar_file_is_one_line_exit_2(tmp_path, flag, content
 def test_json_schema_and_grammar_exclude_each_other(tmp_path):
     proc = in_process("--json-schema", "a", "--grammar", "b", "-p", "hi")
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.parametrize("main", [pyml_infer.main, pyml_serve.main, pyml_batch.main, pyml_chat.main],
+                         ids=["infer", "serve", "batch", "chat"])
+def test_a_draft_max_without_a_drafter_is_refused_by_name(tiny, tmp_path, main):
+    """--draft-max bounds speculative decoding's drafts: with neither --lookup-ngram nor --draft-model
+    nothing drafts, and it was ignored."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "hi"}\n')
+    first = [str(src), "--out", str(tmp_path / "o.jsonl")] if main is pyml_batch.main else []
+    one_line_error(in_process(*first, "-m", str(tiny), "--draft-max", "3", main=main),
+                   "--draft-max without --lookup-ngram or --draft-model is not implemented")
