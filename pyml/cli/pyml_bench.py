@@ -587,18 +587,19 @@ def run_bench(args) -> int:
     return 0
 
 
-# The settings each mode reads (besides -m, --reps, --out and --log), and those it reads one value of:
-# any other setting given is refused by name, not run past (`--batch 1,4 --depth 512` measured depth 0).
-_SETTINGS = {"threads": "-t", "tests": "--tests", "n_prompt": "-p", "n_gen": "-n", "depth": "--depth",
-             "peers": "--peers", "float_compute": "--float-compute", "kv_type": "--kv-type",
+# The settings each mode reads (besides -m, --out and --log), and those it reads one value of: any
+# other setting given is refused by name, not run past (`--batch 1,4 --depth 512` measured depth 0).
+_SETTINGS = {"threads": "-t", "reps": "--reps", "tests": "--tests", "n_prompt": "-p", "n_gen": "-n",
+             "depth": "--depth", "peers": "--peers", "float_compute": "--float-compute", "kv_type": "--kv-type",
              "lookup_ngram": "--lookup-ngram", "draft_model": "--draft-model"}
-_MODES = {"batch": ("--batch", {"threads", "n_prompt", "n_gen", "peers", "kv_type"}, {"threads", "n_prompt", "n_gen"}),
-          "spec": ("--spec", {"threads", "n_gen", "peers", "lookup_ngram", "draft_model"}, {"threads", "n_gen"}),
-          "cold": ("--cold", {"threads", "peers"}, {"threads"}),
-          "log_cost": ("--log-cost", {"threads"}, set()),
+_MODES = {"batch": ("--batch", {"threads", "reps", "n_prompt", "n_gen", "peers", "kv_type"},
+                    {"threads", "n_prompt", "n_gen"}),
+          "spec": ("--spec", {"threads", "reps", "n_gen", "peers", "lookup_ngram", "draft_model"}, {"threads", "n_gen"}),
+          "cold": ("--cold", {"threads", "reps", "peers"}, {"threads"}),
+          "log_cost": ("--log-cost", {"threads", "reps"}, set()),
           "memory": ("--memory", {"threads", "n_prompt", "n_gen", "depth"}, {"n_prompt", "n_gen"})}
-_PP_TG = ("the pp/tg tests", {"threads", "tests", "n_prompt", "n_gen", "depth", "peers", "float_compute", "kv_type"},
-          set())
+_PP_TG = ("the pp/tg tests", {"threads", "reps", "tests", "n_prompt", "n_gen", "depth", "peers", "float_compute",
+                              "kv_type"}, set())
 
 
 def _refuse_what_the_mode_ignores(args) -> None:

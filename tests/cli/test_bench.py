@@ -101,14 +101,15 @@ def test_bad_flags_are_one_line(tmp_path):
 @pytest.mark.parametrize("args, said", [
     (("--batch", "1,4", "--spec"), "--batch with --spec: one mode a run"),
     (("--cold", "--memory"), "--cold with --memory: one mode a run"),
-    (("--batch", "1,4", "--depth", "512"), "--depth with --batch is not implemented: it reads -t, -p, -n, --peers, "
-                                           "--kv-type"),
+    (("--batch", "1,4", "--depth", "512"), "--depth with --batch is not implemented: it reads -t, --reps, -p, -n, "
+                                           "--peers, --kv-type"),
     (("--batch", "1,4", "-p", "64,128"), "-p 64,128 with --batch is not implemented: it takes one value"),
     (("--spec", "-t", "1,2"), "-t 1,2 with --spec is not implemented: it takes one value"),
     (("--memory", "--peers", "llama.cpp"), "--peers with --memory is not implemented"),
     (("--cold", "--tests", "pp"), "--tests with --cold is not implemented"),
     (("--lookup-ngram", "2",), "--lookup-ngram with the pp/tg tests is not implemented"),
-    (("--batch", "2", "--float-compute", "f32"), "--float-compute with --batch is not implemented")])
+    (("--batch", "2", "--float-compute", "f32"), "--float-compute with --batch is not implemented"),
+    (("--memory", "--reps", "3"), "--reps with --memory is not implemented: it reads -t, -p, -n, --depth")])
 def test_a_setting_the_mode_does_not_read_is_refused_by_name(tmp_path, args, said):
     """Each mode reads some of the settings and one value of some (--batch ran at depth 0 with
     --depth 512 given, on the first of -p 64,128): the rest are refused before anything loads."""
