@@ -49,8 +49,8 @@ def build_parser() -> Parser:
                    help="without --kl-divergence: save the model's top-K log-probabilities here; with it: read them")
     p.add_argument("--kl-divergence", action="store_true",
                    help="compare the model with the reference saved in --kl-divergence-base")
-    p.add_argument("--kl-top-k", type=int, default=kld.DEFAULT_TOP_K, metavar="K",
-                   help=f"log-probabilities saved per position in the base file (default {kld.DEFAULT_TOP_K}; "
+    p.add_argument("--kl-top-k", type=int, default=None, metavar="K",
+                   help=f"saving a base: log-probabilities saved per position (default {kld.DEFAULT_TOP_K}; "
                         "the rest is kept as one sum: docs/perplexity.md for the error)")
     p.add_argument("--plot", metavar="PNG", help="with --kl-divergence: a histogram of the per-position KLD")
     p.add_argument("--activations", choices=("pyml", "ggml"), default="pyml",
@@ -74,6 +74,9 @@ def check_args(args) -> int:
                         "--kl-divergence)")
     if args.plot and not args.kl_divergence:
         raise PymlError("--plot draws the KL divergence: it needs --kl-divergence")
+    if args.kl_top_k is not None and (args.kl_divergence or not args.kl_divergence_base):  # it would be ignored
+        raise PymlError("--kl-top-k sets what a saved base keeps: it needs --kl-divergence-base FILE without "
+                        "--kl-divergence (a comparison reads K from the base)")
     if not args.kl_divergence and args.file is None:
         raise PymlError("give the text with -f FILE")
     if args.kl_divergence_base and not args.kl_divergence:  # to be written: refused before the work, not after
@@ -133,7 +136,7 @@ def run(args) -> int:
                     print(f"[{i + 1}]{running.ppl:.4f},", end="", file=out, flush=True)
 
             if args.kl_divergence_base:
-                ppl_result = kld.save_base(lm, None, n_ctx, args.chunks, args.kl_divergence_base, k=args.kl_top_k,
+                ppl_result = kld.save_base(lm, None, n_ctx, args.chunks, args.kl_divergence_base, k=kld.DEFAULT_TOP_K if args.kl_top_k is None else args.kl_top_k,
                                            seqs=seqs, on_chunk=chunk_done, tokens=tokens)
             else:
                 ppl_result = ppl.perplexity(lm, None, n_ctx, args.chunks, tokens=tokens, seqs=seqs,

@@ -123,6 +123,10 @@ def test_bad_input_is_one_line(tiny, text_file, tmp_path, capsys):
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "-c", "128", "-b", "200")[::2], "multiple")
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "--plot", "x.png")[::2], "--plot")
     one_error(*run(capsys, "-m", tiny, "--kl-divergence")[::2], "--kl-divergence-base")
+    # --kl-top-k is what a saved base keeps: on a plain run, or a comparison (K read from the base), it was ignored
+    one_error(*run(capsys, "-m", tiny, "-f", text_file, "--kl-top-k", "5")[::2], "--kl-top-k", "--kl-divergence-base")
+    one_error(*run(capsys, "-m", tiny, "--kl-divergence-base", str(tmp_path / "b.npz"), "--kl-divergence",
+                   "--kl-top-k", "5")[::2], "--kl-top-k")
     one_error(*run(capsys, "-m", tiny, "-f", text_file, "--activations", "ggml", "--float-compute", "bf16")[::2],
               "--activations ggml", "--float-compute bf16")
     one_error(*run(capsys, "-m", tiny, "--kl-divergence-base", str(tmp_path / "none.npz"), "--kl-divergence")[::2],
