@@ -539,15 +539,11 @@ def run_bench(args) -> int:
     if reps < 1 or not kinds:
         raise PymlError("--reps must be >= 1 and --tests one of pp, tg")
     check_output_folder(args.out, "--out")  # not found unwritable after the whole run
-    if args.kv_type != DEFAULT_KV_TYPE:
-        modes = [flag for flag, on in (("--spec", args.spec), ("--cold", args.cold), ("--memory", args.memory),
-                                       ("--log-cost", args.log_cost)) if on and args.batch is None]
-        others = [x for x in peers if x not in KV_PEERS]
-        if modes or others:
-            raise PymlError(f"--kv-type {args.kv_type} with {', '.join(modes) or '--peers ' + ','.join(others)} "
-                            f"is not implemented: the pp/tg tests and --batch take it, for pyml and "
-                            f"{' and '.join(KV_PEERS)}")
-    _refuse_what_the_mode_ignores(args)
+    _refuse_what_the_mode_ignores(args)  # the modes that read no --kv-type refuse it here
+    others = [x for x in peers if x not in KV_PEERS]
+    if args.kv_type != DEFAULT_KV_TYPE and others:
+        raise PymlError(f"--kv-type {args.kv_type} with --peers {','.join(others)} is not implemented: of the "
+                        f"peers, {' and '.join(KV_PEERS)} take it")
     if args.batch is not None:
         if set(peers) - {"llama.cpp"}:
             raise PymlError(f"--peers {','.join(sorted(set(peers) - {'llama.cpp'}))} with --batch is not "

@@ -241,7 +241,7 @@ def test_batch_table_on_a_q8_0_kv_cache(tmp_path, smollm2_gguf):
     assert r.returncode == 0, r.stderr[-2000:]
     assert ", q8_0 KV cache," in r.stdout.splitlines()[0]
     assert [line.split("|")[2].strip() for line in r.stdout.splitlines() if line.startswith("| smollm2")] == ["1", "2"]
-    for args, said in [(("--spec",), "--kv-type q8_0 with --spec is not implemented"),
+    for args, said in [(("--spec",), "--kv-type with --spec is not implemented"),
                        (("--peers", "transformers"), "--kv-type q8_0 with --peers transformers is not implemented"),
                        (("--kv-type", "q4_0"), "invalid choice: 'q4_0'")]:
         refused = bench_here("--kv-type", "q8_0", *args, "--out", str(tmp_path))
