@@ -26,11 +26,15 @@ class Batch:
             raise PymlError("a batched pass needs at least one token for every sequence in it")
         self.pool = pool
         self.order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) != 1)  # decode rows first, stable
-        segments = [(rows[i][0], np.asarray(rows[i][1], np.int64).reshape(-1), int(rows[i][2])) for i in self.order]
-        for seq, tokens, pos in segments:
+        self.in_order = self.order == list(range(len(rows)))  # the pass's rows are `rows` as given
+        for seq, tokens, pos in rows:
             if pos < 0 or pos + len(tokens) > pool.max_len:
                 raise PymlError(f"sequence {seq}: positions {pos} .. {pos + len(tokens) - 1} do not fit its "
                                 f"{pool.max_len} cache slots")
+        if all(len(tokens) == 1 for _, tokens, _ in rows):  # a decode step: no per-row array to make
+            self._decode_only(rows)
+            return
+        segments = [(rows[i][0], np.asarray(rows[i][1], np.int64).reshape(-1), int(rows[i][2])) for i in self.order]
         self.tokens = np.concatenate([tokens for _, tokens, _ in segments])
         self.positions = np.concatenate([np.arange(pos, pos + len(tokens)) for _, tokens, pos in segments])
         n_decode = sum(len(tokens) == 1 for _, tokens, _ in segments)
@@ -45,6 +49,19 @@ class Batch:
         ends = np.cumsum([len(tokens) for _, tokens, _ in segments])
         self.last_rows = ends - 1  # each segment's last row: where its next-token logits come from
         self.segments = [(seq, pos, len(tokens)) for seq, tokens, pos in segments]
+
+    def _decode_only(self, rows: list) -> None:
+        """The fields above for rows of one token each, in the order given (a batched decode step
+        makes one of these a step, on caches its weights have just flushed: ~0.1 ms of small arrays)."""
+        seqs, positions = [seq for seq, _, _ in rows], [int(pos) for _, _, pos in rows]
+        self.tokens = np.array([int(tokens[0]) for _, tokens, _ in rows], np.int64)
+        self.positions = np.array(positions, np.int64)
+        self.n_decode = len(rows)
+        self.decode_seqs = np.array(seqs, np.int64)
+        self.decode_ends = self.positions + 1
+        self.prefill = []
+        self.last_rows = np.arange(len(rows))
+        self.segments = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -23,6 +23,7 @@ import pyml
 from pyml.cli.standins import write_gemma3, write_gpt2, write_llama_gguf
 from pyml.core import perf
 from pyml.core.errors import PymlError
+from pyml.nn.batch import Batch
 
 PROMPTS = [[5, 9, 2, 77, 31, 64, 12], [8, 90], [1, 33, 47, 3, 100, 17, 4, 4, 60, 21, 2], [42]]
 STEPS = 6
@@ -171,12 +172,32 @@ def test_a_copied_sequence_continues_as_the_original(smollm2):
     ([(0, [1], 0), (0, [2], 1)], "each sequence once"),
     ([(0, [], 0)], "at least one token"),
     ([(0, [1, 2], 63)], "do not fit"),
+    ([(1, [3], 0), (0, [1], 64)], "do not fit"),  # a decode step's rows
     ([(5, [1], 0)], "not in this pool"),
 ])
 def test_a_malformed_batch_is_refused_in_one_line(smollm2, rows, message):
     pool = smollm2.new_pool(2, 64)
     with pytest.raises(PymlError, match=message):
         smollm2.forward_batch(pool, rows)
+
+
+def test_a_passs_rows_are_laid_out_decode_rows_first_each_as_given():
+    """Batch: a decode step's rows stay in the order given (in_order: forward_batch returns the head's
+    logits as they are); a prompt goes after the decode rows, and `order` maps the pass back."""
+    class Pool:
+        max_len = 16
+
+    step = Batch(Pool(), [(3, [7], 5), (0, np.array([9]), 2)])
+    assert step.in_order and step.order == [0, 1] and step.n_decode == 2 and step.prefill == []
+    assert step.tokens.tolist() == [7, 9] and step.positions.tolist() == [5, 2]
+    assert step.decode_seqs.tolist() == [3, 0] and step.decode_ends.tolist() == [6, 3]
+    assert step.last_rows.tolist() == [0, 1] and step.segments == [(3, 5, 1), (0, 2, 1)]
+    mixed = Batch(Pool(), [(1, [4, 5, 6], 0), (2, [8], 3)])
+    assert not mixed.in_order and mixed.order == [1, 0] and mixed.n_decode == 1
+    assert mixed.tokens.tolist() == [8, 4, 5, 6] and mixed.positions.tolist() == [3, 0, 1, 2]
+    assert mixed.decode_seqs.tolist() == [2] and mixed.decode_ends.tolist() == [4]
+    assert mixed.prefill == [(1, 1, 0, 3)] and mixed.last_rows.tolist() == [0, 3]
+    assert mixed.segments == [(2, 3, 1), (1, 0, 3)]
 
 
 def test_a_traced_batched_step_names_its_rows_and_sequences(smollm2):

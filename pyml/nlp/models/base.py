@@ -152,6 +152,8 @@ class DecoderModel:
             for place, i in enumerate(batch.order):
                 out[i] = parts[place]
             return out
+        if batch.in_order:  # a decode step's rows: already in the order given
+            return logits
         out = np.empty_like(logits)
         out[batch.order] = logits  # back in the order the rows were given
         return out
