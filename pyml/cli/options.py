@@ -208,7 +208,8 @@ def check_kv_memory(lm: LanguageModel, ctx: int, sequences: int, flag: str, lowe
     worst = sequences * lm.new_cache(ctx).nbytes
     mem = memory()
     total, available = mem.get("MemTotal"), mem.get("MemAvailable")
-    held = f"{sequences} sequence{'s' * (sequences > 1)} of {ctx} positions could hold {worst / 1e9:.1f} GB of keys and values"
+    held = (f"{sequences} sequence{'s' * (sequences > 1)} of {ctx} positions could hold {worst / 1e9:.1f} GB of "
+            "keys and values")
     if total is not None and worst > total:
         raise PymlError(f"{flag}: {held}, more than this machine's {total / 1e9:.1f} GB of memory; {lower}")
     if available is not None and worst > available:

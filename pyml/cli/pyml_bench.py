@@ -590,7 +590,8 @@ _SETTINGS = {"threads": "-t", "reps": "--reps", "tests": "--tests", "n_prompt": 
              "lookup_ngram": "--lookup-ngram", "draft_model": "--draft-model"}
 _MODES = {"batch": ("--batch", {"threads", "reps", "n_prompt", "n_gen", "peers", "kv_type"},
                     {"threads", "n_prompt", "n_gen"}),
-          "spec": ("--spec", {"threads", "reps", "n_gen", "peers", "lookup_ngram", "draft_model"}, {"threads", "n_gen"}),
+          "spec": ("--spec", {"threads", "reps", "n_gen", "peers", "lookup_ngram", "draft_model"},
+                   {"threads", "n_gen"}),
           "cold": ("--cold", {"threads", "reps", "peers"}, {"threads"}),
           "log_cost": ("--log-cost", {"threads", "reps"}, set()),
           "memory": ("--memory", {"threads", "n_prompt", "n_gen", "depth"}, {"n_prompt", "n_gen"})}

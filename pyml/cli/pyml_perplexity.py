@@ -136,7 +136,8 @@ def run(args) -> int:
                     print(f"[{i + 1}]{running.ppl:.4f},", end="", file=out, flush=True)
 
             if args.kl_divergence_base:
-                ppl_result = kld.save_base(lm, None, n_ctx, args.chunks, args.kl_divergence_base, k=kld.DEFAULT_TOP_K if args.kl_top_k is None else args.kl_top_k,
+                top_k = kld.DEFAULT_TOP_K if args.kl_top_k is None else args.kl_top_k
+                ppl_result = kld.save_base(lm, None, n_ctx, args.chunks, args.kl_divergence_base, k=top_k,
                                            seqs=seqs, on_chunk=chunk_done, tokens=tokens)
             else:
                 ppl_result = ppl.perplexity(lm, None, n_ctx, args.chunks, tokens=tokens, seqs=seqs,
