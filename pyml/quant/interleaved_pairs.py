@@ -1,7 +1,8 @@
 """The x8 layout's GEMM on 512-bit vectors (the avx512_vnni path): two groups side by side, lanes
 0-7 group g and 8-15 group g + 1 (core/simd512.py), each half loaded from its own group with the
 bytes unchanged: the same float ops per lane, so the same bits as the 256-bit loop
-(interleaved_gemm.py), with twice the work per scheduler entry.
+(interleaved_gemm.py), with twice the work per scheduler entry. The few-rows kernel pairs its
+groups with the same code vectors and blocks (interleaved_rows.py's _rows_pair).
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from pyml.core.simd import store_f32x8
+from pyml.core.simd import HAVE_VNNI
 from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_f32x16, load_fp16x8c_pair,
                                load_i32_bcast16, load_i32x8_pair, load_i8x4_bcast16, load_u8x32_pair,
                                load_u8x4_bcast16, load_u8x64, load_u8x8_f32_pair, mul16, nibbles_hi64, nibbles_lo64,
-                               or_u8x64, store_f32x16, store_u8x64, sub_i32x16, to_f32x16, zeros_f32x16, zeros_i32x16)
+                               or_u8x64, splat_u8x64, store_f32x16, store_u8x64, sub_i32x16, to_f32x16, zeros_f32x16,
+                               zeros_i32x16)
 from pyml.core.simd_int import bit_to_u8
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
@@ -45,6 +47,19 @@ def _codes16(kind, w0, w1, o):
             or_u8x64(n[2], bit_to_u8(h, 2, 16)), or_u8x64(n[3], bit_to_u8(h, 3, 16)),
             or_u8x64(n[4], bit_to_u8(h, 4, 16)), or_u8x64(n[5], bit_to_u8(h, 5, 16)),
             or_u8x64(n[6], bit_to_u8(h, 6, 16)), or_u8x64(n[7], bit_to_u8(h, 7, 16)))
+
+
+@numba.njit
+def _corrections16(kind, v):
+    """_corrections of the two groups of _codes16's v side by side (I32x16): 128 x each row's code sum,
+    Q8_0 on VNNI; zeros otherwise. The same integers, so the same bits (the few-rows kernel's pairs)."""
+    numba.literally(kind)
+    corr = zeros_i32x16()
+    if kind == Q8_0 and HAVE_VNNI:
+        c128 = splat_u8x64(128)
+        for n in range(8):
+            corr = dpbusd16(corr, c128, as_i8x64(v[n]))
+    return corr
 
 
 @numba.njit

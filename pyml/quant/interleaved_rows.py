@@ -9,6 +9,13 @@ result has the bits a GEMV of that row alone gives: a sequence decoded in a batc
 a speculative pass, sees the numbers a decode step of it alone would. The GEMM (interleaved_gemm.py)
 stages every group's codes into a scratch and works in tiles of 4 tokens in another order: at
 a few rows its fixed cost is 2-9x a GEMV's, and its rows round differently.
+
+On the avx512 paths (core/isa.py's ZMM) the PAIR_KINDS take two groups a step on 512-bit vectors
+(_rows_pair: interleaved_pairs.py's lanes, the same ops per lane, the same bits): group u with
+group u + G/2, not with its neighbour, so that each thread reads two long sequential streams. Two
+neighbours (one stream jumping back and forth 2.6 KB apart at SmolLM2's 576 columns) read their
+weights from memory 0.77x as fast as one group at a time; two halves of the matrix 1.1-1.5x as fast,
+a 16-sequence step of SmolLM2 Q4_0 1.2x (docs/performance-journal.md, "Two halves of the matrix").
 """
 
 from __future__ import annotations
@@ -19,14 +26,18 @@ import numba
 import numpy as np
 from numba import prange
 
+from pyml.core.isa import ZMM
 from pyml.core.simd import FASTMATH, load_f32x8, store_f32x8
-from pyml.quant.ggml_types import Q4_K
+from pyml.core.simd512 import load_f32x16, store_f32x16
+from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import (_block, _codes, _corrections, _k_block, _k_codes, _sb_size, activation_bytes,
                                          block_prefetch, gemv_activation, k_prefetch)
+from pyml.quant.interleaved_pairs import _block16, _codes16, _corrections16
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
 CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
+PAIR_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # on the avx512 paths, two groups at a time on 512-bit vectors
 
 
 def serves(T: int) -> bool:
@@ -55,6 +66,25 @@ def _rows_group(kind, w, y, xd, xs, xoff, acc):
 
 
 @numba.njit
+def _rows_pair(kind, w0, w1, y, xd, xs, xoff, acc):
+    """acc [16T] <- groups w0 and w1 (16 rows: lanes 0-7 w0's, 8-15 w1's) dotted with every activation
+    row t at 16t .. 16t+15: _rows_group on 512-bit vectors (interleaved_pairs.py's lanes), each lane
+    the GEMV's integers and float ops in its order. Both groups' streams are fetched ahead."""
+    numba.literally(kind)
+    sb = _sb_size(kind)
+    acc[:] = 0.0
+    for b in range(xd.shape[1]):
+        o = sb * b
+        block_prefetch(w0, o, sb)
+        block_prefetch(w1, o, sb)
+        v = _codes16(kind, w0, w1, o)
+        corr = _corrections16(kind, v)
+        for t in range(xd.shape[0]):
+            store_f32x16(acc, 16 * t, _block16(kind, v, corr, w0, w1, o, y[t], b, xd[t, b], xoff[t], xs[t, b],
+                                               load_f32x16(acc, 16 * t)))
+
+
+@numba.njit
 def _rows_group_k(w, xq, xd, xs, acc):
     """Q4_K: _rows_group in _gemv_group_k's order (superblock, chunk pair, low then high nibbles)."""
     acc[:] = 0.0
@@ -77,6 +107,7 @@ def rows_kernel(kind: int):
     """(groups, x, out, chunks): groups [G, nb*sb] u8 (interleaved.py), x [T, n_cols] f32 -> out [T, >= 8G]
     f32; the groups shared out in `chunks` pieces (chunks_for: kernels never read the thread count)."""
     kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+    pairs = ZMM and kind in PAIR_KINDS  # a constant: the other paths compile no pair loop
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_rows(groups, x, out, chunks):
@@ -88,10 +119,20 @@ def rows_kernel(kind: int):
             gemv_activation(kind, x[t], xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
         y = activation_bytes(kind, xq, y8)
         G = groups.shape[0]
-        chunks = min(G, chunks)
+        # the work's units: pairs of groups on 512-bit vectors (a last odd group alone), else groups
+        P = G // 2 if pairs else 0
+        U = P + (G - 2 * P)
+        chunks = min(U, chunks)
         for c in prange(chunks):
-            acc = np.empty(8 * T, np.float32)  # lane r of row t at 8t + r: T x 32 bytes, in L1
-            for g in range(c * G // chunks, (c + 1) * G // chunks):
+            acc = np.empty(16 * T, np.float32)  # lane r of row t at 8t + r (a pair's: 16t + r): in L1
+            for u in range(c * U // chunks, (c + 1) * U // chunks):
+                if pairs and u < P:
+                    _rows_pair(kind, groups[u], groups[u + P], y, xd, xs, xoff, acc)
+                    for t in range(T):
+                        store_f32x8(out[t], 8 * u, load_f32x8(acc, 16 * t))
+                        store_f32x8(out[t], 8 * (u + P), load_f32x8(acc, 16 * t + 8))
+                    continue
+                g = u + P
                 if kind == Q4_K:
                     _rows_group_k(groups[g], xq, xd, xs, acc)
                 else:

@@ -109,7 +109,8 @@ def test_packed_matmul(rng, qtype, rows, T):
 def test_a_few_rows_give_each_row_the_gemv_bits(rng, qtype, T):
     """interleaved_rows.py (a batched decode step's product, a verify pass's) dots every row as the
     GEMV does one, so a sequence decoded in a batch gets the bits it gets alone; 41 rows: groups
-    and a tail row in the file's layout; 2 threads share out 5 groups in 8 chunks."""
+    and a tail row in the file's layout; 2 threads share out 5 groups in 8 chunks (on the avx512 paths
+    groups 0 and 2, 1 and 3 as pairs on 512-bit vectors, group 4 alone)."""
     n_cols = odd_cols(qtype)
     packed = quant.pack(make_weights(rng, qtype, 41, n_cols), qtype, n_cols)
     x = rng.standard_normal((T, n_cols)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
