@@ -297,16 +297,22 @@ load_u8x4_bcast = broadcast_load(ir.VectorType(_I8, 4), U8x32, 1,
                                  "offset by 128).")
 
 
-@intrinsic
-def splat_u8(typingctx, c):
-    """U8x32 with every lane c (an integer literal)."""
-    value = _literal_int(c)
-    if value is None:
-        return None
+def splat_op(vec: Vec, doc: str):
+    """An intrinsic (c): a `vec` value with every lane the integer literal c."""
+    @intrinsic
+    def fn(typingctx, c):
+        value = _literal_int(c)
+        if value is None:
+            return None
 
-    def codegen(context, builder, sig, args):
-        return _splat(value, U8x32.llvm())
-    return U8x32(c), codegen
+        def codegen(context, builder, sig, args):
+            return _splat(value, vec.llvm())
+        return vec(c), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+splat_u8 = splat_op(U8x32, "U8x32 with every lane c (an integer literal).")
 
 
 @intrinsic

@@ -22,9 +22,9 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _literal_int, _load, _mask, _splat, broadcast_load,
-                            broadcast_op, fused_mul_add, fused_neg_mul_add, high_nibbles, int_to_float, lane_op,
-                            lanewise_op, low_nibbles, vector_load, vector_store, widen_halves, widen_u8_f32, zeros_op)
+from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _load, _mask, broadcast_load, broadcast_op, fused_mul_add,
+                            fused_neg_mul_add, high_nibbles, int_to_float, lane_op, lanewise_op, low_nibbles,
+                            splat_op, vector_load, vector_store, widen_halves, widen_u8_f32, zeros_op)
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
@@ -94,21 +94,10 @@ nibbles_lo64 = lane_op(low_nibbles, U8x64, (U8x64,), "Low nibble of each byte.")
 nibbles_hi64 = lane_op(high_nibbles, U8x64, (U8x64,), "High nibble of each byte.")
 or_u8x64 = lanewise_op("or_", U8x64, "a | b, lane-wise.")
 as_i8x64 = lane_op(lambda b, v: v, I8x64, (U8x64,), "The same bytes as signed lanes.")
+splat_u8x64 = splat_op(U8x64, "U8x64 with every lane c (an integer literal): splat_u8 on 64 lanes.")
 add_i32x16 = lanewise_op("add", I32x16, "a + b, lane-wise.")
 sub_i32x16 = lanewise_op("sub", I32x16, "a - b, lane-wise.")
 to_f32x16 = lane_op(int_to_float, F32x16, (I32x16,), "I32x16 -> F32x16.")
 mul16 = lanewise_op("fmul", F32x16, "a * b, lane-wise.")
 fnma16 = lane_op(fused_neg_mul_add, F32x16, (F32x16,) * 3, "c - a * b, fused, lane-wise.")
 fma16 = lane_op(fused_mul_add, F32x16, (F32x16,) * 3, "a * b + c, fused, lane-wise.")
-
-
-@intrinsic
-def splat_u8x64(typingctx, c):
-    """U8x64 with every lane c (an integer literal): simd.splat_u8 on 64 lanes."""
-    value = _literal_int(c)
-    if value is None:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _splat(value, U8x64.llvm())
-    return U8x64(c), codegen
