@@ -144,6 +144,8 @@ def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system:
             raise PymlError(f"\"{key}\" has the wrong type ({type(value).__name__})")
         if key == "stop" and not all(isinstance(s, str) for s in value):
             raise PymlError("\"stop\" must be a list of strings")
+        if key == "max_tokens" and value < 0:  # named as the line names it, not as the flag is spelt
+            raise PymlError(f"\"max_tokens\" must be >= 0, got {value}")
         if key == "chat":
             chat = value
         elif key == "system":

@@ -210,7 +210,7 @@ def check_prompt(model: DecoderModel, prompt_ids, max_new_tokens: int) -> list[i
     """The prompt as a list of ints, once it is known to be one the model can start from."""
     prompt_ids = [int(t) for t in prompt_ids]
     if max_new_tokens < 0:
-        raise PymlError(f"--max-tokens must be >= 0, got {max_new_tokens}")
+        raise PymlError(f"max_tokens must be >= 0, got {max_new_tokens}")
     if not prompt_ids:
         raise PymlError("the prompt is empty (no tokens to start from)")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

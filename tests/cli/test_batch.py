@@ -54,6 +54,7 @@ def read_output(path):
     ('{"id": 1, "prompt": "x", "max_tokens": "8"}', '"max_tokens" has the wrong type (str)'),
     ('{"id": 1, "prompt": "x", "max_tokens": true}', '"max_tokens" has the wrong type (bool)'),
     ('{"id": 1, "prompt": "x", "stop": ["a", 1]}', '"stop" must be a list of strings'),
+    ('{"id": 1, "prompt": "x", "max_tokens": -1}', '"max_tokens" must be >= 0, got -1'),
 ])
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(PymlError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

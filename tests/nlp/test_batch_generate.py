@@ -3,7 +3,6 @@ each prompt generated alone (LanguageModel.generate, itself checked against tran
 same texts, tokens and stop reasons, with prompts queueing for slots, joining as others end,
 prompts prefilled in chunks, stop strings, seeds, cancellation and a full cache."""
 
-import numpy as np
 import pytest
 
 import pyml
@@ -102,15 +101,16 @@ def test_max_tokens_0_ends_before_a_step(lm):
     assert [(r.tokens, r.stop_reason) for r in got] == [([], "max_tokens")] * 2
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ([], "the prompt is empty"),
-    ([10 ** 6], "outside the model's vocabulary"),
-    (list(range(70)), "longer than the context size"),
+@pytest.mark.parametrize("prompt, max_tokens, message", [
+    ([], 4, "the prompt is empty"),
+    ([10 ** 6], 4, "outside the model's vocabulary"),
+    (list(range(70)), 4, "longer than the context size"),
+    ([1, 2], -1, "^max_tokens must be >= 0, got -1"),  # the library's argument, not a flag's spelling
 ])
-def test_a_bad_request_is_refused_in_one_line(lm, prompt, message):
+def test_a_bad_request_is_refused_in_one_line(lm, prompt, max_tokens, message):
     gen = BatchGenerator(lm.model, 2, max_len=64)
     with pytest.raises(PymlError, match=message):
-        gen.submit(prompt, 4)
+        gen.submit(prompt, max_tokens)
 
 
 def test_the_queue_is_bounded(lm):
