@@ -18,13 +18,13 @@ import numpy as np
 from numba import prange
 
 from pyml.core.isa import ZMM
-from pyml.core.simd import (FASTMATH, HAVE_VNNI, f32x8, fma, fnma, load_f32x8, load_i32x8, load_u8x32, mul,
-                            store_f32x8, store_u8x32, to_f32, zeros_f32x8, zeros_i32x8)
+from pyml.core.simd import (FASTMATH, HAVE_VNNI, load_f32x8, load_i32x8, load_u8x32, store_f32x8, store_u8x32,
+                            zeros_f32x8, zeros_i32x8)
 from pyml.quant.activation import quantize_rows_q8, quantize_rows_u8, quantize_rows_u8_sums
-from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
-from pyml.quant.interleaved_gemv import (_block, _block_codes, _correction_table, _dot, _k_scales,
+from pyml.quant.ggml_types import Q4_K, Q8_0
+from pyml.quant.interleaved_gemv import (_block, _block_codes, _block_scales, _correction_table, _k_block, _k_scales,
                                          _offset_sums, _sb_size, gemv_activation, gemv_buffers, gemv_group_into)
-from pyml.quant.interleaved_pairs import _gemm_pair, _gemm_pair_k
+from pyml.quant.interleaved_pairs import ZMM_KINDS, _gemm_pair, _gemm_pair_k
 from pyml.quant.interleaved_tiles import code_scratch, token_tiles
 from pyml.quant.interleaved_triples import SIGNED_KINDS, _gemm_triple
 
@@ -64,7 +64,7 @@ def _shared(kind, data, b):  # block b's codes and Q8_0's corrections (data: cod
 
 @numba.njit
 def _block_dot(kind, data, s, b, y, yd, yoff, ys, acc):
-    return _block(kind, s[0], s[1], data[2], _sb_size(kind) * b, y, b, yd, yoff, ys, acc)
+    return _block(kind, s[0], s[1], _block_scales(kind, data[2], _sb_size(kind) * b), y, b, yd, yoff, ys, acc)
 
 
 @numba.njit
@@ -86,10 +86,9 @@ def _shared_k(kind, data, u):  # Q4_K: group u's codes (data: codes, staged scal
 
 @numba.njit
 def _block_dot_k(kind, data, v, u, y, yd, yoff, ys, acc):
-    """_k_block, its scales from _staged_scales_k (the same float ops)."""
+    """_k_block, its scales from _staged_scales_k."""
     sc = data[1]
-    acc = fma(mul(load_f32x8(sc, 16 * u), f32x8(yd)), to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)
-    return fnma(load_f32x8(sc, 16 * u + 8), f32x8(ys), acc)
+    return _k_block(v, (load_f32x8(sc, 16 * u), load_f32x8(sc, 16 * u + 8)), y, u, yd, ys, acc)
 
 
 _tiles = token_tiles(zeros_f32x8, store_f32x8, _shared, _block_dot)
@@ -125,6 +124,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
     """The GEMV and GEMM of one type in this layout (`kind` a constant in each); the tail rows
     (R % 8) stay in the file's layout and go through the type's KernelSet."""
     kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+    pairs = ZMM and kind in ZMM_KINDS  # a constant: the other paths compile no pair loop
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv(groups, x, out):
@@ -157,8 +157,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
             for t in prange(x.shape[0]):
                 _offset_sums(kind, xq[t], xoff[t])
             y = xq.view(np.uint8)  # the codes themselves: the loads reinterpret the bytes as they need
-        if ZMM and (kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1 or kind == Q8_0
-                    or kind == Q4_K):  # ZMM_KINDS
+        if pairs:
             for p in prange(G // 2):
                 if kind == Q4_K:
                     _gemm_pair_k(groups[2 * p], groups[2 * p + 1], xq, xd, xs, xoff, out, 2 * p)

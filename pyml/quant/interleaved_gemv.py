@@ -154,17 +154,29 @@ def _dot_vnni(kind, v, y, yo):
 
 
 @numba.njit
-def _block(kind, v, corr, w, o, y, b, yd, yoff, ys, acc):
-    """acc + the 8 rows' dot with activation block b (y int8, scale yd, float sum ys; yoff int32
-    [nb]: the code offset o (module doc) x each block's code sum, loaded as a broadcast memory operand)."""
+def _block_scales(kind, w, o):
+    """The 8 rows' d and (Q4_1, Q5_1) m of the superblock at byte o, as F32x8 (d twice for the others).
+    Made once a superblock: the few-rows kernel converted them again for every row."""
     numba.literally(kind)
-    scale = mul(load_fp16x8c(w, o), f32x8(yd))
+    d = load_fp16x8c(w, o)
+    if kind == Q4_1 or kind == Q5_1:
+        return d, load_fp16x8c(w, o + 16)
+    return d, d
+
+
+@numba.njit
+def _block(kind, v, corr, ws, y, b, yd, yoff, ys, acc):
+    """acc + the 8 rows' dot with activation block b (ws: _block_scales; y int8, scale yd, float sum ys;
+    yoff int32 [nb]: the code offset o (module doc) x each block's code sum, loaded as a broadcast
+    memory operand)."""
+    numba.literally(kind)
+    scale = mul(ws[0], f32x8(yd))
     i = _dot(kind, v, y, 32 * b, corr)
     if kind == Q4_0 or kind == Q5_0:
         i = sub_lanes_i32(i, load_i32_bcast(yoff, b))
     acc = fma(scale, to_f32(i), acc)
     if kind == Q4_1 or kind == Q5_1:
-        acc = fma(load_fp16x8c(w, o + 16), f32x8(ys), acc)
+        acc = fma(ws[1], f32x8(ys), acc)
     return acc
 
 
@@ -185,11 +197,10 @@ def _k_codes(w, c, half):
 
 
 @numba.njit
-def _k_block(v, w, o, j, y, u, yd, ys, acc):
-    """Q4_K: acc + the 8 rows' group j of the superblock at o, dotted with activation block u."""
-    scale = mul(mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)), f32x8(yd))
-    acc = fma(scale, to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)  # 4-bit codes, no offset: Q4_0's dot
-    return fnma(mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)), f32x8(ys), acc)
+def _k_block(v, ks, y, u, yd, ys, acc):
+    """Q4_K: acc + the 8 rows' group u of 32 values (ks: its _k_scales), dotted with activation block u."""
+    acc = fma(mul(ks[0], f32x8(yd)), to_f32(_dot(Q4_0, v, y, 32 * u, zeros_i32x8())), acc)  # no offset: Q4_0's dot
+    return fnma(ks[1], f32x8(ys), acc)
 
 
 @numba.njit
@@ -239,7 +250,7 @@ def _gemv_group(kind, w, xq, xd, xs, xoff):  # F32x8: group w [nb * 8 * ts] . x,
         o = sb * b
         block_prefetch(w, o, sb)
         v = _codes(kind, w, o)
-        acc = _block(kind, v, _corrections(kind, v), w, o, xq, b, xd[b], xoff, xs[b], acc)
+        acc = _block(kind, v, _corrections(kind, v), _block_scales(kind, w, o), xq, b, xd[b], xoff, xs[b], acc)
     return acc
 
 
@@ -260,8 +271,8 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
         for p in range(4):
             c, u = o + 160 + 256 * p, 8 * s + 2 * p
             k_prefetch(w, c)
-            acc = _k_block(_k_codes(w, c, 0), w, o, 2 * p, xq, u, xd[u], xs[u], acc)
-            acc = _k_block(_k_codes(w, c, 1), w, o, 2 * p + 1, xq, u + 1, xd[u + 1], xs[u + 1], acc)
+            acc = _k_block(_k_codes(w, c, 0), _k_scales(w, u), xq, u, xd[u], xs[u], acc)
+            acc = _k_block(_k_codes(w, c, 1), _k_scales(w, u + 1), xq, u + 1, xd[u + 1], xs[u + 1], acc)
     return acc
 
 

@@ -79,10 +79,20 @@ def _dot16(kind, v, y, yo):
 
 
 @numba.njit
-def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
-    """_block on 16 rows (corr: the two groups' _corrections side by side, Q8_0)."""
+def _block_scales16(kind, w0, w1, o):
+    """_block_scales of two groups side by side (F32x16)."""
     numba.literally(kind)
-    scale = mul16(load_fp16x8c_pair(w0, w1, o), f32x16(yd))
+    d = load_fp16x8c_pair(w0, w1, o)
+    if kind == Q4_1 or kind == Q5_1:
+        return d, load_fp16x8c_pair(w0, w1, o + 16)
+    return d, d
+
+
+@numba.njit
+def _block16(kind, v, corr, ws, y, b, yd, yoff, ys, acc):
+    """_block on 16 rows (ws: _block_scales16; corr: the two groups' _corrections side by side, Q8_0)."""
+    numba.literally(kind)
+    scale = mul16(ws[0], f32x16(yd))
     i = _dot16(kind, v, y, 32 * b)
     if kind == Q8_0:
         i = sub_i32x16(i, corr)
@@ -90,7 +100,7 @@ def _block16(kind, v, corr, w0, w1, o, y, b, yd, yoff, ys, acc):
         i = sub_i32x16(i, load_i32_bcast16(yoff, b))
     acc = fma16(scale, to_f32x16(i), acc)
     if kind == Q4_1 or kind == Q5_1:
-        acc = fma16(load_fp16x8c_pair(w0, w1, o + 16), f32x16(ys), acc)
+        acc = fma16(ws[1], f32x16(ys), acc)
     return acc
 
 
@@ -133,7 +143,8 @@ def _shared16(kind, data, b):  # _shared of interleaved_gemm on 16 rows (data: c
 
 @numba.njit
 def _block_dot16(kind, data, s, b, y, yd, yoff, ys, acc):
-    return _block16(kind, s[0], s[1], data[3], data[4], _sb_size(kind) * b, y, b, yd, yoff, ys, acc)
+    return _block16(kind, s[0], s[1], _block_scales16(kind, data[3], data[4], _sb_size(kind) * b), y, b, yd, yoff, ys,
+                    acc)
 
 
 @numba.njit

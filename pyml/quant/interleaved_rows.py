@@ -29,15 +29,15 @@ from numba import prange
 from pyml.core.isa import ZMM
 from pyml.core.simd import FASTMATH, load_f32x8, store_f32x8
 from pyml.core.simd512 import load_f32x16, store_f32x16
-from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
+from pyml.quant.ggml_types import Q4_K
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
-from pyml.quant.interleaved_gemv import (_block, _codes, _corrections, _k_block, _k_codes, _sb_size, activation_bytes,
-                                         block_prefetch, gemv_activation, k_prefetch)
-from pyml.quant.interleaved_pairs import _block16, _codes16, _corrections16
+from pyml.quant.interleaved_gemv import (_block, _block_scales, _codes, _corrections, _k_block, _k_codes, _k_scales,
+                                         _sb_size, activation_bytes, block_prefetch, gemv_activation, k_prefetch)
+from pyml.quant.interleaved_pairs import ZMM_KINDS, _block16, _block_scales16, _codes16, _corrections16
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
 CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
-PAIR_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # on the avx512 paths, two groups at a time on 512-bit vectors
+PAIR_KINDS = tuple(k for k in ZMM_KINDS if k != Q4_K)  # on the avx512 paths, two groups at a time on 512-bit vectors
 
 
 def serves(T: int) -> bool:
@@ -59,9 +59,9 @@ def _rows_group(kind, w, y, xd, xs, xoff, acc):
         o = sb * b
         block_prefetch(w, o, sb)  # as the GEMV
         v = _codes(kind, w, o)
-        corr = _corrections(kind, v)
+        corr, ws = _corrections(kind, v), _block_scales(kind, w, o)
         for t in range(xd.shape[0]):
-            store_f32x8(acc, 8 * t, _block(kind, v, corr, w, o, y[t], b, xd[t, b], xoff[t], xs[t, b],
+            store_f32x8(acc, 8 * t, _block(kind, v, corr, ws, y[t], b, xd[t, b], xoff[t], xs[t, b],
                                            load_f32x8(acc, 8 * t)))
 
 
@@ -78,9 +78,9 @@ def _rows_pair(kind, w0, w1, y, xd, xs, xoff, acc):
         block_prefetch(w0, o, sb)
         block_prefetch(w1, o, sb)
         v = _codes16(kind, w0, w1, o)
-        corr = _corrections16(kind, v)
+        corr, ws = _corrections16(kind, v), _block_scales16(kind, w0, w1, o)
         for t in range(xd.shape[0]):
-            store_f32x16(acc, 16 * t, _block16(kind, v, corr, w0, w1, o, y[t], b, xd[t, b], xoff[t], xs[t, b],
+            store_f32x16(acc, 16 * t, _block16(kind, v, corr, ws, y[t], b, xd[t, b], xoff[t], xs[t, b],
                                                load_f32x16(acc, 16 * t)))
 
 
@@ -93,12 +93,12 @@ def _rows_group_k(w, xq, xd, xs, acc):
         for p in range(4):
             c, u = o + 160 + 256 * p, 8 * s + 2 * p
             k_prefetch(w, c)
-            lo = _k_codes(w, c, 0)
+            lo, ks = _k_codes(w, c, 0), _k_scales(w, u)
             for t in range(xd.shape[0]):
-                store_f32x8(acc, 8 * t, _k_block(lo, w, o, 2 * p, xq[t], u, xd[t, u], xs[t, u], load_f32x8(acc, 8 * t)))
-            hi = _k_codes(w, c, 1)
+                store_f32x8(acc, 8 * t, _k_block(lo, ks, xq[t], u, xd[t, u], xs[t, u], load_f32x8(acc, 8 * t)))
+            hi, ks = _k_codes(w, c, 1), _k_scales(w, u + 1)
             for t in range(xd.shape[0]):
-                store_f32x8(acc, 8 * t, _k_block(hi, w, o, 2 * p + 1, xq[t], u + 1, xd[t, u + 1], xs[t, u + 1],
+                store_f32x8(acc, 8 * t, _k_block(hi, ks, xq[t], u + 1, xd[t, u + 1], xs[t, u + 1],
                                                  load_f32x8(acc, 8 * t)))
 
 
