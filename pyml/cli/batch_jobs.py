@@ -27,6 +27,7 @@ from pyml.cli.openai_objects import FINISH, choice, envelope, new_id, usage
 from pyml.cli.serve_requests import SHAPES, TOOLS, RequestError, check_context, parse
 from pyml.cli.serve_structured import template_messages
 from pyml.core.errors import PymlError
+from pyml.nlp.sampling import check_sampling
 
 # per-line overrides of the command's flags, with the JSON types each accepts
 _NUMBER = (int, float)
@@ -152,6 +153,7 @@ def parse_line(text: str, line: int, defaults: dict, chat: bool = False, system:
             system = value
         else:
             options[key] = value
+    check_sampling(options, lambda name: f"\"{name}\"")  # named as the line names it
     return Job(obj["id"], line, prompt, tuple(messages) if messages is not None else None, options, chat, system)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from pyml.cli.main import say
 from pyml.core.errors import PymlError, check_text
 from pyml.nlp.api import DEFAULT_MODEL, LanguageModel, load_model
+from pyml.nlp.sampling import check_sampling
 from pyml.nlp.speculative import MAX_DRAFT, SpeculativeConfig
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE
 from pyml.quant import BF16_AVAILABLE, FLOAT_COMPUTE
@@ -86,9 +87,11 @@ def sampling_options(args: argparse.Namespace) -> dict:
             raise PymlError("--stop is empty: give the text to end the reply at")
     if args.system is not None:
         check_text(args.system, "--system")
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                   ctx_size=args.ctx_size, context_shift=args.context_shift, n_keep=args.keep)
+    check_sampling(options, lambda name: "--" + name.replace("_", "-"))
+    return options
 
 
 def check_output_file(path, what: str) -> Path:

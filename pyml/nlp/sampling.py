@@ -9,11 +9,21 @@ on a 262K-token vocabulary a full sort costs more than some models' layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from pyml.core.errors import PymlError
+
+
+class SamplingError(PymlError):
+    """A sampling option out of its range: `field` is SamplingConfig's name for it and `rule` the rest
+    of the message, so that each caller names the option as it is given there (the library's
+    argument, a flag, a JSON field)."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"{field} {rule}")
+        self.field, self.rule = field, rule
 
 
 @dataclass(frozen=True)
@@ -30,20 +40,20 @@ class SamplingConfig:
 
     def __post_init__(self):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise PymlError(f"--seed must be an integer >= 0, got {self.seed!r}")  # NumPy's generators refuse others
+            raise SamplingError("seed", f"must be an integer >= 0, got {self.seed!r}")  # NumPy's generators refuse others
         if not 0 <= self.temperature < math.inf:  # inf flattens every logit to 0: uniform noise
-            raise PymlError(f"--temperature must be >= 0 and finite, got {self.temperature}")
+            raise SamplingError("temperature", f"must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
-            raise PymlError(f"--top-k must be >= 0, got {self.top_k}")
+            raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise PymlError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0 < self.repetition_penalty < math.inf:
-            raise PymlError(f"--repetition-penalty must be > 0 and finite, got {self.repetition_penalty}")
+            raise SamplingError("repetition_penalty", f"must be > 0 and finite, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
-            raise PymlError(f"--min-p must be in [0, 1], got {self.min_p}")
+            raise SamplingError("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:  # OpenAI's range
-                raise PymlError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingError(name, f"must be in [-2, 2], got {getattr(self, name)}")
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
                 raise PymlError(f"logit_bias: {token!r} is not a token id (an integer >= 0)")
@@ -56,6 +66,17 @@ class SamplingConfig:
             raise PymlError(f"logit_bias: token id {bad[0]} is outside the model's vocabulary of {vocab} tokens")
         if sum(b <= -100 for b in (self.logit_bias or {}).values()) >= vocab:
             raise PymlError("logit_bias bans every token of the vocabulary: nothing is left to choose")
+
+
+def check_sampling(options: dict, spell) -> None:
+    """Refuse the sampling options among `options` (other keys ignored) that SamplingConfig would, in
+    one line naming the option as spell(SamplingConfig's field name) spells it: "--top-p" for a flag,
+    "\"top_p\"" for a JSON field."""
+    known = {f.name for f in fields(SamplingConfig)}
+    try:
+        SamplingConfig(**{k: v for k, v in options.items() if k in known})
+    except SamplingError as e:
+        raise PymlError(f"{spell(e.field)} {e.rule}") from None
 
 
 class Sampler:

@@ -55,6 +55,13 @@ def read_output(path):
     ('{"id": 1, "prompt": "x", "max_tokens": true}', '"max_tokens" has the wrong type (bool)'),
     ('{"id": 1, "prompt": "x", "stop": ["a", 1]}', '"stop" must be a list of strings'),
     ('{"id": 1, "prompt": "x", "max_tokens": -1}', '"max_tokens" must be >= 0, got -1'),
+    # the sampling fields are named as the line names them too, not as the flags are spelt
+    ('{"id": 1, "prompt": "x", "temperature": -1}', '^"temperature" must be >= 0 and finite, got -1'),
+    ('{"id": 1, "prompt": "x", "top_p": 2}', '^"top_p" must be in (0, 1], got 2'),
+    ('{"id": 1, "prompt": "x", "top_k": -3}', '^"top_k" must be >= 0, got -3'),
+    ('{"id": 1, "prompt": "x", "min_p": 1.5}', '^"min_p" must be in [0, 1], got 1.5'),
+    ('{"id": 1, "prompt": "x", "repetition_penalty": 0}', '^"repetition_penalty" must be > 0 and finite, got 0'),
+    ('{"id": 1, "prompt": "x", "seed": -1}', '^"seed" must be an integer >= 0, got -1'),
 ])
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(PymlError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

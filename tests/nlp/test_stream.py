@@ -191,5 +191,5 @@ def test_a_prompt_that_is_not_text_is_refused_by_the_library(lm, bad):
 
 
 def test_a_negative_seed_is_refused_by_the_library(lm):
-    with pytest.raises(PymlError, match="--seed must be an integer >= 0, got -1"):
+    with pytest.raises(PymlError, match="^seed must be an integer >= 0, got -1"):  # the argument, not a flag
         lm.generate("hi", max_tokens=1, temperature=1.0, seed=-1)
