@@ -469,6 +469,10 @@ def fused_neg_mul_add(builder, a, b, c):  # c - a * b
     return _call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [builder.fneg(a), b, c])
 
 
+def fenced_product(builder, a, b):  # a * b, its rounding kept: see mul_fenced
+    return _call(builder, f"llvm.arithmetic.fence.v{a.type.count}f32", a.type, [builder.fmul(a, b)])
+
+
 # --- float lanes ----------------------------------------------------------------------
 
 to_f32 = lane_op(int_to_float, F32x8, (I32x8,), "I32x8 -> F32x8.")
@@ -513,6 +517,9 @@ fnma = lane_op(fused_neg_mul_add, F32x8, (F32x8,) * 3, "c - a * b, fused, lane-w
 add = lanewise_op("fadd", F32x8, "a + b, lane-wise")
 sub = lanewise_op("fsub", F32x8, "a - b, lane-wise")
 mul = lanewise_op("fmul", F32x8, "a * b, lane-wise")
+mul_fenced = lane_op(fenced_product, F32x8, (F32x8, F32x8),
+                     "a * b, lane-wise, behind llvm.arithmetic.fence: fastmath's reassociation cannot regroup it "
+                     "with a multiply it feeds (x y z is (x y) z wherever it is inlined, the same bits on every path)")
 
 
 @intrinsic

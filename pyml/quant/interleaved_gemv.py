@@ -19,8 +19,8 @@ import numba
 import numpy as np
 
 from pyml.core.simd import (HAVE_VNNI, f32x8, fma, fnma, load_fp16x8c, load_i32_bcast, load_i8x4_bcast, load_u8x32,
-                            load_u8x4_bcast, load_u8x8_f32, mul, prefetch, splat_u8, store_f32x8, store_i32x8, to_f32,
-                            zeros_f32x8, zeros_i32x8)
+                            load_u8x4_bcast, load_u8x8_f32, mul, mul_fenced, prefetch, splat_u8, store_f32x8, store_i32x8,
+                            to_f32, zeros_f32x8, zeros_i32x8)
 from pyml.core.simd_int import (abs_u8, add_i16, add_i32, as_i8, bit_to_u8, dpbusd, maddubs, nibbles_hi, nibbles_lo,
                                 or_u8, sign_i8, sub_lanes_i32, sum_pairs)
 from pyml.quant.activation import quantize_block_q8
@@ -233,10 +233,12 @@ def _block_codes(kind, w, b):
 
 @numba.njit
 def _k_scales(w, u):
-    """Q4_K: (d x sc, dmin x mn) of the 8 rows for group u of 32 values, F32x8 each."""
+    """Q4_K: (d x sc, dmin x mn) of the 8 rows for group u of 32 values, F32x8 each. Fenced: d x sc x yd
+    is then (d x sc) x yd in the GEMV as in the kernels that make these once (the few-rows kernel, the
+    GEMMs' staged scales); unfenced, fastmath regrouped it in the avx2 path's GEMV alone."""
     o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
-    return (mul(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)),
-            mul(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)))
+    return (mul_fenced(load_fp16x8c(w, o), load_u8x8_f32(w, o + 32 + 8 * j)),
+            mul_fenced(load_fp16x8c(w, o + 16), load_u8x8_f32(w, o + 96 + 8 * j)))
 
 
 # --- T == 1 --------------------------------------------------------------------------------
