@@ -70,8 +70,8 @@ class SamplingConfig:
 
 def check_sampling(options: dict, spell) -> None:
     """Refuse the sampling options among `options` (other keys ignored) that SamplingConfig would, in
-    one line naming the option as spell(SamplingConfig's field name) spells it: "--top-p" for a flag,
-    "\"top_p\"" for a JSON field."""
+    one line naming the option as spell(SamplingConfig's field name) spells it: --top-p for a flag,
+    "top_p" (quoted) for a JSON field, top_p for the library's argument."""
     known = {f.name for f in fields(SamplingConfig)}
     try:
         SamplingConfig(**{k: v for k, v in options.items() if k in known})
