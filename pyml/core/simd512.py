@@ -22,8 +22,8 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 from pyml.core.isa import ZMM
-from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _load, _mask, broadcast_load, broadcast_op, fused_mul_add,
-                            fused_neg_mul_add, high_nibbles, int_to_float, lane_op, lanewise_op, low_nibbles,
+from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _load, _mask, broadcast_load, broadcast_op, fenced_product,
+                            fused_mul_add, fused_neg_mul_add, high_nibbles, int_to_float, lane_op, lanewise_op, low_nibbles,
                             splat_op, vector_load, vector_store, widen_halves, widen_u8_f32, zeros_op)
 
 F32x16 = Vec("f", 32, 16)
@@ -99,5 +99,6 @@ add_i32x16 = lanewise_op("add", I32x16, "a + b, lane-wise.")
 sub_i32x16 = lanewise_op("sub", I32x16, "a - b, lane-wise.")
 to_f32x16 = lane_op(int_to_float, F32x16, (I32x16,), "I32x16 -> F32x16.")
 mul16 = lanewise_op("fmul", F32x16, "a * b, lane-wise.")
+mul16_fenced = lane_op(fenced_product, F32x16, (F32x16, F32x16), "simd.mul_fenced on 16 lanes.")
 fnma16 = lane_op(fused_neg_mul_add, F32x16, (F32x16,) * 3, "c - a * b, fused, lane-wise.")
 fma16 = lane_op(fused_mul_add, F32x16, (F32x16,) * 3, "a * b + c, fused, lane-wise.")

@@ -13,9 +13,9 @@ import numpy as np
 from pyml.core.simd import HAVE_VNNI
 from pyml.core.simd512 import (add_i32x16, as_i8x64, dpbusd16, f32x16, fma16, fnma16, load_f32x16, load_fp16x8c_pair,
                                load_i32_bcast16, load_i32x8_pair, load_i8x4_bcast16, load_u8x32_pair,
-                               load_u8x4_bcast16, load_u8x64, load_u8x8_f32_pair, mul16, nibbles_hi64, nibbles_lo64,
-                               or_u8x64, splat_u8x64, store_f32x16, store_u8x64, sub_i32x16, to_f32x16, zeros_f32x16,
-                               zeros_i32x16)
+                               load_u8x4_bcast16, load_u8x64, load_u8x8_f32_pair, mul16, mul16_fenced, nibbles_hi64,
+                               nibbles_lo64, or_u8x64, splat_u8x64, store_f32x16, store_u8x64, sub_i32x16, to_f32x16,
+                               zeros_f32x16, zeros_i32x16)
 from pyml.core.simd_int import bit_to_u8
 from pyml.quant.ggml_types import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
@@ -172,15 +172,29 @@ def _k_codes16(w0, w1, c, half):
 
 
 @numba.njit
+def _k_scales16(w0, w1, u):
+    """_k_scales of two groups side by side (F32x16 each), fenced as _k_scales."""
+    o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
+    return (mul16_fenced(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)),
+            mul16_fenced(load_fp16x8c_pair(w0, w1, o + 16), load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)))
+
+
+@numba.njit
+def _k_block16(v, ks, y, u, yd, ys, acc):
+    """_k_block on 16 rows (ks: _k_scales16)."""
+    acc = fma16(mul16(ks[0], f32x16(yd)), to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
+    return fnma16(ks[1], f32x16(ys), acc)
+
+
+@numba.njit
 def _staged_scales16_k(w0, w1, n):
     """Q4_K, two groups: float32 [n * 32], group u of 32 values at 32 u: d x sc of the 16 rows, then
-    dmin x mn. Made once per call, as the codes: _k_block16 converted and multiplied them per token tile."""
+    dmin x mn. Made once per call, as the codes."""
     sc = np.empty(32 * n, np.float32)
     for u in range(n):
-        o, j = Q4_K_SUPERBLOCK * (u // 8), u % 8
-        store_f32x16(sc, 32 * u, mul16(load_fp16x8c_pair(w0, w1, o), load_u8x8_f32_pair(w0, w1, o + 32 + 8 * j)))
-        store_f32x16(sc, 32 * u + 16, mul16(load_fp16x8c_pair(w0, w1, o + 16),
-                                            load_u8x8_f32_pair(w0, w1, o + 96 + 8 * j)))
+        d_sc, dmin_mn = _k_scales16(w0, w1, u)
+        store_f32x16(sc, 32 * u, d_sc)
+        store_f32x16(sc, 32 * u + 16, dmin_mn)
     return sc
 
 
@@ -191,10 +205,9 @@ def _shared16_k(kind, data, u):  # Q4_K: group u's codes (data: codes, staged sc
 
 @numba.njit
 def _block_dot16_k(kind, data, v, u, y, yd, yoff, ys, acc):
-    """_block_dot_k on 16 rows."""
+    """_k_block16, its scales from _staged_scales16_k."""
     sc = data[1]
-    acc = fma16(mul16(load_f32x16(sc, 32 * u), f32x16(yd)), to_f32x16(_dot16(Q4_0, v, y, 32 * u)), acc)
-    return fnma16(load_f32x16(sc, 32 * u + 16), f32x16(ys), acc)
+    return _k_block16(v, (load_f32x16(sc, 32 * u), load_f32x16(sc, 32 * u + 16)), y, u, yd, ys, acc)
 
 
 _tiles16 = token_tiles(zeros_f32x16, store_f32x16, _shared16, _block_dot16)

@@ -10,8 +10,9 @@ a speculative pass, sees the numbers a decode step of it alone would. The GEMM (
 stages every group's codes into a scratch and works in tiles of 4 tokens in another order: at
 a few rows its fixed cost is 2-9x a GEMV's, and its rows round differently.
 
-On the avx512 paths (core/isa.py's ZMM) the PAIR_KINDS take two groups a step on 512-bit vectors
-(_rows_pair: interleaved_pairs.py's lanes, the same ops per lane, the same bits): group u with
+On the avx512 paths (core/isa.py's ZMM) the ZMM_KINDS take two groups a step on 512-bit vectors
+(_rows_pair, Q4_K's _rows_pair_k: interleaved_pairs.py's lanes, the same ops per lane, the same
+bits; Q4_K's d x sc fenced as in _k_scales): group u with
 group u + G/2, not with its neighbour, so that each thread reads two long sequential streams. Two
 neighbours (one stream jumping back and forth 2.6 KB apart at SmolLM2's 576 columns) read their
 weights from memory 0.77x as fast as one group at a time; two halves of the matrix 1.1-1.5x as fast,
@@ -33,11 +34,11 @@ from pyml.quant.ggml_types import Q4_K
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import (_block, _block_scales, _codes, _corrections, _k_block, _k_codes, _k_scales,
                                          _sb_size, activation_bytes, block_prefetch, gemv_activation, k_prefetch)
-from pyml.quant.interleaved_pairs import ZMM_KINDS, _block16, _block_scales16, _codes16, _corrections16
+from pyml.quant.interleaved_pairs import (ZMM_KINDS, _block16, _block_scales16, _codes16, _corrections16, _k_block16,
+                                         _k_codes16, _k_scales16)
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
 CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
-PAIR_KINDS = tuple(k for k in ZMM_KINDS if k != Q4_K)  # on the avx512 paths, two groups at a time on 512-bit vectors
 
 
 def serves(T: int) -> bool:
@@ -102,12 +103,31 @@ def _rows_group_k(w, xq, xd, xs, acc):
                                                  load_f32x8(acc, 8 * t)))
 
 
+@numba.njit
+def _rows_pair_k(w0, w1, xq, xd, xs, acc):
+    """Q4_K: _rows_group_k on two groups at once (16 rows, lanes as _rows_pair's), both streams fetched ahead."""
+    acc[:] = 0.0
+    for s in range(xd.shape[1] // 8):
+        o = Q4_K_SUPERBLOCK * s
+        for p in range(4):
+            c, u = o + 160 + 256 * p, 8 * s + 2 * p
+            k_prefetch(w0, c)
+            k_prefetch(w1, c)
+            lo, ks = _k_codes16(w0, w1, c, 0), _k_scales16(w0, w1, u)
+            for t in range(xd.shape[0]):
+                store_f32x16(acc, 16 * t, _k_block16(lo, ks, xq[t], u, xd[t, u], xs[t, u], load_f32x16(acc, 16 * t)))
+            hi, ks = _k_codes16(w0, w1, c, 1), _k_scales16(w0, w1, u + 1)
+            for t in range(xd.shape[0]):
+                store_f32x16(acc, 16 * t, _k_block16(hi, ks, xq[t], u + 1, xd[t, u + 1], xs[t, u + 1],
+                                                     load_f32x16(acc, 16 * t)))
+
+
 @lru_cache(maxsize=None)
 def rows_kernel(kind: int):
     """(groups, x, out, chunks): groups [G, nb*sb] u8 (interleaved.py), x [T, n_cols] f32 -> out [T, >= 8G]
     f32; the groups shared out in `chunks` pieces (chunks_for: kernels never read the thread count)."""
     kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
-    pairs = ZMM and kind in PAIR_KINDS  # a constant: the other paths compile no pair loop
+    pairs = ZMM and kind in ZMM_KINDS  # a constant: the other paths compile no pair loop
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_rows(groups, x, out, chunks):
@@ -127,7 +147,10 @@ def rows_kernel(kind: int):
             acc = np.empty(16 * T, np.float32)  # lane r of row t at 8t + r (a pair's: 16t + r): in L1
             for u in range(c * U // chunks, (c + 1) * U // chunks):
                 if pairs and u < P:
-                    _rows_pair(kind, groups[u], groups[u + P], y, xd, xs, xoff, acc)
+                    if kind == Q4_K:
+                        _rows_pair_k(groups[u], groups[u + P], xq, xd, xs, acc)
+                    else:
+                        _rows_pair(kind, groups[u], groups[u + P], y, xd, xs, xoff, acc)
                     for t in range(T):
                         store_f32x8(out[t], 8 * u, load_f32x8(acc, 16 * t))
                         store_f32x8(out[t], 8 * (u + P), load_f32x8(acc, 16 * t + 8))
