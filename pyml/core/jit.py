@@ -103,6 +103,7 @@ def install() -> None:
     if any(getattr(c, "_pyml_stamped", False) for c in impl._locator_classes):
         return
     impl._locator_classes[:0] = [_stamped(base) for base in bases]
+    _unique_names_across_processes()
     _compile_once_across_processes()
     _unreadable_files_are_misses()
 
@@ -137,6 +138,21 @@ def _stamped(base: type) -> type:
 
 
 _held = threading.local()  # this thread's compile locks, innermost last (a compile types its callees)
+
+
+def _unique_names_across_processes() -> None:
+    """Numba names a compiled function and its environment (the constants it boxes results with) by its
+    qualified name, its argument types and a counter that starts at 1 in every process. The closures a
+    kernel factory makes for each type (kernel_set's dequant_rows, ...) share the first two, so two
+    compiled in different processes could both be "v1"; a process loading both from the cache then
+    gave the second the first's environment (Numba keeps one per name): "In 'NRT_adapt_ndarray_to_python',
+    'descr' is NULL" on CI, or the other kernel's constants. The counter now starts at a random 40-bit
+    offset in each process, so names made in different processes do not meet."""
+    import itertools
+    import secrets
+
+    from numba.core import bytecode
+    bytecode.FunctionIdentity._unique_ids = itertools.count(1 + secrets.randbits(40))
 
 
 def _compile_once_across_processes() -> None:

@@ -210,3 +210,44 @@ def test_a_kernel_has_the_same_bits_whichever_kernels_the_process_loaded_first()
             for order in ("plain", "callee-first", "plain")]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-800:] for run in runs]
     assert len({run.stdout for run in runs}) == 1, [run.stdout for run in runs]
+
+
+# Compiles (or loads) the dequant_rows of the types named, in that order, and checks each against gguf.
+_TWO_CLOSURES = textwrap.dedent("""
+    import sys
+    import gguf
+    import numpy as np
+    from pyml.quant import TRAITS, QuantType
+    rng = np.random.default_rng(0)
+    environments = set()
+    for name in sys.argv[1:]:
+        qtype = QuantType[name]
+        if qtype == QuantType.Q5_K:  # gguf quantizes no K-quant: random codes and scales, d 0.01, dmin 0.02
+            raw = rng.integers(0, 256, (2, 176), dtype=np.uint8)
+            raw[:, 0:4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
+        else:
+            raw = gguf.quants.quantize(rng.standard_normal((2, 256)).astype(np.float32), qtype)
+        out = np.empty((2, 256), np.float32)
+        got = TRAITS[qtype].kernels.dequant_rows(raw, np.arange(2, dtype=np.int64), out)
+        assert np.array_equal(got, gguf.quants.dequantize(raw, qtype)), name
+        # each kernel its own environment (the constants it boxes and raises with), not a namesake's
+        environments.add(id(next(iter(TRAITS[qtype].kernels.dequant_rows.overloads.values())).environment))
+    assert len(environments) == len(sys.argv) - 1, "two kernels share one environment"
+    print("ok")
+""")
+
+
+def test_closures_of_one_factory_compiled_in_two_processes_load_together(tmp_path):
+    """kernel_set makes a dequant_rows per type from one closure: the same qualified name and argument
+    types. Compiled first thing in two processes, Numba named both "v1", and a third process loading
+    both from the cache gave the second the first's environment (CI: "'descr' is NULL" from Q5_K's)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    run = [sys.executable, "-c", _TWO_CLOSURES]
+    procs = [subprocess.Popen(run + [name], env=env, cwd=PACKAGE.parent, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("Q4_0", "Q5_K")]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip() == "ok", err[-2000:]
+    both = subprocess.run(run + ["Q4_0", "Q5_K"], env=env, cwd=PACKAGE.parent, capture_output=True, text=True,
+                          timeout=300)
+    assert both.returncode == 0 and both.stdout.strip() == "ok", both.stderr[-2000:]
