@@ -48,7 +48,7 @@ def one_request(port: int, i: int, max_tokens: int, timeout: float,
             if first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
                 first = time.perf_counter() - t0
             if "timings" in event:
-                tokens, prefilled = event["timings"]["predicted_n"] + 1, event["timings"]["prompt_n"]
+                tokens, prefilled = event["timings"]["predicted_n"], event["timings"]["prompt_n"]
         return tokens, first or 0.0, time.perf_counter() - t0, prefilled
     finally:
         conn.close()

@@ -64,9 +64,12 @@ class GenerationResult:
         return len(self.decode_s) / sum(self.decode_s) if self.decode_s else 0.0
 
     def timings(self) -> dict:
-        """The figures llama-server reports with each response (its `timings` object)."""
+        """The figures llama-server reports with each response (its `timings` object), in its
+        meanings: `predicted_n` counts the tokens generated (the first, which the prefill's logits
+        gave, included), `predicted_ms` is the decode steps' time after that first token, and the
+        per-token figures divide it by the steps (llama-server's `n_gen - 1`)."""
         prompt_ms, predicted_ms = self.prefill_s * 1e3, sum(self.decode_s) * 1e3
-        prompt_n, predicted_n = self.prefilled_tokens, len(self.decode_s)
+        prompt_n, predicted_n = self.prefilled_tokens, len(self.tokens)
         return {
             "cache_n": self.cached_tokens,
             "prompt_n": prompt_n, "prompt_ms": prompt_ms,

@@ -92,7 +92,7 @@ def test_batch_writes_every_line_in_input_order(tiny, tiny_lm, tmp_path, capsys,
     for o in (lines[0], lines[1], lines[6], lines[7]):
         expected = tiny_lm.generate(PROMPTS[o["id"]], 6)  # greedy: the library's own answer
         assert (o["text"], o["tokens"], o["stop_reason"]) == (expected.text, expected.tokens, "max_tokens")
-        assert o["timings"]["predicted_n"] == 5 and o["timings"]["prompt_n"] == len(expected.prompt_tokens)
+        assert o["timings"]["predicted_n"] == 6 and o["timings"]["prompt_n"] == len(expected.prompt_tokens)
     assert len(lines[5]["tokens"]) == 2
     err = capsys.readouterr().err
     assert "pyml-batch: 5 prompts done, 3 errors" in err and "1 process, 1 threads" in err

@@ -64,7 +64,7 @@ def test_json_output_with_short_flags(tiny, tiny_lm):
     assert out["tokens"] == ref.tokens and out["text"] == ref.text
     assert out["stop_reason"] == "max_tokens" and out["threads"] == 1
     assert out["prompt_tokens"] == len(tiny_lm.encode("Hello"))
-    assert out["timings"]["predicted_n"] == 3 and out["timings"]["prompt_n"] == out["prompt_tokens"]
+    assert out["timings"]["predicted_n"] == 4 and out["timings"]["prompt_n"] == out["prompt_tokens"]
 
 
 def test_prompt_from_stdin_and_from_a_file(tiny, tmp_path):

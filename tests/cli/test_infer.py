@@ -136,7 +136,7 @@ def test_trace_lines_come_as_trees_parent_first_without_the_warmup(tiny):
     assert proc.returncode == 0, proc.stderr
     assert "runtime::warmup" in proc.stderr and "phase=warmup" in proc.stderr
     out = json.loads(proc.stdout)
-    assert out["logging"]["predicted_per_token_ms"] > 0 and out["timings"]["predicted_n"] == 3
+    assert out["logging"]["predicted_per_token_ms"] > 0 and out["timings"]["predicted_n"] == 4
     assert out["logging"]["predicted_per_token_ms"] == pytest.approx(out["logging"]["predicted_ms"] / 3)
 
 

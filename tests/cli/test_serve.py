@@ -159,7 +159,9 @@ def test_chat_completion(client):
     assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     timings = r.model_extra["timings"]
-    assert timings["predicted_n"] == r.usage.completion_tokens - 1  # the first token comes from the prefill
+    # llama-server's meanings: every token generated, its rate over the decode steps after the first
+    assert timings["predicted_n"] == r.usage.completion_tokens
+    assert timings["predicted_per_second"] == pytest.approx(1e3 * (timings["predicted_n"] - 1) / timings["predicted_ms"])
     assert timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
 
 
@@ -211,7 +213,7 @@ def test_a_request_can_ask_for_its_profile(client):
     r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
                                        extra_body={"pyml": {"profile": True}})
     prof = r.model_extra["pyml"]["profile"]
-    assert prof["decode_steps"] == r.model_extra["timings"]["predicted_n"] == 5
+    assert prof["decode_steps"] == r.model_extra["timings"]["predicted_n"] - 1 == 5
     assert set(prof["split"]) == {"attention", "ffn", "head", "sampling", "other"}
     assert abs(sum(v["pct"] for v in prof["split"].values()) - 100) < 1
     assert prof["split"]["attention"]["ms"] > 0 and prof["split"]["ffn"]["ms"] > 0
