@@ -15,6 +15,7 @@ from pyml.cli.options import (add_model_options, add_sampling_options, add_specu
                               model_options, sampling_options, speculative_options)
 from pyml.cli.request_profile import profile_summary, recording, split_line
 from pyml.core import perf
+from pyml.core.errors import was_interrupted
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
 from pyml.nlp.generator import GenerationResult
@@ -63,7 +64,9 @@ class Chat:
                 for event in self.lm.stream(ids, cache=self.cache, result=result, **options):
                     self.out.write(event.text)
                     self.out.flush()
-            except KeyboardInterrupt:
+            except BaseException as e:  # Ctrl-C, or an error it caused: the reply so far
+                if not was_interrupted(e):
+                    raise
                 result.stop_reason = "interrupted"
         self.out.write("\n")
         self.out.flush()

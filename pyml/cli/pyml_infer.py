@@ -10,7 +10,7 @@ from pyml.cli.options import (add_model_options, add_prompt_options, add_samplin
                               check_speculative, model_options, profiling, read_prompt, sampling_options,
                               speculative_options)
 from pyml.core import perf
-from pyml.core.errors import PymlError
+from pyml.core.errors import PymlError, was_interrupted
 from pyml.core.version import __version__
 from pyml.nlp.api import LanguageModel, load_model
 from pyml.nlp.constrained import MAX_GRAMMAR_CHARS, Constraint, schema_grammar, text_grammar
@@ -92,7 +92,9 @@ def _generate(args, prompt: str, options: dict, prof, grammar: tuple[str, str] |
             if event.text and not args.json:
                 out.write(event.text)
                 out.flush()
-    except KeyboardInterrupt:
+    except BaseException as e:  # Ctrl-C, or an error it caused (a compile or a span cut short): the summary so far
+        if not was_interrupted(e):
+            raise
         interrupted, result.stop_reason = True, "interrupted"
     if prof is not None:
         prof.set_result(result)

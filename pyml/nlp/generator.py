@@ -373,7 +373,8 @@ class Generator:
                 made = drained() - d0
                 res.decode_s += [(perf.clock() - t0 - made) / len(chosen)] * len(chosen)  # per token chosen
                 res.decode_log_s += made
-        except SystemError as e:  # Ctrl-C inside a Numba call can surface as a SystemError it caused
+        except Exception as e:  # noqa: BLE001 - Ctrl-C inside a Numba call can surface as a SystemError it
+            # caused, and one inside a span's or a compile's cleanup as whatever that cleanup then raised
             if was_interrupted(e):
                 raise KeyboardInterrupt from None
             raise

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 
-from tests.cli.test_infer import ROOT
+from pyml.cli.standins import write_gpt2
+from tests.cli.test_infer import ROOT, in_process
 
 
 def _start(*args):
@@ -68,7 +69,10 @@ def test_ctrl_c_during_decode_prints_the_text_and_summary_so_far(smollm2_gguf):
 
 
 def test_ctrl_c_during_prefill_stops_before_the_first_token(smollm2_gguf):
-    prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1500 tokens: seconds of prefill
+    # ~7000 tokens: seconds of prefill after its first layer, on a fast CPU too (1,500 tokens were
+    # 0.77 s on a Zen 5; on a CI machine whose other worker was compiling, the run once ended
+    # before the signal arrived)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 700
     proc = _start("--gguf", str(smollm2_gguf), "--prompt", prompt, "--max-tokens", "5", "--no-warmup",
                   "--log", "debug,flat", "--threads", "2")
     # without warm-up the first layer to finish is the prefill's; in flat order its line is printed
@@ -80,3 +84,27 @@ def test_ctrl_c_during_prefill_stops_before_the_first_token(smollm2_gguf):
     assert "generated 0 tokens" in summary and "interrupted" in summary, summary
     assert "generator::prefill" not in err  # the prefill span never completed
     assert "Traceback" not in err
+
+
+def test_an_error_that_ctrl_c_caused_still_gives_the_summary_so_far(tmp_path, monkeypatch):
+    """Ctrl-C inside a compile or a span's cleanup can surface as another exception whose cause or
+    context is the KeyboardInterrupt: pyml-infer treats it as the interrupt it is (exit 130, the
+    text and summary so far), where it used to end with a bare `pyml-infer: interrupted`."""
+    from pyml.nlp.models.base import DecoderModel
+    forward, calls = DecoderModel.forward, []
+
+    def interrupted_on_the_third(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the prefill, one decode step, then Ctrl-C inside the second
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("a span's cleanup failed")  # its __context__: the interrupt
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderModel, "forward", interrupted_on_the_third)
+    tiny = write_gpt2(tmp_path, "gpt2-tiny", n_positions=32)
+    proc = in_process("--safetensors", str(tiny), "-p", "Hello", "-n", "8", "--no-warmup")
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130, proc.stderr
+    assert "generated 2 tokens" in summary and summary.endswith("| interrupted]"), summary
