@@ -3,7 +3,8 @@
 A BatchGenerator holds a KVPool of `slots` sequences. Each `step` is one DecoderModel.forward_batch
 over every running sequence: a decoding sequence contributes its last token, a new one a chunk of
 its prompt (at most `prefill_chunk` prompt tokens a step over all of them, so that the running
-streams are never held up for a whole long prompt). Requests beyond the free slots wait in order
+streams are never held up for a whole long prompt; one or two more where a chunk would otherwise
+leave a prompt token alone in a pass, which alone it never is). Requests beyond the free slots wait in order
 (up to `max_waiting`); a finished or cancelled request frees its slot for the next at once. This is
 continuous batching as llama-server, vLLM and mlx-lm's server do it, on one model instance.
 
@@ -183,10 +184,18 @@ class BatchGenerator:
             budget = min(budget, chunk_rows(self.model.config.vocab_size))
         for r in self.running:
             if r.fed < len(r.prompt):  # still prefilling: a chunk of the prompt, within the step's budget
-                n = min(len(r.prompt) - r.fed, budget)
+                left = len(r.prompt) - r.fed
+                n = min(left, budget)
                 if n == 0:
                     continue
-                budget -= n
+                # no prompt token in a one-token chunk of its own unless its whole prefill is that one
+                # token: a one-token row is a decode row, whose attention (f32, attend_decode_batch) is
+                # not the prefill's (bf16 where float_compute is bf16), and alone the token would have
+                # been in a longer pass (DecoderModel.forward's micro-batches keep to the same rule), so
+                # the chunk takes one token or two past the budget instead
+                while n < left and (n == 1 or left - n == 1) and len(r.prompt) - r.result.cached_tokens > 1:
+                    n += 1
+                budget = max(0, budget - n)
                 rows.append((r, r.prompt[r.fed:r.fed + n]))
             else:
                 rows.append((r, [r.result.tokens[-1]]))
@@ -312,8 +321,8 @@ class BatchGenerator:
         self.running.append(r)
 
     def _admit(self, r: Request) -> None:
-        """Into the free slot that holds the longest start of its prompt (at least its last token
-        is run again: its logits choose the first new token)."""
+        """Into the free slot that holds the longest start of its prompt (its last two tokens are
+        run again: reusable_prefix)."""
         best, reused = self.free[0], 0
         for slot in self.free if r.reuse else ():
             n = reusable_prefix(self.held[slot], r.prompt)

@@ -96,10 +96,13 @@ class GenerationResult:
 
 
 def reusable_prefix(held: list, prompt_ids: list) -> int:
-    """How many leading prompt tokens a cache holding `held` already has; at least the last prompt
-    token is run again: its logits choose the first new token."""
+    """How many leading prompt tokens a cache holding `held` already has, short of the last two:
+    the last prompt token's logits choose the first new token, so it is run again, and the one
+    before it with it, because a pass of one token is a decode step, whose attention (f32) is not
+    the prefill's where that runs in bf16 (float_compute): a prompt the cache held whole would
+    otherwise get other first logits than the same prompt prefilled (a batch's repeated prompt)."""
     n = 0
-    for h, new in zip(held, prompt_ids[:-1]):
+    for h, new in zip(held, prompt_ids[:-2]):
         if h != new:
             break
         n += 1
@@ -117,8 +120,7 @@ class PromptCache:
         return self.kv.max_len
 
     def reusable(self, prompt_ids: list) -> int:
-        """How many leading prompt tokens are already cached. At least the last prompt token is
-        always run again: its logits choose the first new token."""
+        """How many leading prompt tokens are already cached, short of the last two (reusable_prefix)."""
         n = reusable_prefix(self.tokens, prompt_ids)
         # a sliding-window ring may have overwritten the positions a prefill from n needs
         return n if n == 0 or self.kv.resumable(n) else 0

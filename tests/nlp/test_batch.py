@@ -91,6 +91,16 @@ def test_real_smollm2_a_prompt_joins_while_others_decode(smollm2):
     check_batch_equals_alone(smollm2, join_at=2)
 
 
+def test_a_long_prompts_micro_batches_never_end_in_one_token(smollm2, monkeypatch):
+    """A prompt one token past a multiple of forward's micro-batch (ubatch): its last two tokens go
+    in one pass, not the last alone (a decode step, whose attention is f32 where the prefill's is
+    bf16, an avx512_bf16 CPU's default), so its logits are those of the prompt in one pass, bit for bit."""
+    ids = [5, 9, 2, 77, 31, 64, 12, 8, 90]
+    whole = smollm2.forward(ids, smollm2.new_cache(32))
+    monkeypatch.setattr(smollm2, "ubatch", 4)  # 4 + 3 + 2, where it was 4 + 4 + 1
+    assert np.array_equal(smollm2.forward(ids, smollm2.new_cache(32)), whole)
+
+
 def test_real_gemma3_batch_equals_alone(gemma3_real):
     check_batch_equals_alone(gemma3_real, join_at=3)
 

@@ -62,6 +62,44 @@ def test_a_prompt_prefilled_in_chunks_across_steps_gives_the_same_tokens(lm):
     assert not gen.busy and sorted(gen.free) == [0, 1, 2]
 
 
+def test_a_prompt_the_batch_holds_whole_gets_the_logits_of_its_prefill(lm):
+    """The same prompt three times on one slot: the second and third start from the slot's cache,
+    which holds all of it. Its last two tokens are run again, not just the last: a one-token pass
+    is a decode step, whose attention (f32) is not the prefill's (bf16 on an avx512_bf16 CPU), and
+    its first logits moved by up to 0.6 (a repeated prompt of pyml-batch's 64 got other texts).
+    Each choice's log-probabilities equal the prompt's alone, bit for bit."""
+    ids = lm.encode(lm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}]))
+    gen = BatchGenerator(lm.model, 1, max_len=128)
+    requests = [gen.submit(ids, 4, stop_ids=lm.tokenizer.eos_ids, logprobs=1) for _ in range(3)]
+    list(gen.run())
+    ref = lm.generate(ids, 4, logprobs=1)
+    assert [r.result.cached_tokens for r in requests] == [0, len(ids) - 2, len(ids) - 2]
+    for r in requests:
+        assert r.result.logprobs == ref.logprobs
+
+
+def test_no_prompt_token_is_a_pass_of_its_own(lm, monkeypatch):
+    """A 3-token budget a step: a chunk that would leave a prompt's last token for a step of its own
+    (a one-token row, a decode row) takes it along; one that the budget would cut to one token takes
+    a second. Every prompt chunk has two tokens or more and each sequence's log-probabilities equal
+    its prompt's alone, bit for bit."""
+    ids = [lm.encode(p) for p in PROMPTS]
+    chunks, forward_batch = [], lm.model.forward_batch
+
+    def recorded(pool, rows, **kwargs):
+        prompt_of = {r.slot: r.prompt for r in gen.running}
+        chunks.extend(len(tokens) for slot, tokens, pos in rows if pos < len(prompt_of[slot]))  # prompt rows
+        return forward_batch(pool, rows, **kwargs)
+
+    gen = BatchGenerator(lm.model, 3, max_len=64, prefill_chunk=3)
+    requests = [gen.submit(i, 6, stop_ids=lm.tokenizer.eos_ids, logprobs=1, reuse=False) for i in ids]
+    monkeypatch.setattr(lm.model, "forward_batch", recorded)
+    list(gen.run())
+    assert chunks and min(chunks) >= 2, chunks
+    for prompt, r in zip(ids, requests):
+        assert r.result.logprobs == lm.generate(prompt, 6, logprobs=1).logprobs
+
+
 def test_a_full_cache_ends_with_context_as_alone(lm):
     ids = lm.encode(PROMPTS[0])
     gen = BatchGenerator(lm.model, 2, max_len=len(ids) + 3)

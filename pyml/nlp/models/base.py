@@ -77,10 +77,14 @@ class DecoderModel:
         pos = cache.length if pos is None else pos
         T = tokens.shape[0]
         if T > self.ubatch:  # a long prompt in micro-batches, as llama.cpp's ubatch
+            # never a last one of one token: that would be a decode step, whose attention is not the
+            # prefill's (f32 where the prefill's is bf16), so the token's numbers would depend on T
+            cuts = list(range(0, T, self.ubatch)) + [T]
+            if cuts[-1] - cuts[-2] == 1:
+                cuts[-2] -= 1
             # the head (Gemma 3: 262144 x 640) only after the last one unless every position's logits are asked for
-            parts = [self.forward(tokens[i:i + self.ubatch], cache, pos + i, all_logits,
-                                  head and (all_logits or i + self.ubatch >= T))
-                     for i in range(0, T, self.ubatch)]
+            parts = [self.forward(tokens[a:z], cache, pos + a, all_logits, head and (all_logits or z == T))
+                     for a, z in zip(cuts, cuts[1:])]
             return np.concatenate(parts) if all_logits else parts[-1]
         with runtime.kernel_lock(), \
                 _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
