@@ -21,7 +21,7 @@ import numpy as np
 
 from pyml.core import perf
 from pyml.core.errors import PymlError
-from pyml.nlp.models.base import DecoderModel
+from pyml.nlp.models.base import DecoderModel, prompt_pieces
 
 _perf = perf.get("pyml.nlp.generator")
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit; the completions API's is 5 (pyml-serve checks it)
@@ -84,8 +84,8 @@ def prompt_logprobs(model: DecoderModel, ids: list, cache, top: int = 0) -> tupl
     last position's logits [vocab] (what chooses the first generated token)."""
     out, step = [], chunk_rows(model.config.vocab_size)
     with _perf.debug("generator::prompt_logprobs", "tokens={} top={}", len(ids), top, op="generator"):
-        for start in range(0, len(ids), step):
-            chunk = ids[start:start + step]
+        for start, end in prompt_pieces(len(ids), step):  # no chunk of one token: it would be a decode step
+            chunk = ids[start:end]
             logits = model.forward(chunk, cache, pos=start, all_logits=True)  # [len(chunk), vocab]
             nexts = ids[start + 1:start + 1 + len(chunk)]  # what each row predicts; the last row's is not here
             out += rows_logprobs(logits[:len(nexts)], nexts, top)

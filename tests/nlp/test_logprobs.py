@@ -114,6 +114,18 @@ def test_echo_does_not_reuse_a_prompt_cache(smollm2):
     assert res.cached_tokens == 0 and len(res.prompt_logprobs) == len(ids) - 1
 
 
+def test_echo_one_token_past_a_chunk_generates_as_without_echo(smollm2, monkeypatch):
+    """A prompt scored in chunks one token short of its length: the last two tokens are scored in one
+    pass, not the last alone (a decode step, whose attention is f32 where the prefill's is bf16 on an
+    avx512_bf16 CPU), so the generated tokens' log-probabilities equal those without echo, bit for bit."""
+    ids = smollm2.encode(PROMPT)
+    assert len(ids) > 4
+    plain = smollm2.generate(ids, 4, logprobs=1, temperature=0)
+    monkeypatch.setattr(lp, "chunk_rows", lambda vocab: len(ids) - 1)
+    echoed = smollm2.generate(ids, 4, logprobs=1, echo=True, temperature=0)
+    assert echoed.logprobs == plain.logprobs
+
+
 @pytest.mark.parametrize("bad", [-1, 21, 2.0, True, "3"])
 def test_bad_top_logprobs_is_one_clear_error(smollm2, bad):
     with pytest.raises(PymlError, match="top_logprobs must be an integer in \\[0, 20\\]"):

@@ -41,6 +41,16 @@ class DecoderConfig:
             raise ModelFormatError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
 
+def prompt_pieces(T: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the passes that cut a prompt of T tokens into pieces of at most `size`
+    (> 2), none of one token: a pass of one token is a decode step, whose attention is f32 where a
+    prefill's is bf16 (float_compute), so the last token's numbers would depend on where the cuts fell."""
+    cuts = list(range(0, T, size)) + [T]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1 and size > 2:
+        cuts[-2] -= 1  # the last two pieces: size - 1 and 2
+    return list(zip(cuts, cuts[1:]))
+
+
 class DecoderModel:
     """Subclasses set: config, embed_tokens (Embedding), blocks, final_norm, lm_head (Linear),
     n_kv_heads, head_dim, max_positions; and may override `embed`."""
@@ -77,14 +87,9 @@ class DecoderModel:
         pos = cache.length if pos is None else pos
         T = tokens.shape[0]
         if T > self.ubatch:  # a long prompt in micro-batches, as llama.cpp's ubatch
-            # never a last one of one token: that would be a decode step, whose attention is not the
-            # prefill's (f32 where the prefill's is bf16), so the token's numbers would depend on T
-            cuts = list(range(0, T, self.ubatch)) + [T]
-            if cuts[-1] - cuts[-2] == 1:
-                cuts[-2] -= 1
             # the head (Gemma 3: 262144 x 640) only after the last one unless every position's logits are asked for
             parts = [self.forward(tokens[a:z], cache, pos + a, all_logits, head and (all_logits or z == T))
-                     for a, z in zip(cuts, cuts[1:])]
+                     for a, z in prompt_pieces(T, self.ubatch)]
             return np.concatenate(parts) if all_logits else parts[-1]
         with runtime.kernel_lock(), \
                 _perf.debug("model::forward", "tokens={} pos={}", T, pos, op="model", module="model") as span:
