@@ -51,10 +51,14 @@ def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdo
     prompt = lm.encode("Once upon a time")
     events, step_ms, step_cpu, last = [0], [], [], [None]
 
+    drained = [None]  # steps done when the first drain of decode steps delivered their records
+
     def collect(record):  # trace level on for every logger, nothing printed
         events[0] += 1
         if record["name"] == "generator::decode_step":
             step_ms.append(record["dur_ms"])
+            if drained[0] is None:
+                drained[0] = len(step_cpu)
 
     rss = {}
 
@@ -66,6 +70,8 @@ def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdo
         n = len(step_cpu)  # steps done (their records come in batches, made after the steps)
         if n in (EARLY[0], EARLY[1], LATE[0], LATE[1]) and n not in rss:
             rss[n] = rss_bytes()
+        if drained[0] is not None and "after the first drain" not in rss:
+            rss["after the first drain"] = rss_bytes()
 
     # the KV cache, full-size and written once, so its pages are resident before the first step
     # (np.zeros memory is committed only when written: filling it would look like growth)
@@ -80,8 +86,11 @@ def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdo
     assert res.stop_reason == "max_tokens" and len(step_ms) == STEPS
     assert events[0] > 100 * STEPS  # every linear, norm, rope and attention span was recorded
 
-    # memory: flat after the first steps (the KV cache was allocated before step 1)
-    grown = rss[LATE[1]] - rss[EARLY[0]]
+    # memory: flat after the first drain of decode steps (the KV cache was allocated before step 1).
+    # Drains come about once a second; the first makes its ~1 s of spans into records at once, whose
+    # memory the later ones reuse: +44 MB at step ~230 of a Zen 5 (then flat to step 2000), before
+    # step 100 on a slower machine. Growth is what comes after it.
+    grown = rss[LATE[1]] - rss["after the first drain"]
     assert grown < 32 << 20, f"resident memory grew by {grown / 2**20:.1f} MB over {STEPS} steps"
 
     # time: late steps may cost more than early ones only by the attention over more positions
@@ -90,7 +99,9 @@ def test_2000_decode_steps_at_trace_level_no_memory_growth_no_unexplained_slowdo
     wall = [statistics.median(step_ms[a:b]) for a, b in (EARLY, LATE)]
     ctx = len(prompt)
     extra_attention = attention_cost(lm.model, cache, ctx + LATE[0]) - attention_cost(lm.model, cache, ctx + EARLY[0])
-    print(f"\nsoak: {events[0]} events, rss {rss[EARLY[0]] / 2**20:.1f} -> {rss[LATE[1]] / 2**20:.1f} MB, "
+    print(f"\nsoak: {events[0]} events, rss {rss[EARLY[0]] / 2**20:.1f} at step {EARLY[0]}, "
+          f"{rss['after the first drain'] / 2**20:.1f} after the first drain (step {drained[0]}) -> "
+          f"{rss[LATE[1]] / 2**20:.1f} MB, "
           f"median step CPU {early * 1e3:.2f} -> {late * 1e3:.2f} ms (wall {wall[0]:.2f} -> {wall[1]:.2f} ms), "
           f"attention explains {extra_attention * 1e3:.2f} ms")
     allowed = early + 2.0 * max(extra_attention, 0.0) + 0.35 * early  # generous: a shared, noisy machine
