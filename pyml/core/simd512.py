@@ -1,4 +1,5 @@
-"""512-bit vector values for the x8 GEMM on AVX-512: two 8-row groups side by side, 16 rows per instruction.
+"""512-bit vector values for the x8 GEMM on AVX-512: two 8-row groups side by side, 16 rows per instruction
+(and for the attention's decode: 16 positions or dimensions of the KV cache a vector).
 
 Why: the x8 GEMM on 256-bit vectors keeps its vpdpbusd chains short enough only by spending a
 scheduler entry on every 8 rows; on Zen 4 a 512-bit op does twice the work per entry (it is split
@@ -24,7 +25,7 @@ from numba.extending import intrinsic
 from pyml.core.isa import ZMM
 from pyml.core.simd import (Vec, _I16, _I32, _I8, _call, _load, _mask, broadcast_load, broadcast_op, fenced_product,
                             fused_mul_add, fused_neg_mul_add, high_nibbles, int_to_float, lane_op, lanewise_op, low_nibbles,
-                            splat_op, vector_load, vector_store, widen_halves, widen_u8_f32, zeros_op)
+                            splat_op, vector_load, vector_store, widen_halves, widen_u8_f32, widening_load, zeros_op)
 
 F32x16 = Vec("f", 32, 16)
 I32x16 = Vec("i", 32, 16)
@@ -41,18 +42,39 @@ def _same(builder, v, vt):
     return v
 
 
+def _joined(context, builder, types, arrays, indices, src: ir.VectorType, vec: Vec, widen, align: int):
+    # `src` at indices[0] of arrays[0] (the low lanes) and at indices[1] of arrays[1] (the high), widened
+    lo = _load(context, builder, types[0], arrays[0], indices[0], src, align=align)
+    hi = _load(context, builder, types[1], arrays[1], indices[1], src, align=align)
+    return widen(builder, builder.shuffle_vector(lo, hi, _mask(range(2 * src.count))), vec.llvm())
+
+
 def _pair_load(src: ir.VectorType, vec: Vec, widen, align: int, doc: str):
     """An intrinsic (a, b, idx): `src` at idx of a (the low lanes) and at idx of b (the high), as one
     vector, then `widen(builder, v, vec's LLVM type)` (simd.py's widening_load on two groups)."""
     @intrinsic
     def fn(typingctx, a, b, idx):
         def codegen(context, builder, sig, args):
-            lo = _load(context, builder, sig.args[0], args[0], args[2], src, align=align)
-            hi = _load(context, builder, sig.args[1], args[1], args[2], src, align=align)
-            return widen(builder, builder.shuffle_vector(lo, hi, _mask(range(2 * src.count))), vec.llvm())
+            return _joined(context, builder, sig.args[:2], args[:2], (args[2], args[2]), src, vec, widen, align)
         return vec(a, b, idx), codegen
     fn.__doc__ = doc
     return fn
+
+
+def _split_load(src: ir.VectorType, vec: Vec, widen, align: int, doc: str):
+    """An intrinsic (a, i, j): `src` at element i of a (the low lanes) and at element j (the high), as
+    one vector, then widened: two pieces of one array that are not side by side."""
+    @intrinsic
+    def fn(typingctx, a, i, j):
+        def codegen(context, builder, sig, args):
+            return _joined(context, builder, (sig.args[0],) * 2, (args[0],) * 2, args[1:], src, vec, widen, align)
+        return vec(a, i, j), codegen
+    fn.__doc__ = doc
+    return fn
+
+
+def _sext_f32(builder, v, vt):  # signed bytes -> float lanes (vpmovsxbd + vcvtdq2ps)
+    return builder.sitofp(builder.sext(v, ir.VectorType(_I32, v.type.count)), vt)
 
 
 load_u8x32_pair = _pair_load(ir.VectorType(_I8, 32), U8x64, _same, 1,
@@ -64,6 +86,16 @@ load_i32x8_pair = _pair_load(ir.VectorType(_I32, 8), I32x16, _same, 4, "8 int32 
 load_u8x8_f32_pair = _pair_load(ir.VectorType(_I8, 8), F32x16, widen_u8_f32, 1,
                                 "8 unsigned bytes at idx of a, then 8 at idx of b, as F32x16 (Q4_K: 16 rows' scales "
                                 "of a group).")
+# the attention's KV cache (f32, f16 bits, q8_0 codes), 16 positions or dimensions a vector
+load_f16x16 = widening_load(ir.VectorType(_I16, 16), F32x16, widen_halves, 2,
+                            "16 IEEE halves (a uint16 array of fp16 bits) -> F32x16 (vcvtph2ps zmm).")
+load_i8x16_f32 = widening_load(ir.VectorType(_I8, 16), F32x16, _sext_f32, 1, "16 signed bytes -> F32x16.")
+load_f32x8_split = _split_load(ir.VectorType(ir.FloatType(), 8), F32x16, _same, 4,
+                               "8 float32 at element i (lanes 0-7) and 8 at element j (lanes 8-15), as F32x16.")
+load_f16x8_split = _split_load(ir.VectorType(_I16, 8), F32x16, widen_halves, 2,
+                               "8 fp16 at element i and 8 at element j of a uint16 array, as F32x16.")
+load_i8x8_f32_split = _split_load(ir.VectorType(_I8, 8), F32x16, _sext_f32, 1,
+                                  "8 signed bytes at element i and 8 at element j, as F32x16.")
 load_i8x4_bcast16 = broadcast_load(ir.VectorType(_I8, 4), I8x64, 1,
                                    "The 4 bytes at idx in all 16 groups of 4 lanes, signed (vpbroadcastd zmm).")
 load_u8x4_bcast16 = broadcast_load(ir.VectorType(_I8, 4), U8x64, 1,

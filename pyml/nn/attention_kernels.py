@@ -2,7 +2,8 @@
 write and read, the rows-against-a-span core, and decode (the prefill's tiles: attention_prefill.py).
 
 They live beside the KV cache whose layout they define (nn/kv_cache.py), written in the SIMD
-vocabulary of core/simd.py (F32x8 values, vcvtph2ps loads).
+vocabulary of core/simd.py (F32x8 values, vcvtph2ps loads; F32x16 from core/simd512.py on the
+avx512 paths).
 
 Cache layout (one layer; Hkv kv heads, `cap` slots, head_dim hd; see nn/kv_cache.py):
 
@@ -36,9 +37,12 @@ from llvmlite import ir
 from numba.extending import intrinsic, overload
 
 from pyml.core import perf, simd
+from pyml.core.isa import ZMM
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
 from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, prefetch_l2, store_f32x8, zeros_f32x8
+from pyml.core.simd512 import (f32x16, fma16, load_f16x8_split, load_f16x16, load_f32x8_split, load_f32x16,
+                               load_i8x8_f32_split, load_i8x16_f32, store_f32x16, zeros_f32x16)
 
 PERF = perf.get("pyml.nn.attention_kernels")  # attention::sdpa, decode's and the prefill's
 DECODE_SPAN = ("attention::sdpa", "q=[{}, {}] kv=[{}, {}, {}] {}")  # H, hd, Hkv, span, hd, kv type
@@ -83,6 +87,37 @@ def _load8_typed(ary, idx):
     return None
 
 
+def _load16(ary, idx):
+    """16 stored values at flat element idx as F32x16 (the 512-bit decode's values)."""
+
+
+@overload(_load16, inline="always")
+def _load16_typed(ary, idx):
+    if ary.dtype == numba.float32:
+        return lambda ary, idx: load_f32x16(ary, idx)
+    if ary.dtype == numba.uint16:
+        return lambda ary, idx: load_f16x16(ary, idx)
+    if ary.dtype == numba.int8:
+        return lambda ary, idx: load_i8x16_f32(ary, idx)
+    return None
+
+
+def _load8x2(ary, i, j):
+    """8 stored values at flat element i (lanes 0-7) and 8 at j (lanes 8-15) as F32x16: one dimension
+    of two key tiles (the 512-bit decode's keys)."""
+
+
+@overload(_load8x2, inline="always")
+def _load8x2_typed(ary, i, j):
+    if ary.dtype == numba.float32:
+        return lambda ary, i, j: load_f32x8_split(ary, i, j)
+    if ary.dtype == numba.uint16:
+        return lambda ary, i, j: load_f16x8_split(ary, i, j)
+    if ary.dtype == numba.int8:
+        return lambda ary, i, j: load_i8x8_f32_split(ary, i, j)
+    return None
+
+
 def _scale8(scales, idx):
     """8 fp16 scales at flat idx as F32x8; 1.0 for a float cache (its scales are a dummy array)."""
 
@@ -92,6 +127,17 @@ def _scale8_typed(scales, idx):
     if scales.dtype == numba.uint16:
         return lambda scales, idx: simd.load_f16x8(scales, idx)
     return lambda scales, idx: f32x8(1.0)
+
+
+def _scale8x2(scales, i, j):
+    """_scale8 of two key tiles (8 at flat i, 8 at j) as F32x16."""
+
+
+@overload(_scale8x2, inline="always")
+def _scale8x2_typed(scales, i, j):
+    if scales.dtype == numba.uint16:
+        return lambda scales, i, j: load_f16x8_split(scales, i, j)
+    return lambda scales, i, j: f32x16(1.0)
 
 
 def _scale1(scales, kv, slot, block):
@@ -229,6 +275,60 @@ def _scores4x2(q, r0, keys, k_scale, kv, kb, scores, col):
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _scores4x4(q, r0, keys, k_scale, kv, kb, scores, col):
+    """_scores4x2 on 512-bit vectors (the avx512 paths): tiles kb .. kb+3 (32 positions), two tiles
+    a vector, so 8 accumulators of 16 lanes keep the FMA ports as busy; each score is the same sum
+    in the same order (its lane's FMA chain over hd), so the bits are _scores4x2's."""
+    hd = q.shape[1]
+    nkb = keys.shape[1]
+    kb1, kb2, kb3 = (kb + 1) % nkb, (kb + 2) % nkb, (kb + 3) % nkb
+    b0, b1 = (kv * nkb + kb) * hd * BLOCK, (kv * nkb + kb1) * hd * BLOCK
+    b2, b3 = (kv * nkb + kb2) * hd * BLOCK, (kv * nkb + kb3) * hd * BLOCK
+    per_tile = (hd // QBLOCK) * BLOCK
+    c0, c1 = (kv * nkb + kb) * per_tile, (kv * nkb + kb1) * per_tile
+    c2, c3 = (kv * nkb + kb2) * per_tile, (kv * nkb + kb3) * per_tile
+    s0, s1, s2, s3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+    t0, t1, t2, t3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+    for b in range((hd + QBLOCK - 1) // QBLOCK):
+        p0, p1, p2, p3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        u0, u1, u2, u3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
+        for i in range(b * QBLOCK, min(hd, b * QBLOCK + QBLOCK)):
+            kx = _load8x2(keys, b0 + i * BLOCK, b1 + i * BLOCK)
+            ky = _load8x2(keys, b2 + i * BLOCK, b3 + i * BLOCK)
+            q0, q1, q2, q3 = f32x16(q[r0, i]), f32x16(q[r0 + 1, i]), f32x16(q[r0 + 2, i]), f32x16(q[r0 + 3, i])
+            p0, u0 = fma16(q0, kx, p0), fma16(q0, ky, u0)
+            p1, u1 = fma16(q1, kx, p1), fma16(q1, ky, u1)
+            p2, u2 = fma16(q2, kx, p2), fma16(q2, ky, u2)
+            p3, u3 = fma16(q3, kx, p3), fma16(q3, ky, u3)
+        d = _scale8x2(k_scale, c0 + b * BLOCK, c1 + b * BLOCK)
+        e = _scale8x2(k_scale, c2 + b * BLOCK, c3 + b * BLOCK)
+        s0, s1, s2, s3 = fma16(d, p0, s0), fma16(d, p1, s1), fma16(d, p2, s2), fma16(d, p3, s3)
+        t0, t1, t2, t3 = fma16(e, u0, t0), fma16(e, u1, t1), fma16(e, u2, t2), fma16(e, u3, t3)
+    store_f32x16(scores[r0], col, s0)
+    store_f32x16(scores[r0 + 1], col, s1)
+    store_f32x16(scores[r0 + 2], col, s2)
+    store_f32x16(scores[r0 + 3], col, s3)
+    store_f32x16(scores[r0], col + 2 * BLOCK, t0)
+    store_f32x16(scores[r0 + 1], col + 2 * BLOCK, t1)
+    store_f32x16(scores[r0 + 2], col + 2 * BLOCK, t2)
+    store_f32x16(scores[r0 + 3], col + 2 * BLOCK, t3)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _fetch_ahead(ahead, n, n_ahead, nk, keys, k_at, values, v_at, per_line):
+    """Up to n more lines of what attend_rows fetches ahead (nk elements of keys from k_at, then of
+    values from v_at; `ahead` elements so far): returns the new count."""
+    for _ in range(n):
+        if ahead < n_ahead:
+            if ahead < nk:
+                prefetch_l2(keys, k_at + ahead)
+            else:
+                prefetch_l2(values, v_at + ahead - nk)
+            ahead += per_line
+    return ahead
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def chunk_row_max(scores, r, width, c0, lo, hi, qp, window, masked, m, l, acc, acc_width):
     """The online softmax's step for row r of a chunk of scores (positions c0 ..): when `masked`,
     the positions outside lo .. hi-1, after the row's query position qp or beyond its window set to
@@ -258,11 +358,15 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
     position p when p <= qpos[r] and (window == 0 or qpos[r] - p < window).
     State: m, l [R] (running max, sum), acc [R, hd]; scores [R, CHUNK] is scratch.
     While a chunk's values are folded in, the next chunk's keys and values are fetched ahead into
-    L2, a line each pass of the P.V loop: one thread's span is two short streams the hardware
+    L2, spread over the passes of the P.V loop: one thread's span is two short streams the hardware
     prefetcher does not run far enough ahead of (into L1, SmolLM2's shape ran up to 1.5x slower).
-    After the last chunk, the first of the caller's next span is fetched: positions next_lo .. of
-    kv head next_kv of (next_keys, next_values) (next_kv -1: none; -2: nothing ahead
-    at all, for a prefill, whose spans the items share in cache)."""
+    Once less than half a chunk of the span is left, the first chunk of the caller's next span is
+    fetched instead: positions next_lo .. of kv head next_kv of (next_keys, next_values) (next_kv -1:
+    none; -2: nothing ahead at all, for a prefill, whose spans the items share in cache). Fetched
+    only after the last chunk, it had started cold: a batched step's spans of 193 positions read at
+    16-17 GB/s, at 22-23 with it (of ~28; SmolLM2, 16 rows, Zen 5).
+    On the avx512 paths the products run on 512-bit vectors (_scores4x4, the ZMM P.V loop): each
+    score and output lane is the same chain of FMAs in the same order as on 256-bit ones."""
     R, hd = q.shape
     cap = values.shape[1]
     nkb = keys.shape[1]
@@ -275,9 +379,12 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         nb = (c1 - c0 + BLOCK - 1) // BLOCK
         # key tiles outer: a pair of tiles stays in L1 while every row meets it (with the rows
         # outer, Gemma's hd-256 chunk was re-read from L2 once per 4 rows)
-        for b in range(0, nb, 2):  # an odd last tile's partner lands past `width`, unread
+        for b in range(0, nb, 4 if ZMM else 2):  # a last call's tiles past `width` land there, unread
             for r0 in range(0, R, ROWS):
-                _scores4x2(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
+                if ZMM:
+                    _scores4x4(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
+                else:
+                    _scores4x2(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
         width = nb * BLOCK
         # a chunk wholly inside the span, before every row's position and within every row's
         # window needs no mask: the common case, kept free of per-score comparisons
@@ -308,7 +415,7 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         first_slot = (c0 + j0) % cap
         split = min(j1, j0 + cap - first_slot)
         pk, pv, pkv, plo, phi = keys, values, kv, c1, min(c1 + CHUNK, hi)
-        if c1 >= hi:
+        if hi - c1 < CHUNK // 2:  # less than half a chunk left: the next span's first would start cold
             pk, pv, pkv, plo, phi = next_keys, next_values, next_kv, next_lo, next_lo + CHUNK
         nk, nv = 0, 0
         if pkv >= 0 and next_kv >= -1:  # the tiles and slots of positions plo .. phi-1, up to the ring's end
@@ -318,39 +425,69 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         k_ahead, v_ahead = (pkv * nkb + plo // BLOCK % nkb) * hd * BLOCK, (pkv * cap + plo % cap) * hd
         per_line = 64 // values.itemsize
         ahead, n_ahead = 0, nk + nv
-        for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
-            for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
-                a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
-                a1, b1 = load_f32x8(acc[r0 + 1], i), load_f32x8(acc[r0 + 1], i + BLOCK)
-                a2, b2 = load_f32x8(acc[r0 + 2], i), load_f32x8(acc[r0 + 2], i + BLOCK)
-                a3, b3 = load_f32x8(acc[r0 + 3], i), load_f32x8(acc[r0 + 3], i + BLOCK)
-                for seg in range(2):  # before the ring wraps, then after
-                    ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
-                    for j in range(ja, jb):
-                        slot = j + shift
-                        if ahead < n_ahead:
-                            if ahead < nk:
-                                prefetch_l2(pk, k_ahead + ahead)
-                            else:
-                                prefetch_l2(pv, v_ahead + ahead - nk)
-                            ahead += per_line
-                        vx = _load8(values, (kv * cap + slot) * hd + i)
-                        vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
-                        d = _scale1(v_scale, kv, slot, i // QBLOCK)
-                        w0, w1 = f32x8(scores[r0, j] * d), f32x8(scores[r0 + 1, j] * d)
-                        w2, w3 = f32x8(scores[r0 + 2, j] * d), f32x8(scores[r0 + 3, j] * d)
-                        a0, b0 = fma(w0, vx, a0), fma(w0, vy, b0)
-                        a1, b1 = fma(w1, vx, a1), fma(w1, vy, b1)
-                        a2, b2 = fma(w2, vx, a2), fma(w2, vy, b2)
-                        a3, b3 = fma(w3, vx, a3), fma(w3, vy, b3)
-                store_f32x8(acc[r0], i, a0)
-                store_f32x8(acc[r0], i + BLOCK, b0)
-                store_f32x8(acc[r0 + 1], i, a1)
-                store_f32x8(acc[r0 + 1], i + BLOCK, b1)
-                store_f32x8(acc[r0 + 2], i, a2)
-                store_f32x8(acc[r0 + 2], i + BLOCK, b2)
-                store_f32x8(acc[r0 + 3], i, a3)
-                store_f32x8(acc[r0 + 3], i + BLOCK, b3)
+        width_pass = 4 * BLOCK if ZMM else 2 * BLOCK  # the columns of hd a pass of the P.V loop covers
+        passes = (hd + width_pass - 1) // width_pass * (R // ROWS) * (j1 - j0)
+        per_pass = (n_ahead // per_line + passes - 1) // passes  # a short chunk fetches more a pass
+        if ZMM:  # two 16-lane slices of hd: 8 independent FMA chains (an odd last 16 is one slice)
+            for i in range(0, hd - 2 * BLOCK + 1, 4 * BLOCK):
+                i2 = min(i + 2 * BLOCK, hd - 2 * BLOCK)  # the second slice, or the first again
+                for r0 in range(0, R, ROWS):
+                    a0, b0 = load_f32x16(acc[r0], i), load_f32x16(acc[r0], i2)
+                    a1, b1 = load_f32x16(acc[r0 + 1], i), load_f32x16(acc[r0 + 1], i2)
+                    a2, b2 = load_f32x16(acc[r0 + 2], i), load_f32x16(acc[r0 + 2], i2)
+                    a3, b3 = load_f32x16(acc[r0 + 3], i), load_f32x16(acc[r0 + 3], i2)
+                    for seg in range(2):  # before the ring wraps, then after
+                        ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
+                        for j in range(ja, jb):
+                            slot = j + shift
+                            ahead = _fetch_ahead(ahead, per_pass, n_ahead, nk, pk, k_ahead, pv, v_ahead, per_line)
+                            vx = _load16(values, (kv * cap + slot) * hd + i)
+                            vy = _load16(values, (kv * cap + slot) * hd + i2)
+                            d = _scale1(v_scale, kv, slot, i // QBLOCK)  # q8_0: i2 is in i's 32-block
+                            w0, w1 = f32x16(scores[r0, j] * d), f32x16(scores[r0 + 1, j] * d)
+                            w2, w3 = f32x16(scores[r0 + 2, j] * d), f32x16(scores[r0 + 3, j] * d)
+                            a0, b0 = fma16(w0, vx, a0), fma16(w0, vy, b0)
+                            a1, b1 = fma16(w1, vx, a1), fma16(w1, vy, b1)
+                            a2, b2 = fma16(w2, vx, a2), fma16(w2, vy, b2)
+                            a3, b3 = fma16(w3, vx, a3), fma16(w3, vy, b3)
+                    if i2 > i:  # stored first: with one slice, a0 .. a3 are its sums
+                        store_f32x16(acc[r0], i2, b0)
+                        store_f32x16(acc[r0 + 1], i2, b1)
+                        store_f32x16(acc[r0 + 2], i2, b2)
+                        store_f32x16(acc[r0 + 3], i2, b3)
+                    store_f32x16(acc[r0], i, a0)
+                    store_f32x16(acc[r0 + 1], i, a1)
+                    store_f32x16(acc[r0 + 2], i, a2)
+                    store_f32x16(acc[r0 + 3], i, a3)
+        else:
+            for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
+                for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
+                    a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
+                    a1, b1 = load_f32x8(acc[r0 + 1], i), load_f32x8(acc[r0 + 1], i + BLOCK)
+                    a2, b2 = load_f32x8(acc[r0 + 2], i), load_f32x8(acc[r0 + 2], i + BLOCK)
+                    a3, b3 = load_f32x8(acc[r0 + 3], i), load_f32x8(acc[r0 + 3], i + BLOCK)
+                    for seg in range(2):  # before the ring wraps, then after
+                        ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
+                        for j in range(ja, jb):
+                            slot = j + shift
+                            ahead = _fetch_ahead(ahead, per_pass, n_ahead, nk, pk, k_ahead, pv, v_ahead, per_line)
+                            vx = _load8(values, (kv * cap + slot) * hd + i)
+                            vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
+                            d = _scale1(v_scale, kv, slot, i // QBLOCK)
+                            w0, w1 = f32x8(scores[r0, j] * d), f32x8(scores[r0 + 1, j] * d)
+                            w2, w3 = f32x8(scores[r0 + 2, j] * d), f32x8(scores[r0 + 3, j] * d)
+                            a0, b0 = fma(w0, vx, a0), fma(w0, vy, b0)
+                            a1, b1 = fma(w1, vx, a1), fma(w1, vy, b1)
+                            a2, b2 = fma(w2, vx, a2), fma(w2, vy, b2)
+                            a3, b3 = fma(w3, vx, a3), fma(w3, vy, b3)
+                    store_f32x8(acc[r0], i, a0)
+                    store_f32x8(acc[r0], i + BLOCK, b0)
+                    store_f32x8(acc[r0 + 1], i, a1)
+                    store_f32x8(acc[r0 + 1], i + BLOCK, b1)
+                    store_f32x8(acc[r0 + 2], i, a2)
+                    store_f32x8(acc[r0 + 2], i + BLOCK, b2)
+                    store_f32x8(acc[r0 + 3], i, a3)
+                    store_f32x8(acc[r0 + 3], i + BLOCK, b3)
         c0 = c1
 
 
