@@ -2,8 +2,8 @@
 write and read, the rows-against-a-span core, and decode (the prefill's tiles: attention_prefill.py).
 
 They live beside the KV cache whose layout they define (nn/kv_cache.py), written in the SIMD
-vocabulary of core/simd.py (F32x8 values, vcvtph2ps loads; F32x16 from core/simd512.py on the
-avx512 paths).
+vocabulary of core/simd512.py: F32x16 values (two ymm registers on the 256-bit paths, one zmm on
+the avx512 ones) and vcvtph2ps loads.
 
 Cache layout (one layer; Hkv kv heads, `cap` slots, head_dim hd; see nn/kv_cache.py):
 
@@ -33,14 +33,13 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from pyml.core import perf, simd
 from pyml.core.isa import ZMM
 from pyml.core.jit import FASTMATH
 from pyml.core.ops import PARALLEL_MIN_WORK, exp32, max32
-from pyml.core.simd import F32x8, f32x8, fma, load_f32x8, prefetch_l2, store_f32x8, zeros_f32x8
+from pyml.core.simd import prefetch_l2
 from pyml.core.simd512 import (f32x16, fma16, load_f16x8_split, load_f16x16, load_f32x8_split, load_f32x16,
                                load_i8x8_f32_split, load_i8x16_f32, store_f32x16, zeros_f32x16)
 
@@ -51,9 +50,10 @@ BATCH_SPAN = ("attention::sdpa", "batch={} q=[{}, {}] kv=[{}, {}, {}] {}")
 # a verify pass's: queries, H, hd, Hkv, positions attended over all of them, hd, kv type
 QUERIES_SPAN = ("attention::sdpa", "queries={} q=[{}, {}] kv=[{}, {}, {}] {}")
 
-BLOCK = 8       # positions per key tile: one F32x8 of scores
+BLOCK = 8       # positions per key tile: 8 lanes of scores
 CHUNK = 64      # positions per online-softmax step (a multiple of BLOCK)
 ROWS = 4        # query rows computed against one load of a key tile
+TILES = 4 if ZMM else 2  # key tiles a _scores call scores: a 16-lane vector holds two
 QBLOCK = 32     # q8_0: values per scale, along head_dim
 
 KV_TYPES = {"f32": np.float32, "f16": np.uint16, "q8_0": np.int8}  # name -> stored code dtype
@@ -61,30 +61,9 @@ TYPE_NAMES = {code: name for name, code in KV_TYPES.items()}
 _NOTHING = np.zeros((0, 1, 1), np.float32)  # attend_decode without a key and value to write
 
 
-@intrinsic
-def _load_i8x8_f32(typingctx, ary, idx):
-    """8 signed bytes at element idx -> F32x8 (vpmovsxbd + vcvtdq2ps): q8_0 codes."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        vt = ir.VectorType(ir.IntType(8), 8)
-        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vt.as_pointer()), align=1)
-        return builder.sitofp(builder.sext(v, ir.VectorType(ir.IntType(32), 8)), F32x8.llvm())
-    return F32x8(ary, idx), codegen
-
-
-def _load8(ary, idx):
-    """8 stored values at flat element idx as F32x8, whatever the stored type."""
-
-
-@overload(_load8, inline="always")
-def _load8_typed(ary, idx):
-    if ary.dtype == numba.float32:
-        return lambda ary, idx: load_f32x8(ary, idx)
-    if ary.dtype == numba.uint16:
-        return lambda ary, idx: simd.load_f16x8(ary, idx)
-    if ary.dtype == numba.int8:
-        return lambda ary, idx: _load_i8x8_f32(ary, idx)
-    return None
+# the loads of the stored types (float32, uint16 = f16 bits, int8 = q8_0 codes), as float32 lanes
+_LOADS16 = {numba.float32: load_f32x16, numba.uint16: load_f16x16, numba.int8: load_i8x16_f32}
+_LOADS8X2 = {numba.float32: load_f32x8_split, numba.uint16: load_f16x8_split, numba.int8: load_i8x8_f32_split}
 
 
 def _load16(ary, idx):
@@ -93,13 +72,8 @@ def _load16(ary, idx):
 
 @overload(_load16, inline="always")
 def _load16_typed(ary, idx):
-    if ary.dtype == numba.float32:
-        return lambda ary, idx: load_f32x16(ary, idx)
-    if ary.dtype == numba.uint16:
-        return lambda ary, idx: load_f16x16(ary, idx)
-    if ary.dtype == numba.int8:
-        return lambda ary, idx: load_i8x16_f32(ary, idx)
-    return None
+    load = _LOADS16.get(ary.dtype)
+    return None if load is None else lambda ary, idx: load(ary, idx)
 
 
 def _load8x2(ary, i, j):
@@ -109,28 +83,13 @@ def _load8x2(ary, i, j):
 
 @overload(_load8x2, inline="always")
 def _load8x2_typed(ary, i, j):
-    if ary.dtype == numba.float32:
-        return lambda ary, i, j: load_f32x8_split(ary, i, j)
-    if ary.dtype == numba.uint16:
-        return lambda ary, i, j: load_f16x8_split(ary, i, j)
-    if ary.dtype == numba.int8:
-        return lambda ary, i, j: load_i8x8_f32_split(ary, i, j)
-    return None
-
-
-def _scale8(scales, idx):
-    """8 fp16 scales at flat idx as F32x8; 1.0 for a float cache (its scales are a dummy array)."""
-
-
-@overload(_scale8, inline="always")
-def _scale8_typed(scales, idx):
-    if scales.dtype == numba.uint16:
-        return lambda scales, idx: simd.load_f16x8(scales, idx)
-    return lambda scales, idx: f32x8(1.0)
+    load = _LOADS8X2.get(ary.dtype)
+    return None if load is None else lambda ary, i, j: load(ary, i, j)
 
 
 def _scale8x2(scales, i, j):
-    """_scale8 of two key tiles (8 at flat i, 8 at j) as F32x16."""
+    """The fp16 scales of two key tiles' block (8 at flat i, 8 at j) as F32x16; 1.0 for a float cache
+    (its scales are a dummy array)."""
 
 
 @overload(_scale8x2, inline="always")
@@ -239,92 +198,59 @@ def read_kv(keys, k_scale, values, v_scale, start, end, k_out, v_out):
 # --- the shared core: rows of queries against a span of positions ----------------------
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _scores4x2(q, r0, keys, k_scale, kv, kb, scores, col):
-    """scores[r0..r0+3, col..col+15] = q[r0..r0+3] . keys of tiles kb and kb+1 (16 positions):
-    one tile load serves 4 rows, and 8 accumulators keep both FMA ports busy (4 chains wait
-    on the FMA latency); q8_0 scales applied per 32-dim block."""
+def _scores(q, r0, keys, k_scale, kv, kb, scores, col):
+    """scores[r0..r0+3, col .. col + TILES * 8 - 1] = q[r0..r0+3] . keys of tiles kb .. kb+TILES-1: a
+    pair of tiles a 16-lane vector (two ymm registers on the 256-bit paths; a zmm on the avx512
+    ones, which take two pairs), one load for 4 rows, and 8 registers of accumulators keep both FMA
+    ports busy (4 chains wait on the FMA latency); q8_0 scales applied per 32-dim block. Each score
+    is its lane's chain of FMAs over hd, in the same order on every path: the same bits."""
     hd = q.shape[1]
     nkb = keys.shape[1]
-    kb2 = (kb + 1) % nkb
-    base, base2 = (kv * nkb + kb) * hd * BLOCK, (kv * nkb + kb2) * hd * BLOCK
-    sbase, sbase2 = (kv * nkb + kb) * (hd // QBLOCK) * BLOCK, (kv * nkb + kb2) * (hd // QBLOCK) * BLOCK
-    s0, s1, s2, s3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-    t0, t1, t2, t3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-    for b in range((hd + QBLOCK - 1) // QBLOCK):  # hd: a multiple of 32 for q8_0, of 16 otherwise
-        p0, p1, p2, p3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        u0, u1, u2, u3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
-        for i in range(b * QBLOCK, min(hd, b * QBLOCK + QBLOCK)):
-            kx = _load8(keys, base + i * BLOCK)
-            ky = _load8(keys, base2 + i * BLOCK)
-            q0, q1, q2, q3 = f32x8(q[r0, i]), f32x8(q[r0 + 1, i]), f32x8(q[r0 + 2, i]), f32x8(q[r0 + 3, i])
-            p0, u0 = fma(q0, kx, p0), fma(q0, ky, u0)
-            p1, u1 = fma(q1, kx, p1), fma(q1, ky, u1)
-            p2, u2 = fma(q2, kx, p2), fma(q2, ky, u2)
-            p3, u3 = fma(q3, kx, p3), fma(q3, ky, u3)
-        d, e = _scale8(k_scale, sbase + b * BLOCK), _scale8(k_scale, sbase2 + b * BLOCK)
-        s0, s1, s2, s3 = fma(d, p0, s0), fma(d, p1, s1), fma(d, p2, s2), fma(d, p3, s3)
-        t0, t1, t2, t3 = fma(e, u0, t0), fma(e, u1, t1), fma(e, u2, t2), fma(e, u3, t3)
-    store_f32x8(scores[r0], col, s0)
-    store_f32x8(scores[r0 + 1], col, s1)
-    store_f32x8(scores[r0 + 2], col, s2)
-    store_f32x8(scores[r0 + 3], col, s3)
-    store_f32x8(scores[r0], col + BLOCK, t0)
-    store_f32x8(scores[r0 + 1], col + BLOCK, t1)
-    store_f32x8(scores[r0 + 2], col + BLOCK, t2)
-    store_f32x8(scores[r0 + 3], col + BLOCK, t3)
-
-
-@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _scores4x4(q, r0, keys, k_scale, kv, kb, scores, col):
-    """_scores4x2 on 512-bit vectors (the avx512 paths): tiles kb .. kb+3 (32 positions), two tiles
-    a vector, so 8 accumulators of 16 lanes keep the FMA ports as busy; each score is the same sum
-    in the same order (its lane's FMA chain over hd), so the bits are _scores4x2's."""
-    hd = q.shape[1]
-    nkb = keys.shape[1]
-    kb1, kb2, kb3 = (kb + 1) % nkb, (kb + 2) % nkb, (kb + 3) % nkb
-    b0, b1 = (kv * nkb + kb) * hd * BLOCK, (kv * nkb + kb1) * hd * BLOCK
-    b2, b3 = (kv * nkb + kb2) * hd * BLOCK, (kv * nkb + kb3) * hd * BLOCK
+    k1, k2, k3 = (kb + 1) % nkb, (kb + 2) % nkb, (kb + 3) % nkb  # past the span: read, never used
+    b0, b1 = (kv * nkb + kb) * hd * BLOCK, (kv * nkb + k1) * hd * BLOCK
+    b2, b3 = (kv * nkb + k2) * hd * BLOCK, (kv * nkb + k3) * hd * BLOCK
     per_tile = (hd // QBLOCK) * BLOCK
-    c0, c1 = (kv * nkb + kb) * per_tile, (kv * nkb + kb1) * per_tile
-    c2, c3 = (kv * nkb + kb2) * per_tile, (kv * nkb + kb3) * per_tile
+    c0, c1 = (kv * nkb + kb) * per_tile, (kv * nkb + k1) * per_tile
+    c2, c3 = (kv * nkb + k2) * per_tile, (kv * nkb + k3) * per_tile
     s0, s1, s2, s3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
     t0, t1, t2, t3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
-    for b in range((hd + QBLOCK - 1) // QBLOCK):
+    for b in range((hd + QBLOCK - 1) // QBLOCK):  # hd: a multiple of 32 for q8_0, of 16 otherwise
         p0, p1, p2, p3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
         u0, u1, u2, u3 = zeros_f32x16(), zeros_f32x16(), zeros_f32x16(), zeros_f32x16()
         for i in range(b * QBLOCK, min(hd, b * QBLOCK + QBLOCK)):
-            kx = _load8x2(keys, b0 + i * BLOCK, b1 + i * BLOCK)
-            ky = _load8x2(keys, b2 + i * BLOCK, b3 + i * BLOCK)
             q0, q1, q2, q3 = f32x16(q[r0, i]), f32x16(q[r0 + 1, i]), f32x16(q[r0 + 2, i]), f32x16(q[r0 + 3, i])
-            p0, u0 = fma16(q0, kx, p0), fma16(q0, ky, u0)
-            p1, u1 = fma16(q1, kx, p1), fma16(q1, ky, u1)
-            p2, u2 = fma16(q2, kx, p2), fma16(q2, ky, u2)
-            p3, u3 = fma16(q3, kx, p3), fma16(q3, ky, u3)
+            kx = _load8x2(keys, b0 + i * BLOCK, b1 + i * BLOCK)
+            p0, p1, p2, p3 = fma16(q0, kx, p0), fma16(q1, kx, p1), fma16(q2, kx, p2), fma16(q3, kx, p3)
+            if ZMM:
+                ky = _load8x2(keys, b2 + i * BLOCK, b3 + i * BLOCK)
+                u0, u1, u2, u3 = fma16(q0, ky, u0), fma16(q1, ky, u1), fma16(q2, ky, u2), fma16(q3, ky, u3)
         d = _scale8x2(k_scale, c0 + b * BLOCK, c1 + b * BLOCK)
-        e = _scale8x2(k_scale, c2 + b * BLOCK, c3 + b * BLOCK)
         s0, s1, s2, s3 = fma16(d, p0, s0), fma16(d, p1, s1), fma16(d, p2, s2), fma16(d, p3, s3)
-        t0, t1, t2, t3 = fma16(e, u0, t0), fma16(e, u1, t1), fma16(e, u2, t2), fma16(e, u3, t3)
+        if ZMM:
+            e = _scale8x2(k_scale, c2 + b * BLOCK, c3 + b * BLOCK)
+            t0, t1, t2, t3 = fma16(e, u0, t0), fma16(e, u1, t1), fma16(e, u2, t2), fma16(e, u3, t3)
     store_f32x16(scores[r0], col, s0)
     store_f32x16(scores[r0 + 1], col, s1)
     store_f32x16(scores[r0 + 2], col, s2)
     store_f32x16(scores[r0 + 3], col, s3)
-    store_f32x16(scores[r0], col + 2 * BLOCK, t0)
-    store_f32x16(scores[r0 + 1], col + 2 * BLOCK, t1)
-    store_f32x16(scores[r0 + 2], col + 2 * BLOCK, t2)
-    store_f32x16(scores[r0 + 3], col + 2 * BLOCK, t3)
+    if ZMM:
+        store_f32x16(scores[r0], col + 2 * BLOCK, t0)
+        store_f32x16(scores[r0 + 1], col + 2 * BLOCK, t1)
+        store_f32x16(scores[r0 + 2], col + 2 * BLOCK, t2)
+        store_f32x16(scores[r0 + 3], col + 2 * BLOCK, t3)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _fetch_ahead(ahead, n, n_ahead, nk, keys, k_at, values, v_at, per_line):
     """Up to n more lines of what attend_rows fetches ahead (nk elements of keys from k_at, then of
     values from v_at; `ahead` elements so far): returns the new count."""
-    for _ in range(n):
-        if ahead < n_ahead:
-            if ahead < nk:
-                prefetch_l2(keys, k_at + ahead)
-            else:
-                prefetch_l2(values, v_at + ahead - nk)
-            ahead += per_line
+    end = min(n_ahead, ahead + n * per_line)  # a bound, not a count of n: ~8% faster loops around it
+    while ahead < end:
+        if ahead < nk:
+            prefetch_l2(keys, k_at + ahead)
+        else:
+            prefetch_l2(values, v_at + ahead - nk)
+        ahead += per_line
     return ahead
 
 
@@ -365,7 +291,7 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
     none; -2: nothing ahead at all, for a prefill, whose spans the items share in cache). Fetched
     only after the last chunk, it had started cold: a batched step's spans of 193 positions read at
     16-17 GB/s, at 22-23 with it (of ~28; SmolLM2, 16 rows, Zen 5).
-    On the avx512 paths the products run on 512-bit vectors (_scores4x4, the ZMM P.V loop): each
+    On the avx512 paths the products run on 512-bit vectors (_scores, the ZMM P.V loop): each
     score and output lane is the same chain of FMAs in the same order as on 256-bit ones."""
     R, hd = q.shape
     cap = values.shape[1]
@@ -379,12 +305,9 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         nb = (c1 - c0 + BLOCK - 1) // BLOCK
         # key tiles outer: a pair of tiles stays in L1 while every row meets it (with the rows
         # outer, Gemma's hd-256 chunk was re-read from L2 once per 4 rows)
-        for b in range(0, nb, 4 if ZMM else 2):  # a last call's tiles past `width` land there, unread
+        for b in range(0, nb, TILES):  # a last call's tiles past `width` land there, unread
             for r0 in range(0, R, ROWS):
-                if ZMM:
-                    _scores4x4(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
-                else:
-                    _scores4x2(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
+                _scores(q, r0, keys, k_scale, kv, (c0 // BLOCK + b) % nkb, scores, b * BLOCK)
         width = nb * BLOCK
         # a chunk wholly inside the span, before every row's position and within every row's
         # window needs no mask: the common case, kept free of per-score comparisons
@@ -428,66 +351,40 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
         width_pass = 4 * BLOCK if ZMM else 2 * BLOCK  # the columns of hd a pass of the P.V loop covers
         passes = (hd + width_pass - 1) // width_pass * (R // ROWS) * (j1 - j0)
         per_pass = (n_ahead // per_line + passes - 1) // passes  # a short chunk fetches more a pass
-        if ZMM:  # two 16-lane slices of hd: 8 independent FMA chains (an odd last 16 is one slice)
-            for i in range(0, hd - 2 * BLOCK + 1, 4 * BLOCK):
-                i2 = min(i + 2 * BLOCK, hd - 2 * BLOCK)  # the second slice, or the first again
-                for r0 in range(0, R, ROWS):
-                    a0, b0 = load_f32x16(acc[r0], i), load_f32x16(acc[r0], i2)
-                    a1, b1 = load_f32x16(acc[r0 + 1], i), load_f32x16(acc[r0 + 1], i2)
-                    a2, b2 = load_f32x16(acc[r0 + 2], i), load_f32x16(acc[r0 + 2], i2)
-                    a3, b3 = load_f32x16(acc[r0 + 3], i), load_f32x16(acc[r0 + 3], i2)
-                    for seg in range(2):  # before the ring wraps, then after
-                        ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
-                        for j in range(ja, jb):
-                            slot = j + shift
-                            ahead = _fetch_ahead(ahead, per_pass, n_ahead, nk, pk, k_ahead, pv, v_ahead, per_line)
-                            vx = _load16(values, (kv * cap + slot) * hd + i)
+        # a pass: 4 rows x a 16-lane slice of hd (two ymm registers; on the avx512 paths two zmm slices,
+        # an odd last 16 alone): 8 independent FMA chains, and a column of the chunk's values stays
+        # in L1 for all rows
+        for i in range(0, hd - 2 * BLOCK + 1, width_pass):
+            i2 = min(i + 2 * BLOCK, hd - 2 * BLOCK)  # the avx512 paths' second slice, or the first again
+            for r0 in range(0, R, ROWS):
+                a0, a1 = load_f32x16(acc[r0], i), load_f32x16(acc[r0 + 1], i)
+                a2, a3 = load_f32x16(acc[r0 + 2], i), load_f32x16(acc[r0 + 3], i)
+                b0, b1, b2, b3 = a0, a1, a2, a3
+                if ZMM:
+                    b0, b1 = load_f32x16(acc[r0], i2), load_f32x16(acc[r0 + 1], i2)
+                    b2, b3 = load_f32x16(acc[r0 + 2], i2), load_f32x16(acc[r0 + 3], i2)
+                for seg in range(2):  # before the ring wraps, then after
+                    ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
+                    for j in range(ja, jb):
+                        slot = j + shift
+                        ahead = _fetch_ahead(ahead, per_pass, n_ahead, nk, pk, k_ahead, pv, v_ahead, per_line)
+                        d = _scale1(v_scale, kv, slot, i // QBLOCK)  # q8_0: i2 is in i's 32-block
+                        w0, w1 = f32x16(scores[r0, j] * d), f32x16(scores[r0 + 1, j] * d)
+                        w2, w3 = f32x16(scores[r0 + 2, j] * d), f32x16(scores[r0 + 3, j] * d)
+                        vx = _load16(values, (kv * cap + slot) * hd + i)
+                        a0, a1, a2, a3 = fma16(w0, vx, a0), fma16(w1, vx, a1), fma16(w2, vx, a2), fma16(w3, vx, a3)
+                        if ZMM:
                             vy = _load16(values, (kv * cap + slot) * hd + i2)
-                            d = _scale1(v_scale, kv, slot, i // QBLOCK)  # q8_0: i2 is in i's 32-block
-                            w0, w1 = f32x16(scores[r0, j] * d), f32x16(scores[r0 + 1, j] * d)
-                            w2, w3 = f32x16(scores[r0 + 2, j] * d), f32x16(scores[r0 + 3, j] * d)
-                            a0, b0 = fma16(w0, vx, a0), fma16(w0, vy, b0)
-                            a1, b1 = fma16(w1, vx, a1), fma16(w1, vy, b1)
-                            a2, b2 = fma16(w2, vx, a2), fma16(w2, vy, b2)
-                            a3, b3 = fma16(w3, vx, a3), fma16(w3, vy, b3)
-                    if i2 > i:  # stored first: with one slice, a0 .. a3 are its sums
-                        store_f32x16(acc[r0], i2, b0)
-                        store_f32x16(acc[r0 + 1], i2, b1)
-                        store_f32x16(acc[r0 + 2], i2, b2)
-                        store_f32x16(acc[r0 + 3], i2, b3)
-                    store_f32x16(acc[r0], i, a0)
-                    store_f32x16(acc[r0 + 1], i, a1)
-                    store_f32x16(acc[r0 + 2], i, a2)
-                    store_f32x16(acc[r0 + 3], i, a3)
-        else:
-            for i in range(0, hd, 2 * BLOCK):  # two 8-lane slices of hd: 8 independent FMA chains
-                for r0 in range(0, R, ROWS):  # a 16-wide column of the chunk's values stays in L1 for all rows
-                    a0, b0 = load_f32x8(acc[r0], i), load_f32x8(acc[r0], i + BLOCK)
-                    a1, b1 = load_f32x8(acc[r0 + 1], i), load_f32x8(acc[r0 + 1], i + BLOCK)
-                    a2, b2 = load_f32x8(acc[r0 + 2], i), load_f32x8(acc[r0 + 2], i + BLOCK)
-                    a3, b3 = load_f32x8(acc[r0 + 3], i), load_f32x8(acc[r0 + 3], i + BLOCK)
-                    for seg in range(2):  # before the ring wraps, then after
-                        ja, jb, shift = (j0, split, first_slot - j0) if seg == 0 else (split, j1, first_slot - j0 - cap)
-                        for j in range(ja, jb):
-                            slot = j + shift
-                            ahead = _fetch_ahead(ahead, per_pass, n_ahead, nk, pk, k_ahead, pv, v_ahead, per_line)
-                            vx = _load8(values, (kv * cap + slot) * hd + i)
-                            vy = _load8(values, (kv * cap + slot) * hd + i + BLOCK)
-                            d = _scale1(v_scale, kv, slot, i // QBLOCK)
-                            w0, w1 = f32x8(scores[r0, j] * d), f32x8(scores[r0 + 1, j] * d)
-                            w2, w3 = f32x8(scores[r0 + 2, j] * d), f32x8(scores[r0 + 3, j] * d)
-                            a0, b0 = fma(w0, vx, a0), fma(w0, vy, b0)
-                            a1, b1 = fma(w1, vx, a1), fma(w1, vy, b1)
-                            a2, b2 = fma(w2, vx, a2), fma(w2, vy, b2)
-                            a3, b3 = fma(w3, vx, a3), fma(w3, vy, b3)
-                    store_f32x8(acc[r0], i, a0)
-                    store_f32x8(acc[r0], i + BLOCK, b0)
-                    store_f32x8(acc[r0 + 1], i, a1)
-                    store_f32x8(acc[r0 + 1], i + BLOCK, b1)
-                    store_f32x8(acc[r0 + 2], i, a2)
-                    store_f32x8(acc[r0 + 2], i + BLOCK, b2)
-                    store_f32x8(acc[r0 + 3], i, a3)
-                    store_f32x8(acc[r0 + 3], i + BLOCK, b3)
+                            b0, b1, b2, b3 = fma16(w0, vy, b0), fma16(w1, vy, b1), fma16(w2, vy, b2), fma16(w3, vy, b3)
+                if ZMM and i2 > i:  # stored first: with one slice, a0 .. a3 are its sums
+                    store_f32x16(acc[r0], i2, b0)
+                    store_f32x16(acc[r0 + 1], i2, b1)
+                    store_f32x16(acc[r0 + 2], i2, b2)
+                    store_f32x16(acc[r0 + 3], i2, b3)
+                store_f32x16(acc[r0], i, a0)
+                store_f32x16(acc[r0 + 1], i, a1)
+                store_f32x16(acc[r0 + 2], i, a2)
+                store_f32x16(acc[r0 + 3], i, a3)
         c0 = c1
 
 
