@@ -289,8 +289,8 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
     Once less than half a chunk of the span is left, the first chunk of the caller's next span is
     fetched instead: positions next_lo .. of kv head next_kv of (next_keys, next_values) (next_kv -1:
     none; -2: nothing ahead at all, for a prefill, whose spans the items share in cache). Fetched
-    only after the last chunk, it had started cold: a batched step's spans of 193 positions read at
-    16-17 GB/s, at 22-23 with it (of ~28; SmolLM2, 16 rows, Zen 5).
+    only after the last chunk, it had started cold: a batched step's spans of 193 positions were read
+    at 19 GB/s, at 26 with it and 512-bit vectors (of ~28-33; SmolLM2, 16 rows, Zen 5).
     On the avx512 paths the products run on 512-bit vectors (_scores, the ZMM P.V loop): each
     score and output lane is the same chain of FMAs in the same order as on 256-bit ones."""
     R, hd = q.shape
@@ -376,7 +376,7 @@ def attend_rows(q, qpos, n_rows, keys, k_scale, values, v_scale, kv, lo, hi, win
                         if ZMM:
                             vy = _load16(values, (kv * cap + slot) * hd + i2)
                             b0, b1, b2, b3 = fma16(w0, vy, b0), fma16(w1, vy, b1), fma16(w2, vy, b2), fma16(w3, vy, b3)
-                if ZMM and i2 > i:  # stored first: with one slice, a0 .. a3 are its sums
+                if ZMM and i2 > i:  # with one slice (an odd last 16), a0 .. a3 are its sums
                     store_f32x16(acc[r0], i2, b0)
                     store_f32x16(acc[r0 + 1], i2, b1)
                     store_f32x16(acc[r0 + 2], i2, b2)
