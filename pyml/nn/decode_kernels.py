@@ -33,9 +33,9 @@ from numba.extending import intrinsic
 from pyml.core import atomics, clock
 from pyml.core.jit import FASTMATH
 from pyml.nn import attention_kernels
-from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, add_bias,
-                                   after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots, linear,
-                                   linear_rows, now, per_shape)
+from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, StepBuffers,
+                                   add_bias, after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots,
+                                   linear, linear_rows, now, per_shape)
 from pyml.quant import interleaved_gemv
 
 _PHASES = 11  # counters per layer in a region: see _region_layers
@@ -147,8 +147,9 @@ def decode_layers_kernel(shape: BlockShape):
 class RowBuffers(NamedTuple):
     """decode_rows' scratch for B rows (a ROWS_MAX-row set sliced to B: FusedBlock.row_buffers): the
     products' outputs p1 [B, q | k | v, or q], pk, pv [B, nkv] (q, k, v apart; else [B, 0]), q rows
-    [B, nq] after the q norm and RoPE, ctx [B, H, hd], and gate's [B, f] (gate and up apart; else
-    [B, 0]) and up's [B, f] before they are laid side by side in `gu`."""
+    [B, nq] after the q norm and RoPE, ctx [B, H, hd], gate's [B, f] (gate and up apart; else
+    [B, 0]) and up's [B, f] before they are laid side by side in `gu`, and each row's RoPE angles
+    (StepBuffers' rot [B, 2, 1, hd/2] and rot_of [B, 1 + hd/2]: a row's layers compute them once)."""
     p1: object
     pk: object
     pv: object
@@ -156,6 +157,8 @@ class RowBuffers(NamedTuple):
     ctx: object
     g1: object
     g2: object
+    rot: object
+    rot_of: object
 
 
 @lru_cache(maxsize=None)
@@ -164,7 +167,7 @@ def decode_rows_kernel(shape: BlockShape):
     sequence of a KVPool, 2 <= B <= ROWS_MAX) through a run of like blocks, as decode_layers walks
     them (rebased weights and cache arrays), on the same recipe: the steps run over all B rows
     (`buf`'s arrays [B, ...]) except after_qkv, run row by row on the one-row buffers `one` (each row
-    its own position and sequence); every product is decode_recipe.matrows (each row its GEMV's
+    its own position, sequence and angles); every product is decode_recipe.matrows (each row its GEMV's
     bits) and the attention attention_kernels' batched decode over the pool's layer arrays (`seqs`,
     `ends`, `splits` per row: attention_kernels.batch_splits). Untimed: a timed batched step takes
     the layer-by-layer path (nn/fused.py)."""
@@ -178,7 +181,7 @@ def decode_rows_kernel(shape: BlockShape):
     def decode_rows(x, pre_w, pre_at, buf, rows, one, post_w, post_at, kv, kv_at, seqs, ends, splits, window, scale,
                     chunks, no_kv, out, counters, events, ticks, layer0):
         h, y, gu, a = buf.h, buf.y, buf.gu, buf.a
-        p1, pk, pv, q, ctx, g1, g2 = rows
+        p1, pk, pv, q, ctx, g1, g2, rot, rot_of = rows
         qkv, nq, nkv = one.qkv, one.nq, one.nkv
         B, f, n1 = x.shape[0], a.shape[1], p1.shape[1]
         q3 = q.reshape(ctx.shape)
@@ -198,8 +201,9 @@ def decode_rows_kernel(shape: BlockShape):
                 if sep_qkv:
                     qkv[nq:nq + nkv] = pk[b]
                     qkv[nq + nkv:] = pv[b]
-                s_ = seqs[b]
-                after_qkv(key, pw, one, (keys[s_], k_scale[s_], values[s_], v_scale[s_]), ends[b] - 1, 0, events,
+                s_, row = seqs[b], StepBuffers(one.h, qkv, one.q2, one.k2, one.q3, one.k3, one.v3, nq, nkv, one.y,
+                                               one.gu, one.a, rot[b], rot_of[b])  # the row's angles
+                after_qkv(key, pw, row, (keys[s_], k_scale[s_], values[s_], v_scale[s_]), ends[b] - 1, 0, events,
                           False, counters, li, 0)
                 q[b] = qkv[:nq]
             # every row's k, v written above: the batched attention only reads (no_kv: [0, Hkv, hd])

@@ -164,7 +164,7 @@ class FusedBlock:
             post_ffn=int(pfn is not None), post_ffn_unit=int(pfn is not None and pfn.unit_offset))
         self.ctx = np.zeros((H, attn.head_dim), np.float32)
         self.bufs = StepBuffers(self.h, self.qkv, q2, k2, self.q3, self.k3, self.v3, nq, nkv, self.y, self.gu, self.a,
-                                np.zeros((2, 1, hd // 2), np.float32))
+                                *_rot_buffers(hd))
         self.window = attn.window or 0
         self.tables = _op_tables(block, projs, ups, mlp, d, H, Hkv, hd, f)
         self.op_loggers = {op.perf for table in self.tables for op in table if op is not None}
@@ -197,11 +197,12 @@ class FusedBlock:
                 f_apart = f if self.shape.mlp == 2 else 0
                 z = lambda *shape: np.zeros((R,) + shape, np.float32)  # noqa: E731
                 self._rows_max = (z(d), z(self.gu.shape[1]), z(f), z(d), z(d), z(n1), z(n_apart), z(n_apart),
-                                  z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart))
+                                  z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart),
+                                  *_rot_buffers(attn.head_dim, R))
             h, gu, a, y, out, *rows = (v[:B] for v in self._rows_max)
             b = self.bufs
-            bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a, b.rot),
-                                    RowBuffers(*rows), out)
+            bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a, b.rot,
+                                                b.rot_of), RowBuffers(*rows), out)
         return bufs
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
@@ -456,6 +457,12 @@ class FusedStep:
         finally:
             if held is not None:
                 held.release()
+
+
+def _rot_buffers(head_dim: int, rows: int = 0) -> tuple:
+    """StepBuffers' rot and rot_of (of `rows` rows: RowBuffers'), no angles in them yet."""
+    lead = (rows,) if rows else ()
+    return np.zeros(lead + (2, 1, head_dim // 2), np.float32), np.full(lead + (1 + head_dim // 2,), np.nan)
 
 
 def _claim(first, layers, pos, cache) -> int:

@@ -42,3 +42,23 @@ def test_a_shared_table_is_remade_for_new_positions():
     later = rope(x.copy(), 100)
     np.testing.assert_allclose(later, _rotated(x, 100, 10000.0, 8, False), atol=1e-4)
     assert not np.allclose(first, later)
+
+
+def test_the_decode_steps_angles_are_remade_when_the_position_or_the_frequencies_change():
+    """decode_recipe._rope_angles keeps one position's cos and sin for a step's layers: each call
+    must leave the angles of its own position and frequencies, whatever the buffers held before."""
+    import numba
+
+    from pyml.nn.decode_recipe import _rope_angles
+
+    @numba.njit
+    def angles(pos, inv_freq, rot, rot_of):
+        _rope_angles(pos, inv_freq, rot, rot_of)
+
+    local, wide = (1.0 / base ** (np.arange(0, 16, 2) / 16.0) for base in (10_000.0, 1_000_000.0))
+    rot, rot_of = np.zeros((2, 1, 8), np.float32), np.full(9, np.nan)
+    # each call after the first repeats or changes one of the two (a key missing either fails)
+    for pos, inv_freq in [(5, local), (5, local), (6, local), (6, wide), (6, local), (0, local), (5, local)]:
+        angles(pos, inv_freq, rot, rot_of)
+        np.testing.assert_allclose(rot[0, 0], np.cos(pos * inv_freq), rtol=0, atol=1e-7)
+        np.testing.assert_allclose(rot[1, 0], np.sin(pos * inv_freq), rtol=0, atol=1e-7)
