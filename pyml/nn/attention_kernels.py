@@ -501,21 +501,30 @@ def _decode_batch(q, k, v, keys, k_scale, values, v_scale, seqs, ends, splits, w
     # k, v written there and its heads attended on one thread (the rows are the parallel work), its
     # span cut in the splits[b] parts its decode step alone cuts it in (batch_splits): the same bits
     for b in numba.prange(q.shape[0]):
-        s, end, parts = seqs[b], ends[b], splits[b]
-        ks, kss, vs, vss = keys[s], k_scale[s], values[s], v_scale[s]
-        write_kv(k[b:b + 1], v[b:b + 1], end - 1, ks, kss, vs, vss)
-        start = max(0, end - window) if window else 0
-        n_kv = vs.shape[0]
-        group, qs, qpos, m, l, acc, scores = _decode_setup(q[b], vs, parts, scale, end)
-        # after this row's items, the next row's (a thread takes rows in order)
-        nb = min(b + 1, q.shape[0] - 1)
-        next_keys, next_values = keys[seqs[nb]], values[seqs[nb]]
-        next_lo = (max(0, ends[nb] - window) if window else 0) if nb > b else -1
-        for item in range(n_kv * parts):
-            decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores,
-                        next_keys, next_values, next_lo)
-        decode_merge(n_kv, parts, group, m, l, acc, out[b])
+        s = seqs[b]
+        write_kv(k[b:b + 1], v[b:b + 1], ends[b] - 1, keys[s], k_scale[s], values[s], v_scale[s])
+        decode_row(b, q[b], keys, k_scale, values, v_scale, seqs, ends, splits, window, scale, out[b])
     return out
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def decode_row(b, q, keys, k_scale, values, v_scale, seqs, ends, splits, window, scale, out):
+    """Row b of a batched decode step on the calling thread: out [H, hd] <- its query q [H, hd] over
+    its sequence's cache (position ends[b]-1 written), in the splits[b] parts its decode step alone
+    cuts the span in; the next row's first keys and values fetched meanwhile (its thread, or the
+    other, takes it next)."""
+    s, end, parts = seqs[b], ends[b], splits[b]
+    ks, kss, vs, vss = keys[s], k_scale[s], values[s], v_scale[s]
+    start = max(0, end - window) if window else 0
+    n_kv = vs.shape[0]
+    group, qs, qpos, m, l, acc, scores = _decode_setup(q, vs, parts, scale, end)
+    nb = min(b + 1, seqs.shape[0] - 1)
+    next_keys, next_values = keys[seqs[nb]], values[seqs[nb]]
+    next_lo = (max(0, ends[nb] - window) if window else 0) if nb > b else -1
+    for item in range(n_kv * parts):
+        decode_item(item, parts, qs, qpos, group, ks, kss, vs, vss, start, end, 0, m, l, acc, scores,
+                    next_keys, next_values, next_lo)
+    decode_merge(n_kv, parts, group, m, l, acc, out)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, error_model="numpy")

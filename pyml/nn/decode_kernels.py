@@ -11,7 +11,11 @@
   x8 with no tail rows and whose projections are fused (region_shape_ok);
 - decode_rows: a batched decode step's B rows (one token of its own sequence each) as
   decode_layers walks one: the steps over all rows, after_qkv row by row, the products and the
-  batched attention over the KV pool as whole calls of the kernels the layer-by-layer path calls.
+  batched attention over the KV pool as whole calls of the kernels the layer-by-layer path calls;
+- decode_rows_region: decode_rows as one parallel region (region_shape_ok's blocks), as
+  decode_region is decode_layers: the rows' steps claimed a block of rows at a time, the
+  attention two rows, the products in chunks, so the steps decode_rows runs on one thread
+  (the norms, after_qkv, the activations' quantization: ~1.3 ms of a 16-row SmolLM2 step) run on all.
 
 Each layer's weights and cache arrays are the first layer's, rebased to its own addresses
 (_rebased: the caller checks that the layers' arrays agree in all but address, FusedStep).
@@ -36,7 +40,7 @@ from pyml.nn import attention_kernels
 from pyml.nn.decode_recipe import (A_MM, B_MM_1, B_MM_DOWN, B_MM_O, C_SDPA, SLOT, BlockShape, StepBuffers,
                                    add_bias, after_down, after_o, after_qkv, after_up, attn_norm, event, event_slots,
                                    linear, linear_rows, now, per_shape)
-from pyml.quant import interleaved_gemv
+from pyml.quant import interleaved_gemv, interleaved_rows
 
 _PHASES = 11  # counters per layer in a region: see _region_layers
 _LAST = 1  # a step's slot (timed): the latest tick a thread finished one of its pieces at
@@ -445,3 +449,191 @@ def decode_region_kernel(shape: BlockShape):
         return out
 
     return decode_region
+
+
+
+# --- decode_rows_region --------------------------------------------------------------------------
+
+# A batched step's layer as decode_rows_region walks it: steps that alternate between the rows' own
+# work (a block of rows claimed by one thread: the recipe's steps on the block's views, then each
+# row's activation quantized for the next product) and a product's chunks (interleaved_rows.rows_chunk):
+#   0 rows    layer 0 only: attn_norm, quantize h          (later layers': in step 9 of the one before)
+#   1 chunks  qkv product -> p1
+#   2 rows    its bias, after_qkv (in place in p1)         every row's k, v written before any attends
+#   3 rows    the row's attention -> ctx, quantize ctx
+#   4 chunks  o product -> y
+#   5 rows    its bias, after_o, quantize h
+#   6 chunks  up product -> gu
+#   7 rows    its bias, after_up, quantize a
+#   8 chunks  down product -> y
+#   9 rows    its bias, after_down; the next layer's attn_norm, quantize h
+_ROW_STEPS = 10
+ROW_CLAIMS = 4  # a row step's rows are claimed in this many blocks (a claim is a contended atomic)
+ATTENTION_ROWS = 2  # the attention's rows are claimed 2 at a time: a row fetches the next one's start
+
+
+def rows_region_counters(n_layers: int) -> np.ndarray:
+    """decode_rows_region's counters for a run of n_layers."""
+    return np.zeros(n_layers * _ROW_STEPS * SLOT, np.int64)
+
+
+@numba.njit(inline="always")
+def _row_views(buf, rows, b, nq, nkv):
+    """Row b's StepBuffers: buf's one-row views, its q | k | v in place in p1 (projections fused), its
+    own angles."""
+    qkv = rows.p1[b]
+    H, hd = rows.ctx.shape[1], rows.ctx.shape[2]
+    q, k, v = qkv[:nq], qkv[nq:nq + nkv], qkv[nq + nkv:]
+    Hkv = nkv // hd
+    return StepBuffers(buf.h[b:b + 1], qkv, q.reshape((H, hd)), k.reshape((Hkv, hd)), q.reshape((1, H, hd)),
+                       k.reshape((1, Hkv, hd)), v.reshape((1, Hkv, hd)), nq, nkv, buf.y[b:b + 1], buf.gu[b:b + 1],
+                       buf.a[b:b + 1], rows.rot[b], rows.rot_of[b])
+
+
+@numba.njit(inline="always")
+def _rows_views(buf, lo, hi):
+    """StepBuffers of rows lo .. hi-1 for the recipe's steps over rows (attn_norm, after_o, after_up,
+    after_down: h, y, gu, a; the per-head views are row lo's, unused)."""
+    return StepBuffers(buf.h[lo:hi], buf.qkv, buf.q2, buf.k2, buf.q3, buf.k3, buf.v3, buf.nq, buf.nkv, buf.y[lo:hi],
+                       buf.gu[lo:hi], buf.a[lo:hi], buf.rot, buf.rot_of)
+
+
+def _rows_layers(key, out, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at, seqs, ends, splits, window, scale,
+                 act_d, act_q, act_f, chunks, counters, events, ticks, layer0):
+    """One thread's walk through decode_rows_region's layers: every step's work claimed from the
+    counters, then waited for until all of it is done."""
+
+
+@per_shape(_rows_layers)
+def _make_rows_layers(shape, e):
+    kq, ko, k1, kd = shape.q_kind, shape.o_kind, shape.up_kind, shape.down_kind
+    (units_q, chunk_q), (units_o, chunk_o) = interleaved_rows.rows_chunk(kq), interleaved_rows.rows_chunk(ko)
+    (units_1, chunk_1), (units_d, chunk_d) = interleaved_rows.rows_chunk(k1), interleaved_rows.rows_chunk(kd)
+
+    @numba.njit(inline="always")
+    def row_step(key, step, lo, hi, pw, qw, pw_next, layer, L, li, buf, rows, out, nq, nkv, cache, seqs, ends,
+                 splits, window, scale, flat_ctx, acts, counters, events, ticks):
+        """Rows lo .. hi-1 of row step `step`: the recipe's steps over the block's views (after_qkv
+        and the attention a row at a time)."""
+        act_d, act_q, act_f = acts
+        keys, k_scale, values, v_scale = cache
+        if step == 2:
+            for b in range(lo, hi):
+                add_bias(rows.p1[b], pw.bq)
+                s = seqs[b]
+                after_qkv(key, pw, _row_views(buf, rows, b, nq, nkv), (keys[s], k_scale[s], values[s], v_scale[s]),
+                          ends[b] - 1, 0, events, False, counters, li, 0)
+            return
+        if step == 3:
+            for b in range(lo, hi):
+                attention_kernels.decode_row(b, rows.p1[b][:nq].reshape(rows.ctx.shape[1:]), keys, k_scale, values,
+                                             v_scale, seqs, ends, splits, window, scale, rows.ctx[b])
+                interleaved_rows.rows_activation(ko, flat_ctx[b], act_q, b)
+            return
+        block, x = _rows_views(buf, lo, hi), out[lo:hi]
+        if step == 0:
+            attn_norm(key, pw, block, x, events, False, False, counters, ticks, layer, li, 0)
+            for b in range(lo, hi):
+                interleaved_rows.rows_activation(kq, buf.h[b], act_d, b)
+        elif step == 5:
+            for b in range(lo, hi):
+                add_bias(buf.y[b], qw.bo)
+            after_o(key, qw, block, x, 0, events, False, False, counters, ticks, layer, li, 0)
+            for b in range(lo, hi):
+                interleaved_rows.rows_activation(k1, buf.h[b], act_d, b)
+        elif step == 7:
+            for b in range(lo, hi):
+                add_bias(buf.gu[b], qw.b1)
+            after_up(key, block, 0, events, False, counters, li, 0)
+            for b in range(lo, hi):
+                interleaved_rows.rows_activation(kd, buf.a[b], act_f, b)
+        else:
+            for b in range(lo, hi):
+                add_bias(buf.y[b], qw.bd)
+            after_down(key, qw, block, x, 0, events, False, False, counters, ticks, layer, li, 0)
+            if layer + 1 < L:
+                attn_norm(key, pw_next, block, x, events, False, False, counters, ticks, layer + 1, li + 1, 0)
+                for b in range(lo, hi):
+                    interleaved_rows.rows_activation(kq, buf.h[b], act_d, b)
+
+    def rows_layers(key, out, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at, seqs, ends, splits, window,
+                    scale, act_d, act_q, act_f, chunks, counters, events, ticks, layer0):
+        acts = (act_d, act_q, act_f)
+        B, nq = out.shape[0], rows.q.shape[1]
+        nkv = (rows.p1.shape[1] - nq) // 2
+        flat_ctx = rows.ctx.reshape((B, nq))
+        acc = np.empty(16 * B, np.float32)  # the products' scratch: in L1
+        L = pre_at.shape[0]
+        row_claim = (B + ROW_CLAIMS - 1) // ROW_CLAIMS
+        row_claims = (B + row_claim - 1) // row_claim
+        for layer in range(L):
+            pw, qw = _rebased(pre_w, pre_at[layer]), _rebased(post_w, post_at[layer])
+            pw_next = _rebased(pre_w, pre_at[min(layer + 1, L - 1)])
+            cache = _rebased(kv, kv_at[layer])
+            li = layer0 + layer
+            n_q, n_o = min(units_q(pw.wq), chunks), min(units_o(qw.wo), chunks)
+            n_1, n_d = min(units_1(qw.w1), chunks), min(units_d(qw.wd), chunks)
+            for step in range(_ROW_STEPS):
+                ph = _ROW_STEPS * layer + step
+                n = row_claims
+                if step == 0:
+                    n = row_claims if layer == 0 else 0
+                elif step == 3:
+                    n = (B + ATTENTION_ROWS - 1) // ATTENTION_ROWS
+                elif step == 1:
+                    n = n_q
+                elif step == 4:
+                    n = n_o
+                elif step == 6:
+                    n = n_1
+                elif step == 8:
+                    n = n_d
+                while True:
+                    c = atomics.fetch_add(counters, SLOT * ph, 1)
+                    if c >= n:
+                        break
+                    if step == 1:
+                        chunk_q(pw.wq, act_d, rows.p1, c, n, acc)
+                    elif step == 4:
+                        chunk_o(qw.wo, act_q, buf.y, c, n, acc)
+                    elif step == 6:
+                        chunk_1(qw.w1, act_d, buf.gu, c, n, acc)
+                    elif step == 8:
+                        chunk_d(qw.wd, act_f, buf.y, c, n, acc)
+                    else:
+                        per = ATTENTION_ROWS if step == 3 else row_claim
+                        row_step(key, step, c * per, min(B, (c + 1) * per), pw, qw, pw_next, layer, L, li, buf, rows,
+                                 out, nq, nkv, cache, seqs, ends, splits, window, scale, flat_ctx, acts, counters,
+                                 events, ticks)
+                    _finish(counters, ph)
+                _wait(counters, ph, n)
+
+    return rows_layers
+
+
+@lru_cache(maxsize=None)
+def decode_rows_region_kernel(shape: BlockShape):
+    """decode_rows_region for blocks of `shape` (region_shape_ok, no tail rows): decode_rows' batched
+    step as one parallel region over the run (decode_region's counters): the rows' steps shared out
+    by blocks of rows, the attention by pairs of rows, the products by chunk - where decode_rows runs
+    the rows' steps and the activations' quantization on one thread. Each row gets decode_rows' bits
+    (the same steps and kernels on the same numbers). Untimed, as decode_rows."""
+    key = shape.key()
+
+    @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+    def decode_rows_region(x, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at, seqs, ends, splits, window,
+                           scale, act_d, act_q, act_f, chunks, out, counters, n_threads, events, ticks, layer0):
+        # act_d, act_q, act_f: the activations' quantization buffers (interleaved_rows.rows_buffers)
+        # for d, nq and f columns; n_threads: numba.get_num_threads() from Python (as decode_region's)
+        B = x.shape[0]
+        for i in range(counters.size):  # loops: no array expression for parallel=True to make a launch of
+            counters[i] = 0
+        for b in range(B):
+            for i in range(x.shape[1]):
+                out[b, i] = x[b, i]
+        for _ in numba.prange(n_threads):
+            _rows_layers(key, out, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at, seqs, ends, splits, window,
+                         scale, act_d, act_q, act_f, chunks, counters, events, ticks, layer0)
+        return out
+
+    return decode_rows_region

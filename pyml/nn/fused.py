@@ -44,7 +44,8 @@ from pyml.core import clock, ops, perf
 from pyml.nn import attention, attention_kernels, feed_forward, kv_cache, linear, rope
 from pyml.nn.attention import Attention
 from pyml.nn.decode_kernels import (RowBuffers, addresses, clock_slot, decode_layers_kernel, decode_region_kernel,
-                                    decode_rows_kernel, region_counters, region_shape_ok)
+                                    decode_rows_kernel, decode_rows_region_kernel, region_counters, region_shape_ok,
+                                    rows_region_counters)
 from pyml.nn.decode_recipe import (A_KNORM, A_MM, A_NORM, A_QNORM, A_ROPE_K, A_ROPE_Q, B_ACT, B_FFN, B_MM_1,
                                    B_MM_DOWN, B_MM_O, B_NORM, B_POST_ATTN, B_POST_FFN, N_POST_OPS, N_PRE_OPS,
                                    BlockShape, PostWeights, PreWeights, StepBuffers, event_slots)
@@ -180,13 +181,15 @@ class FusedBlock:
         self._run = None  # this block alone as a decode_layers run (_solo)
         self._rows = {}  # B -> a batched step's buffers for B rows (row_buffers)
         self._rows_max = None  # their ROWS_MAX-row arrays, made on the first batched step
+        self._acts_max = None  # and their activations' quantization buffers (decode_rows_region's)
 
     @property
     def block(self):
         return self._block()
 
     def row_buffers(self, B: int) -> tuple:
-        """(StepBuffers of B rows, RowBuffers, output [B, d]) for decode_rows_kernel: views of one
+        """(StepBuffers of B rows, RowBuffers, output [B, d], the activations' quantization buffers
+        for d, nq and f columns [B, ...]: decode_rows_region's) for decode_rows_kernel: views of one
         ROWS_MAX-row set, so a step of any B allocates nothing."""
         bufs = self._rows.get(B)
         if bufs is None:
@@ -199,10 +202,12 @@ class FusedBlock:
                 self._rows_max = (z(d), z(self.gu.shape[1]), z(f), z(d), z(d), z(n1), z(n_apart), z(n_apart),
                                   z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart),
                                   *_rot_buffers(attn.head_dim, R))
+                self._acts_max = tuple(interleaved_rows.rows_buffers(R, n) for n in (d, nq, f))
             h, gu, a, y, out, *rows = (v[:B] for v in self._rows_max)
             b = self.bufs
             bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a, b.rot,
-                                                b.rot_of), RowBuffers(*rows), out)
+                                                b.rot_of), RowBuffers(*rows), out,
+                                    tuple(tuple(v[:B] for v in act) for act in self._acts_max))
         return bufs
 
     def __call__(self, x: np.ndarray, pos: int, cache) -> np.ndarray:
@@ -345,6 +350,9 @@ class FusedStep:
         # the step of a run whose blocks decode_region implements: (kernel, counters, activation
         # buffers, attention scratch), or None
         self.regions = [self._region(first, len(layers)) for first, _, layers, *_ in self.runs]
+        # a batched step's runs: decode_rows_region's counters where it takes the run, else None (decode_rows)
+        self.rows_counters = [rows_region_counters(len(layers)) if first.region_ok() else None
+                              for first, _, layers, *_ in self.runs]
 
     @staticmethod
     def _region(first, n_layers):
@@ -425,7 +433,8 @@ class FusedStep:
         """Decode rows through all the blocks: row b one token of sequence seqs[b] of `pool` (a KVPool,
         or a OneSequence) at position ends[b]-1, 2 <= B <= ROWS_MAX - a batched decode step (nn/batch.py),
         or a speculative verify pass (one sequence's consecutive positions: every row's keys and
-        values are written before any row attends). One decode_rows call per run of like blocks, the
+        values are written before any row attends). One decode_rows_region call per run of like blocks
+        (decode_rows' where the region does not take the blocks: rows_counters None), the
         recipe's steps over the B rows, the products and the attention as the layer-by-layer path
         runs them on B rows (the same kernels: the same bits). None where that path must run: a
         block set to the reference path, or spans on (the batched step is not timed from inside)."""
@@ -438,17 +447,24 @@ class FusedStep:
         chunks = interleaved_rows.chunks_for(threads)
         held = None  # the runs' locks, taken in order as __call__ takes them
         try:
-            for first, _, layers, pre_at, post_at, _ in self.runs:
+            for (first, _, layers, pre_at, post_at, _), counters in zip(self.runs, self.rows_counters):
                 first._busy.acquire()
                 try:
-                    buf, rows, out = first.row_buffers(B)
+                    buf, rows, out, acts = first.row_buffers(B)
                     attn = first.block.attn
                     splits = attention_kernels.batch_splits(first.ctx.size, attn.n_kv_heads, ends, first.window,
                                                             threads)
-                    x = decode_rows_kernel(first.shape)(
-                        x, first.pre_w, pre_at, buf, rows, first.bufs, first.post_w, post_at, pool.layer(layers[0]),
-                        kv_at[layers[0]:layers[-1] + 1], seqs, ends, splits, first.window, attn.scale, chunks,
-                        _NO_KV, out, first.clock, first.events.events, first.ticks.untimed, layers[0])
+                    kv, run_at = pool.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1]
+                    if counters is not None:
+                        x = decode_rows_region_kernel(first.shape)(
+                            x, first.pre_w, pre_at, buf, rows, first.post_w, post_at, kv, run_at, seqs, ends, splits,
+                            first.window, attn.scale, *acts, chunks, out, counters, threads, first.events.events,
+                            first.ticks.untimed, layers[0])
+                    else:
+                        x = decode_rows_kernel(first.shape)(
+                            x, first.pre_w, pre_at, buf, rows, first.bufs, first.post_w, post_at, kv, run_at, seqs,
+                            ends, splits, first.window, attn.scale, chunks, _NO_KV, out, first.clock,
+                            first.events.events, first.ticks.untimed, layers[0])
                 finally:
                     if held is not None:
                         held.release()

@@ -122,46 +122,81 @@ def _rows_pair_k(w0, w1, xq, xd, xs, acc):
                                                      load_f32x16(acc, 16 * t)))
 
 
+@numba.njit
+def rows_buffers(T, n):
+    """(xq, xd, xs, xp, xoff, y8) [T, ...]: what gemv_activation fills for T activation rows of n values."""
+    nb = n // 32
+    return (np.empty((T, n), np.int8), np.empty((T, nb), np.float32), np.empty((T, nb), np.float32),
+            np.empty((T, n // 2), np.int16), np.empty((T, nb), np.int32), np.empty((T, n), np.uint8))
+
+
+@numba.njit(inline="always")
+def rows_activation(kind, x, act, t):
+    """Row t of act (rows_buffers) <- x quantized as the GEMV quantizes it."""
+    xq, xd, xs, xp, xoff, y8 = act
+    gemv_activation(kind, x, xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
+
+
+@lru_cache(maxsize=None)
+def rows_chunk(kind: int):
+    """(units, chunk) for `kind`: units(groups) the product's units of work (pairs of groups on
+    512-bit vectors, a last odd group alone; else groups); chunk(groups, act, out, c, chunks, acc)
+    runs units c*U/chunks .. (c+1)*U/chunks - 1 of out [T, >= 8G] = x W^T, x quantized in `act`
+    (rows_activation), acc [16T] f32 scratch. gemv_rows' chunks and decode_kernels' batched region
+    run it: one loop for both."""
+    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+    pairs = ZMM and kind in ZMM_KINDS  # a constant: the other paths compile no pair loop
+
+    @numba.njit(inline="always")
+    def units(groups):
+        G = groups.shape[0]
+        P = G // 2 if pairs else 0
+        return P + (G - 2 * P)
+
+    @numba.njit(inline="always")
+    def chunk(groups, act, out, c, chunks, acc):
+        xq, xd, xs, xp, xoff, y8 = act
+        y = activation_bytes(kind, xq, y8)
+        T, U = xd.shape[0], units(groups)
+        P = groups.shape[0] // 2 if pairs else 0
+        for u in range(c * U // chunks, (c + 1) * U // chunks):
+            if pairs and u < P:
+                if kind == Q4_K:
+                    _rows_pair_k(groups[u], groups[u + P], xq, xd, xs, acc)
+                else:
+                    _rows_pair(kind, groups[u], groups[u + P], y, xd, xs, xoff, acc)
+                for t in range(T):
+                    store_f32x8(out[t], 8 * u, load_f32x8(acc, 16 * t))
+                    store_f32x8(out[t], 8 * (u + P), load_f32x8(acc, 16 * t + 8))
+                continue
+            g = u + P
+            if kind == Q4_K:
+                _rows_group_k(groups[g], xq, xd, xs, acc)
+            else:
+                _rows_group(kind, groups[g], y, xd, xs, xoff, acc)
+            for t in range(T):
+                store_f32x8(out[t], 8 * g, load_f32x8(acc, 8 * t))
+
+    return units, chunk
+
+
 @lru_cache(maxsize=None)
 def rows_kernel(kind: int):
     """(groups, x, out, chunks): groups [G, nb*sb] u8 (interleaved.py), x [T, n_cols] f32 -> out [T, >= 8G]
     f32; the groups shared out in `chunks` pieces (chunks_for: kernels never read the thread count)."""
-    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
-    pairs = ZMM and kind in ZMM_KINDS  # a constant: the other paths compile no pair loop
+    kind = int(kind)
+    units, chunk = rows_chunk(kind)
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_rows(groups, x, out, chunks):
-        T, n = x.shape
-        nb = n // 32
-        xq, xd, xs = np.empty((T, n), np.int8), np.empty((T, nb), np.float32), np.empty((T, nb), np.float32)
-        xp, xoff, y8 = np.empty((T, n // 2), np.int16), np.empty((T, nb), np.int32), np.empty((T, n), np.uint8)
+        T = x.shape[0]
+        act = rows_buffers(T, x.shape[1])
         for t in range(T):  # each row as the GEMV quantizes it
-            gemv_activation(kind, x[t], xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
-        y = activation_bytes(kind, xq, y8)
-        G = groups.shape[0]
-        # the work's units: pairs of groups on 512-bit vectors (a last odd group alone), else groups
-        P = G // 2 if pairs else 0
-        U = P + (G - 2 * P)
-        chunks = min(U, chunks)
+            rows_activation(kind, x[t], act, t)
+        chunks = min(units(groups), chunks)
         for c in prange(chunks):
             acc = np.empty(16 * T, np.float32)  # lane r of row t at 8t + r (a pair's: 16t + r): in L1
-            for u in range(c * U // chunks, (c + 1) * U // chunks):
-                if pairs and u < P:
-                    if kind == Q4_K:
-                        _rows_pair_k(groups[u], groups[u + P], xq, xd, xs, acc)
-                    else:
-                        _rows_pair(kind, groups[u], groups[u + P], y, xd, xs, xoff, acc)
-                    for t in range(T):
-                        store_f32x8(out[t], 8 * u, load_f32x8(acc, 16 * t))
-                        store_f32x8(out[t], 8 * (u + P), load_f32x8(acc, 16 * t + 8))
-                    continue
-                g = u + P
-                if kind == Q4_K:
-                    _rows_group_k(groups[g], xq, xd, xs, acc)
-                else:
-                    _rows_group(kind, groups[g], y, xd, xs, xoff, acc)
-                for t in range(T):
-                    store_f32x8(out[t], 8 * g, load_f32x8(acc, 8 * t))
+            chunk(groups, act, out, c, chunks, acc)
         return out
 
     return gemv_rows

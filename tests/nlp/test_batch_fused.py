@@ -95,6 +95,22 @@ def test_compiled_batched_step_equals_layer_by_layer(tmp_path, arch, kv_type, co
         assert np.array_equal(a, b), f"{kv_type} step {step}: {np.abs(a - b).max():.2e}"
 
 
+@pytest.mark.parametrize("arch", ["llama-q4_0", "gemma3-q8_0"])
+def test_the_rows_region_equals_decode_rows(tmp_path, arch, compiled_steps):
+    """x8 blocks take decode_rows_region (a batched step as one parallel region); the same steps as
+    decode_rows' calls, the same bits. Its rows step by step against decode_rows' on the same model."""
+    model = _model(tmp_path, arch)
+    step = model._fused_step()
+    assert all(c is not None for c in step.rows_counters)  # the region is what runs
+    got = decode_steps(model, True, "f16")
+    counters, step.rows_counters = step.rows_counters, [None] * len(step.runs)  # decode_rows instead
+    ref = decode_steps(model, True, "f16")
+    step.rows_counters = counters
+    assert compiled_steps == [True] * (2 * STEPS)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert np.array_equal(a, b), f"step {i}: {np.abs(a - b).max():.2e}"
+
+
 def test_a_traced_decode_step_keeps_the_layer_by_layer_spans(tmp_path, compiled_steps):
     """LOG=trace: the batched decode step takes the layer-by-layer path (its spans: each product over
     the B rows, the attention with `batch=B`); logging off, the compiled call."""
