@@ -507,8 +507,8 @@ def _rows_layers(key, out, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at,
 @per_shape(_rows_layers)
 def _make_rows_layers(shape, e):
     kq, ko, k1, kd = shape.q_kind, shape.o_kind, shape.up_kind, shape.down_kind
-    (units_q, chunk_q), (units_o, chunk_o) = interleaved_rows.rows_chunk(kq), interleaved_rows.rows_chunk(ko)
-    (units_1, chunk_1), (units_d, chunk_d) = interleaved_rows.rows_chunk(k1), interleaved_rows.rows_chunk(kd)
+    pairs_q, pairs_o, pairs_1, pairs_d = (interleaved_rows.takes_pairs(k) for k in (kq, ko, k1, kd))
+    units, chunk = interleaved_rows.rows_units, interleaved_rows.rows_chunk
 
     @numba.njit(inline="always")
     def row_step(key, step, lo, hi, pw, qw, pw_next, layer, L, li, buf, rows, out, nq, nkv, cache, seqs, ends,
@@ -571,8 +571,8 @@ def _make_rows_layers(shape, e):
             pw_next = _rebased(pre_w, pre_at[min(layer + 1, L - 1)])
             cache = _rebased(kv, kv_at[layer])
             li = layer0 + layer
-            n_q, n_o = min(units_q(pw.wq), chunks), min(units_o(qw.wo), chunks)
-            n_1, n_d = min(units_1(qw.w1), chunks), min(units_d(qw.wd), chunks)
+            n_q, n_o = min(units(pairs_q, pw.wq), chunks), min(units(pairs_o, qw.wo), chunks)
+            n_1, n_d = min(units(pairs_1, qw.w1), chunks), min(units(pairs_d, qw.wd), chunks)
             for step in range(_ROW_STEPS):
                 ph = _ROW_STEPS * layer + step
                 n = row_claims
@@ -593,13 +593,13 @@ def _make_rows_layers(shape, e):
                     if c >= n:
                         break
                     if step == 1:
-                        chunk_q(pw.wq, act_d, rows.p1, c, n, acc)
+                        chunk(kq, pairs_q, pw.wq, act_d, rows.p1, c, n, acc)
                     elif step == 4:
-                        chunk_o(qw.wo, act_q, buf.y, c, n, acc)
+                        chunk(ko, pairs_o, qw.wo, act_q, buf.y, c, n, acc)
                     elif step == 6:
-                        chunk_1(qw.w1, act_d, buf.gu, c, n, acc)
+                        chunk(k1, pairs_1, qw.w1, act_d, buf.gu, c, n, acc)
                     elif step == 8:
-                        chunk_d(qw.wd, act_f, buf.y, c, n, acc)
+                        chunk(kd, pairs_d, qw.wd, act_f, buf.y, c, n, acc)
                     else:
                         per = ATTENTION_ROWS if step == 3 else row_claim
                         row_step(key, step, c * per, min(B, (c + 1) * per), pw, qw, pw_next, layer, L, li, buf, rows,

@@ -137,30 +137,36 @@ def rows_activation(kind, x, act, t):
     gemv_activation(kind, x, xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
 
 
-@lru_cache(maxsize=None)
-def rows_chunk(kind: int):
-    """(units, chunk) for `kind`: units(groups) the product's units of work (pairs of groups on
-    512-bit vectors, a last odd group alone; else groups); chunk(groups, act, out, c, chunks, acc)
-    runs units c*U/chunks .. (c+1)*U/chunks - 1 of out [T, >= 8G] = x W^T, x quantized in `act`
-    (rows_activation), acc [16T] f32 scratch. gemv_rows' chunks and decode_kernels' batched region
-    run it: one loop for both."""
-    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
-    pairs = ZMM and kind in ZMM_KINDS  # a constant: the other paths compile no pair loop
+def takes_pairs(kind: int) -> bool:
+    """Whether products of `kind` take two groups a step (512-bit vectors): rows_units' and
+    rows_chunk's `pairs`, a constant of their callers (the other paths compile no pair loop)."""
+    return bool(ZMM and kind in ZMM_KINDS)
 
-    @numba.njit(inline="always")
-    def units(groups):
-        G = groups.shape[0]
-        P = G // 2 if pairs else 0
-        return P + (G - 2 * P)
 
-    @numba.njit(inline="always")
-    def chunk(groups, act, out, c, chunks, acc):
-        xq, xd, xs, xp, xoff, y8 = act
-        y = activation_bytes(kind, xq, y8)
-        T, U = xd.shape[0], units(groups)
-        P = groups.shape[0] // 2 if pairs else 0
-        for u in range(c * U // chunks, (c + 1) * U // chunks):
-            if pairs and u < P:
+@numba.njit
+def rows_units(pairs, groups):
+    """The units of work of a product over `groups`: pairs of groups (takes_pairs; a last odd group
+    alone), else groups."""
+    numba.literally(pairs)
+    G = groups.shape[0]
+    P = G // 2 if pairs else 0
+    return P + (G - 2 * P)
+
+
+@numba.njit
+def rows_chunk(kind, pairs, groups, act, out, c, chunks, acc):
+    """Units c*U/chunks .. (c+1)*U/chunks - 1 (rows_units) of out [T, >= 8G] = x W^T, x quantized in
+    `act` (rows_activation), acc [16T] f32 scratch: gemv_rows' chunks and decode_kernels' batched
+    region run it, one loop for both."""
+    numba.literally(kind)
+    numba.literally(pairs)
+    xq, xd, xs, xp, xoff, y8 = act
+    y = activation_bytes(kind, xq, y8)
+    T, U = xd.shape[0], rows_units(pairs, groups)
+    P = groups.shape[0] // 2 if pairs else 0
+    for u in range(c * U // chunks, (c + 1) * U // chunks):
+        if pairs:
+            if u < P:
                 if kind == Q4_K:
                     _rows_pair_k(groups[u], groups[u + P], xq, xd, xs, acc)
                 else:
@@ -169,23 +175,21 @@ def rows_chunk(kind: int):
                     store_f32x8(out[t], 8 * u, load_f32x8(acc, 16 * t))
                     store_f32x8(out[t], 8 * (u + P), load_f32x8(acc, 16 * t + 8))
                 continue
-            g = u + P
-            if kind == Q4_K:
-                _rows_group_k(groups[g], xq, xd, xs, acc)
-            else:
-                _rows_group(kind, groups[g], y, xd, xs, xoff, acc)
-            for t in range(T):
-                store_f32x8(out[t], 8 * g, load_f32x8(acc, 8 * t))
-
-    return units, chunk
+        g = u + P
+        if kind == Q4_K:
+            _rows_group_k(groups[g], xq, xd, xs, acc)
+        else:
+            _rows_group(kind, groups[g], y, xd, xs, xoff, acc)
+        for t in range(T):
+            store_f32x8(out[t], 8 * g, load_f32x8(acc, 8 * t))
 
 
 @lru_cache(maxsize=None)
 def rows_kernel(kind: int):
     """(groups, x, out, chunks): groups [G, nb*sb] u8 (interleaved.py), x [T, n_cols] f32 -> out [T, >= 8G]
     f32; the groups shared out in `chunks` pieces (chunks_for: kernels never read the thread count)."""
-    kind = int(kind)
-    units, chunk = rows_chunk(kind)
+    kind = int(kind)  # a plain int: Numba types a captured int as a constant, an IntEnum not
+    pairs = takes_pairs(kind)
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_rows(groups, x, out, chunks):
@@ -193,10 +197,10 @@ def rows_kernel(kind: int):
         act = rows_buffers(T, x.shape[1])
         for t in range(T):  # each row as the GEMV quantizes it
             rows_activation(kind, x[t], act, t)
-        chunks = min(units(groups), chunks)
+        chunks = min(rows_units(pairs, groups), chunks)
         for c in prange(chunks):
             acc = np.empty(16 * T, np.float32)  # lane r of row t at 8t + r (a pair's: 16t + r): in L1
-            chunk(groups, act, out, c, chunks, acc)
+            rows_chunk(kind, pairs, groups, act, out, c, chunks, acc)
         return out
 
     return gemv_rows

@@ -8,6 +8,12 @@ attention over the pool), so the logits are equal bit for bit. Each sequence alo
 both (tests/nlp/test_batch.py: check_batch_equals_alone, whose decode steps now take this path).
 """
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -130,3 +136,33 @@ def test_a_traced_decode_step_keeps_the_layer_by_layer_spans(tmp_path, compiled_
     assert len(products) == 4 * n_layers + 1 and all(d.startswith("[2, ") for d in products)  # and the head
     model.forward_batch(pool, [(0, [9], 4), (1, [10], 3)])
     assert compiled_steps == [False, True]
+
+
+# A batched decode step in a fresh process; prints the misses of every disk-cached kernel it ran.
+_BATCHED_STEP = textwrap.dedent("""
+    import gc, json, sys
+    import numba
+    import pyml
+    model = pyml.load_model(gguf=sys.argv[1], threads=2).model
+    pool = model.new_pool(3, 32)
+    for i, prompt in enumerate([[5, 9, 2], [8, 90], [1, 33, 47, 3]]):
+        model.forward_batch(pool, [(i, prompt, 0)])
+    model.forward_batch(pool, [(i, [7], pool.sequence(i).length) for i in range(3)])
+    cached = [d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher) and d._cache.__class__
+              .__name__ != "NullCache"]
+    print(json.dumps({d.py_func.__qualname__: sum(d.stats.cache_misses.values()) for d in cached
+                      if d.stats.cache_misses or d.stats.cache_hits}))
+""")
+
+
+def test_a_second_process_loads_the_batched_steps_kernels_from_the_cache(tmp_path):
+    """A kernel whose cache index changes from process to process (a closure holding another
+    dispatcher: its pickle is the process's) compiles in every run: the first pyml-batch step of
+    each run once took 13 s. The second of two processes compiles nothing."""
+    path = write_llama_gguf(tmp_path / "l.gguf", "llama-tiny", target="q4_0")
+    runs = [subprocess.run([sys.executable, "-c", _BATCHED_STEP, str(path)], capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, PYML_COMPILE_HELPER="0")) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    misses = json.loads(runs[1].stdout.strip().splitlines()[-1])
+    assert misses and any("decode_rows_region" in name for name in misses), misses  # what the step ran
+    assert not {name: n for name, n in misses.items() if n}, misses
