@@ -434,7 +434,8 @@ class FusedStep:
         or a OneSequence) at position ends[b]-1, 2 <= B <= ROWS_MAX - a batched decode step (nn/batch.py),
         or a speculative verify pass (one sequence's consecutive positions: every row's keys and
         values are written before any row attends). One decode_rows_region call per run of like blocks
-        (decode_rows' where the region does not take the blocks: rows_counters None), the
+        (decode_rows' below ROWS_REGION_MIN rows, or where the region does not take the blocks:
+        rows_counters None), the
         recipe's steps over the B rows, the products and the attention as the layer-by-layer path
         runs them on B rows (the same kernels: the same bits). None where that path must run: a
         block set to the reference path, or spans on (the batched step is not timed from inside)."""
@@ -455,7 +456,7 @@ class FusedStep:
                     splits = attention_kernels.batch_splits(first.ctx.size, attn.n_kv_heads, ends, first.window,
                                                             threads)
                     kv, run_at = pool.layer(layers[0]), kv_at[layers[0]:layers[-1] + 1]
-                    if counters is not None:
+                    if counters is not None and B >= ROWS_REGION_MIN:
                         x = decode_rows_region_kernel(first.shape)(
                             x, first.pre_w, pre_at, buf, rows, first.post_w, post_at, kv, run_at, seqs, ends, splits,
                             first.window, attn.scale, *acts, chunks, out, counters, threads, first.events.events,
@@ -473,6 +474,12 @@ class FusedStep:
         finally:
             if held is not None:
                 held.release()
+
+
+# From this many rows a batched step takes decode_rows_region where it can; below, decode_rows. SmolLM2
+# Q4_1 at depth 192, the two alternating in one process: B = 2 3.81 against 3.37 ms (the region's
+# attention takes rows in pairs: one thread's), B = 4 4.76 / 4.68, B = 8 6.55 / 6.79, B = 16 10.57 / 11.09.
+ROWS_REGION_MIN = 8
 
 
 def _rot_buffers(head_dim: int, rows: int = 0) -> tuple:

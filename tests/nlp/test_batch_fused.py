@@ -20,6 +20,7 @@ import pytest
 import pyml
 from pyml.cli.standins import write_gemma3, write_gemma3_gguf, write_gpt2, write_llama_gguf
 from pyml.core import perf
+from pyml.nn import fused
 from pyml.nn.fused import FusedStep
 
 # no one-token prompt: its prefill would be a one-sequence decode step in the pool's cache type, a
@@ -102,9 +103,11 @@ def test_compiled_batched_step_equals_layer_by_layer(tmp_path, arch, kv_type, co
 
 
 @pytest.mark.parametrize("arch", ["llama-q4_0", "gemma3-q8_0"])
-def test_the_rows_region_equals_decode_rows(tmp_path, arch, compiled_steps):
+def test_the_rows_region_equals_decode_rows(tmp_path, arch, compiled_steps, monkeypatch):
     """x8 blocks take decode_rows_region (a batched step as one parallel region); the same steps as
-    decode_rows' calls, the same bits. Its rows step by step against decode_rows' on the same model."""
+    decode_rows' calls, the same bits. Its rows step by step against decode_rows' on the same model,
+    at 3 and 4 rows (below fused.ROWS_REGION_MIN, which is a speed threshold only)."""
+    monkeypatch.setattr(fused, "ROWS_REGION_MIN", 2)
     model = _model(tmp_path, arch)
     step = model._fused_step()
     assert all(c is not None for c in step.rows_counters)  # the region is what runs
@@ -143,6 +146,8 @@ _BATCHED_STEP = textwrap.dedent("""
     import gc, json, sys
     import numba
     import pyml
+    from pyml.nn import fused
+    fused.ROWS_REGION_MIN = 2  # the region at 3 rows
     model = pyml.load_model(gguf=sys.argv[1], threads=2).model
     pool = model.new_pool(3, 32)
     for i, prompt in enumerate([[5, 9, 2], [8, 90], [1, 33, 47, 3]]):
