@@ -435,9 +435,8 @@ class FusedStep:
         or a speculative verify pass (one sequence's consecutive positions: every row's keys and
         values are written before any row attends). One decode_rows_region call per run of like blocks
         (decode_rows' below ROWS_REGION_MIN rows, or where the region does not take the blocks:
-        rows_counters None), the
-        recipe's steps over the B rows, the products and the attention as the layer-by-layer path
-        runs them on B rows (the same kernels: the same bits). None where that path must run: a
+        rows_counters None), the recipe's steps over the B rows, the products and the attention as
+        the layer-by-layer path runs them on B rows (the same kernels: the same bits). None where that path must run: a
         block set to the reference path, or spans on (the batched step is not timed from inside)."""
         if not self.takes_rows():
             return None
