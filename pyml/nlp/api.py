@@ -34,6 +34,7 @@ from pyml.nlp.sampling import SamplingConfig
 from pyml.nlp.speculative import SpeculativeConfig
 from pyml.nlp.tokenizer import Tokenizer
 from pyml.nn import KVCache
+from pyml.nn.fused import ROWS_REGION_MIN
 from pyml.nn.kv_cache import DEFAULT_KV_TYPE, check_kv_type
 from pyml.quant import QuantType
 
@@ -63,6 +64,7 @@ class LanguageModel:
     warmup_s: float = 0.0  # seconds spent warming up: load_model's decode step, then the first prefill's
     compile_s: float = 0.0  # seconds spent compiling kernels (a first run's, or after an edit): not in the two above
     _prefill_cold: bool = field(default=False, repr=False)  # the prefill kernels are still to be loaded
+    _batch_warm: int = field(default=0, repr=False)  # rows of the batched steps warm_batch has run: 0, 2 or more
     load_options: dict = field(default_factory=dict, repr=False)  # load_model's, for a compile helper
     _helper: object = field(default=None, repr=False, compare=False)  # compile_helper's process, while it runs
     _warm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -89,7 +91,7 @@ class LanguageModel:
                 cancel = compiles.when_compiling(
                     lambda: setattr(self, "_helper", compile_helper.start(self.load_options)))
             try:
-                with compiles.showing(label, _compile_key(self.source, prefill)) as compiled, \
+                with compiles.showing(label, _compile_key(self.source, "prefill" if prefill else "load")) as compiled, \
                         perf.context(phase="warmup"):
                     self.runtime.warmup_thread_pool(steps=[lambda: _warm_forward(self.model, prefill)])
                     if prefill and self._helper is not None:  # its last compiles end before anything is timed
@@ -104,6 +106,23 @@ class LanguageModel:
             self.warmup_s += perf.clock() - t0 - compiled.seconds
             if prefill:
                 self._prefill_cold = False
+
+    def warm_batch(self, slots: int) -> None:
+        """Load the kernels of the steps a batch of `slots` sequences runs (stream_batch's, pyml-serve's
+        --parallel) before anything is timed: DecoderModel.warm_batch, once. After the prefill's
+        warm-up (its prompt rows take the prefill's kernels)."""
+        self.warm_up(prefill=True)
+        rows = ROWS_REGION_MIN if slots >= ROWS_REGION_MIN else 2  # the steps of more rows take the same kernels
+        with self._warm_lock:
+            if slots < 2 or self._batch_warm >= rows:
+                return
+            t0 = perf.clock()
+            with compiles.showing(f"{Path(self.source).name}'s batched steps",
+                                  _compile_key(self.source, "batch")) as compiled, perf.context(phase="warmup"):
+                self.runtime.warmup_thread_pool(steps=[lambda: self.model.warm_batch(rows)])
+            self.compile_s += compiled.seconds
+            self.warmup_s += perf.clock() - t0 - compiled.seconds
+            self._batch_warm = rows
 
     def _before_forward(self, n_tokens: int) -> None:
         if n_tokens > 1 and self._prefill_cold:
@@ -257,9 +276,11 @@ class LanguageModel:
         asks = [{"max_tokens": max_tokens, "stop": stop, **sampling, **(options[i] if options else {})}
                 for i in range(len(ids))]
         longest = max(len(i) + a["max_tokens"] for i, a in zip(ids, asks))
-        self._before_forward(max(len(i) for i in ids))
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         slots = min(len(ids), BATCH_DEFAULT if batch is None else batch)  # no slot that no prompt could fill
+        self._before_forward(max(len(i) for i in ids))
+        if slots > 1:
+            self.warm_batch(slots)
         max_len = ctx_size if ctx_size is not None else min(longest, self.model.max_positions)
         gen = BatchGenerator(self.model, slots, max_len, speculative=speculative)
         requests, stops = [], []
@@ -558,7 +579,7 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     runtime = RuntimeConfig(threads if threads is not None else RuntimeConfig().threads, warmup).apply()
     source = gguf or safetensors
     # one compile display for the load and its warm-up: a first run compiles in both
-    with compiles.showing(Path(source).name, _compile_key(source, False)) as compiled:
+    with compiles.showing(Path(source).name, _compile_key(source, "load")) as compiled:
         t0 = perf.clock()
         with perf.context(phase="load"), _perf.debug("model::load", "{}", source, op="load"):
             if safetensors is not None:
@@ -594,9 +615,10 @@ def load_model(source: str | None = None, *, gguf: str | None = None, safetensor
     return lm
 
 
-def _compile_key(source: str, prefill: bool) -> str:
-    """Which kernels a compile display estimates from: the model, the step, the instruction set."""
-    return f"{source}|{'prefill' if prefill else 'load'}|{isa.ISA}"
+def _compile_key(source: str, step: str) -> str:
+    """Which kernels a compile display estimates from: the model, the step ("load", "prefill",
+    "batch"), the instruction set."""
+    return f"{source}|{step}|{isa.ISA}"
 
 
 def _warm_forward(model: DecoderModel, prefill: bool):

@@ -623,7 +623,7 @@ def decode_rows_region_kernel(shape: BlockShape):
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, error_model="numpy")
     def decode_rows_region(x, pre_w, pre_at, buf, rows, post_w, post_at, kv, kv_at, seqs, ends, splits, window,
                            scale, act_d, act_q, act_f, chunks, out, counters, n_threads, events, ticks, layer0):
-        # act_d, act_q, act_f: the activations' quantization buffers (interleaved_rows.rows_buffers)
+        # act_d, act_q, act_f: the activations' quantization buffers (interleaved_gemv.activation_buffers of B rows)
         # for d, nq and f columns; n_threads: numba.get_num_threads() from Python (as decode_region's)
         B = x.shape[0]
         for i in range(counters.size):  # loops: no array expression for parallel=True to make a launch of

@@ -202,7 +202,7 @@ class FusedBlock:
                 self._rows_max = (z(d), z(self.gu.shape[1]), z(f), z(d), z(d), z(n1), z(n_apart), z(n_apart),
                                   z(nq), z(attn.n_heads, attn.head_dim), z(f_apart), z(f_apart),
                                   *_rot_buffers(attn.head_dim, R))
-                self._acts_max = tuple(interleaved_rows.rows_buffers(R, n) for n in (d, nq, f))
+                self._acts_max = tuple(interleaved_gemv.activation_buffers((R, n)) for n in (d, nq, f))
             h, gu, a, y, out, *rows = (v[:B] for v in self._rows_max)
             b = self.bufs
             bufs = self._rows[B] = (StepBuffers(h, b.qkv, b.q2, b.k2, b.q3, b.k3, b.v3, b.nq, b.nkv, y, gu, a, b.rot,
@@ -361,8 +361,9 @@ class FusedStep:
         attn = first.block.attn
         d, f = first.h.shape[1], first.a.shape[1]
         return [decode_region_kernel(first.shape), region_counters(n_layers),
-                interleaved_gemv.gemv_buffers(d), interleaved_gemv.gemv_buffers(attn.n_heads * attn.head_dim),
-                interleaved_gemv.gemv_buffers(f), None]
+                interleaved_gemv.activation_buffers((d,)),
+                interleaved_gemv.activation_buffers((attn.n_heads * attn.head_dim,)),
+                interleaved_gemv.activation_buffers((f,)), None]
 
     def _attention_scratch(self, region, first, cache, layer, items):
         """The region's attention buffers, made (again) when the cache's head_dim or the items grow."""

@@ -23,7 +23,7 @@ from pyml.core.simd import (FASTMATH, HAVE_VNNI, load_f32x8, load_i32x8, load_u8
 from pyml.quant.activation import quantize_rows_q8, quantize_rows_u8, quantize_rows_u8_sums
 from pyml.quant.ggml_types import Q4_K, Q8_0
 from pyml.quant.interleaved_gemv import (_block, _block_codes, _block_scales, _correction_table, _k_block, _k_scales,
-                                         _offset_sums, _sb_size, gemv_activation, gemv_buffers, gemv_group_into)
+                                         _offset_sums, _sb_size, activation_buffers, gemv_activation, gemv_group_into)
 from pyml.quant.interleaved_pairs import ZMM_KINDS, _gemm_pair, _gemm_pair_k
 from pyml.quant.interleaved_tiles import code_scratch, token_tiles
 from pyml.quant.interleaved_triples import SIGNED_KINDS, _gemm_triple
@@ -128,7 +128,7 @@ def interleaved_kernels(kind: int) -> InterleavedKernels:
 
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv(groups, x, out):
-        xq, xd, xs, xp, xoff, y8 = gemv_buffers(x.size)
+        xq, xd, xs, xp, xoff, y8 = activation_buffers((x.size,))
         y = gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8)
         for g in prange(groups.shape[0]):  # prange's index is a uint64; decode_kernels' loop passes an
             # int64: one type, so one compile of gemv_group_into per kind, not two of the same code

@@ -283,10 +283,14 @@ def _gemv_group_k(w, xq, xd, xs):  # Q4_K: F32x8, group w [nsb * 1184] . x, lane
 # keeps, and calls the same group kernel the GEMV's prange does.
 
 @numba.njit(cache=True)
-def gemv_buffers(n):
-    """(xq, xd, xs, xp, xoff, y8): what gemv_activation fills for an activation of n values."""
-    return (np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32),
-            np.empty(n // 2, np.int16), np.empty(n // 32, np.int32), np.empty(n, np.uint8))
+def activation_buffers(shape):
+    """(xq, xd, xs, xp, xoff, y8): what gemv_activation fills for activations of `shape`, (n,) for one
+    of n values, (T, n) for T rows (interleaved_rows'). Cached: called from Python too (nn/fused.py),
+    where an uncached kernel compiled again in every process (0.45 s of a first batched step)."""
+    lead, n = shape[:-1], shape[-1]
+    nb = n // 32
+    return (np.empty(shape, np.int8), np.empty(lead + (nb,), np.float32), np.empty(lead + (nb,), np.float32),
+            np.empty(lead + (n // 2,), np.int16), np.empty(lead + (nb,), np.int32), np.empty(shape, np.uint8))
 
 
 @numba.njit
@@ -301,7 +305,7 @@ def activation_bytes(kind, xq, y8):
 
 @numba.njit
 def gemv_activation(kind, x, xq, xd, xs, xp, xoff, y8):
-    """x [n] f32 quantized into the gemv_buffers (activation.py's blocks, the code offsets'
+    """x [n] f32 quantized into the activation_buffers (activation.py's blocks, the code offsets'
     sums: _offset_sums' integers from the quantizer's own code sums, not a second pass over the
     codes, which took as long as the quantization); returns activation_bytes."""
     numba.literally(kind)

@@ -33,7 +33,8 @@ from pyml.core.simd512 import load_f32x16, store_f32x16
 from pyml.quant.ggml_types import Q4_K
 from pyml.quant.interleaved import Q4_K_SUPERBLOCK
 from pyml.quant.interleaved_gemv import (_block, _block_scales, _codes, _corrections, _k_block, _k_codes, _k_scales,
-                                         _sb_size, activation_bytes, block_prefetch, gemv_activation, k_prefetch)
+                                         _sb_size, activation_buffers, activation_bytes, block_prefetch, gemv_activation,
+                                         k_prefetch)
 from pyml.quant.interleaved_pairs import (ZMM_KINDS, _block16, _block_scales16, _codes16, _corrections16, _k_block16,
                                          _k_codes16, _k_scales16)
 
@@ -122,17 +123,9 @@ def _rows_pair_k(w0, w1, xq, xd, xs, acc):
                                                      load_f32x16(acc, 16 * t)))
 
 
-@numba.njit
-def rows_buffers(T, n):
-    """(xq, xd, xs, xp, xoff, y8) [T, ...]: what gemv_activation fills for T activation rows of n values."""
-    nb = n // 32
-    return (np.empty((T, n), np.int8), np.empty((T, nb), np.float32), np.empty((T, nb), np.float32),
-            np.empty((T, n // 2), np.int16), np.empty((T, nb), np.int32), np.empty((T, n), np.uint8))
-
-
 @numba.njit(inline="always")
 def rows_activation(kind, x, act, t):
-    """Row t of act (rows_buffers) <- x quantized as the GEMV quantizes it."""
+    """Row t of act (activation_buffers of T rows) <- x quantized as the GEMV quantizes it."""
     xq, xd, xs, xp, xoff, y8 = act
     gemv_activation(kind, x, xq[t], xd[t], xs[t], xp[t], xoff[t], y8[t])
 
@@ -194,7 +187,7 @@ def rows_kernel(kind: int):
     @numba.njit(parallel=True, cache=True, fastmath=FASTMATH)
     def gemv_rows(groups, x, out, chunks):
         T = x.shape[0]
-        act = rows_buffers(T, x.shape[1])
+        act = activation_buffers((T, x.shape[1]))
         for t in range(T):  # each row as the GEMV quantizes it
             rows_activation(kind, x[t], act, t)
         chunks = min(rows_units(pairs, groups), chunks)

@@ -141,33 +141,59 @@ def test_a_traced_decode_step_keeps_the_layer_by_layer_spans(tmp_path, compiled_
     assert compiled_steps == [False, True]
 
 
-# A batched decode step in a fresh process; prints the misses of every disk-cached kernel it ran.
+# A batched generation in a fresh process, after warm_batch: 12 prompts of 2-4 tokens over 9 slots,
+# so prompt rows beside decode rows, 9-row steps (the rows region) and fewer-row ones (decode_rows).
+# Prints the misses of every disk-cached kernel it ran, every compile of the process, the kernels
+# loaded after warm_batch and the steps' (rows, sequences).
 _BATCHED_STEP = textwrap.dedent("""
     import gc, json, sys
     import numba
     import pyml
-    from pyml.nn import fused
-    fused.ROWS_REGION_MIN = 2  # the region at 3 rows
-    model = pyml.load_model(gguf=sys.argv[1], threads=2).model
-    pool = model.new_pool(3, 32)
-    for i, prompt in enumerate([[5, 9, 2], [8, 90], [1, 33, 47, 3]]):
-        model.forward_batch(pool, [(i, prompt, 0)])
-    model.forward_batch(pool, [(i, [7], pool.sequence(i).length) for i in range(3)])
+    from pyml.core import compiles
+    from pyml.nlp.batch_generator import BatchGenerator
+
+    def loaded():
+        return {(id(d), sig): d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher)
+                for sig in d.overloads}
+
+    lm = pyml.load_model(gguf=sys.argv[1], threads=2)
+    lm.warm_batch(9)
+    warm = loaded()
+    gen = BatchGenerator(lm.model, 9, 32)
+    for i in range(12):
+        gen.submit([5 + i, 9, 2, 7][:2 + i % 3], 3 + i % 4)
+    shapes = set()
+    while gen.busy:
+        gen.step()
+        shapes.add(gen.last_shape)
+    after = loaded()
     cached = [d for d in gc.get_objects() if isinstance(d, numba.core.dispatcher.Dispatcher) and d._cache.__class__
               .__name__ != "NullCache"]
-    print(json.dumps({d.py_func.__qualname__: sum(d.stats.cache_misses.values()) for d in cached
-                      if d.stats.cache_misses or d.stats.cache_hits}))
+    print(json.dumps({"misses": {d.py_func.__qualname__: sum(d.stats.cache_misses.values()) for d in cached
+                                 if d.stats.cache_misses or d.stats.cache_hits},
+                      "compiled": compiles.compiled(),
+                      "after_warm": sorted({compiles.kernel_name(after[k]) for k in after.keys() - warm.keys()}),
+                      "shapes": sorted(shapes)}))
 """)
 
 
-def test_a_second_process_loads_the_batched_steps_kernels_from_the_cache(tmp_path):
+def test_a_second_process_loads_the_batched_steps_kernels_from_the_cache_in_warm_batch(tmp_path):
     """A kernel whose cache index changes from process to process (a closure holding another
     dispatcher: its pickle is the process's) compiles in every run: the first pyml-batch step of
-    each run once took 13 s. The second of two processes compiles nothing."""
+    each run once took 13 s; one without a disk cache called from Python (the rows' activation
+    buffers) compiled in every run too, 0.45 s of a first batched step. The second of two processes
+    compiles nothing, and warm_batch has loaded every kernel the generation's steps run."""
     path = write_llama_gguf(tmp_path / "l.gguf", "llama-tiny", target="q4_0")
     runs = [subprocess.run([sys.executable, "-c", _BATCHED_STEP, str(path)], capture_output=True, text=True,
                            timeout=600, env=dict(os.environ, PYML_COMPILE_HELPER="0")) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
-    misses = json.loads(runs[1].stdout.strip().splitlines()[-1])
-    assert misses and any("decode_rows_region" in name for name in misses), misses  # what the step ran
+    got = json.loads(runs[1].stdout.strip().splitlines()[-1])
+    shapes = [tuple(s) for s in got["shapes"]]
+    assert any(rows > seqs > 1 for rows, seqs in shapes), shapes  # prompt rows beside decode rows
+    assert any(rows == seqs >= fused.ROWS_REGION_MIN for rows, seqs in shapes), shapes
+    assert any(2 <= rows == seqs < fused.ROWS_REGION_MIN for rows, seqs in shapes), shapes
+    misses = got["misses"]
+    assert any("decode_rows_region" in name for name in misses), misses  # what the steps ran
     assert not {name: n for name, n in misses.items() if n}, misses
+    assert got["compiled"] == [], got["compiled"]
+    assert got["after_warm"] == [], got["after_warm"]
