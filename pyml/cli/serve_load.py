@@ -2,9 +2,13 @@
 p50 / p99 of the time to first text and of the whole reply's latency, and the prompt tokens a
 request prefilled (its `timings`' prompt_n);
 or, with --give-up, a burst of clients that leave after S seconds and how soon the server is idle.
+With --rounds N the levels take turns N times (the machine is shared and noisy), and two lines
+follow the table: each level's median tokens/s and range, and each round's ratio of every level to
+the first (e.g. 16 clients against 1).
 
     python -m pyml.cli.serve_load --port 8080 --clients 1,4,16 --requests 16 --max-tokens 32
     python -m pyml.cli.serve_load --port 8080 --clients 1,16 --cache-prompt
+    python -m pyml.cli.serve_load --port 8080 --clients 1,16 --requests 32 --max-tokens 64 --rounds 5
     python -m pyml.cli.serve_load --port 8080 --clients 300 --give-up 2 --max-tokens 900
 
 Talks only to 127.0.0.1; every client sends a bounded number of requests, each with a timeout.
@@ -124,11 +128,34 @@ def run(args) -> int:
               f"idle {r['idle_after_s']:.2f} s after "
               f"the last client left; /health {r['health']}")
         return 0
+    if args.rounds < 1:
+        raise PymlError(f"--rounds must be at least 1, not {args.rounds}")
     print(TABLE_HEAD)
-    for clients in levels:
-        print(table_row(run_level(args.port, clients, args.requests, args.max_tokens, args.timeout, args.cache_prompt)),
-              flush=True)
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append([run_level(args.port, clients, args.requests, args.max_tokens, args.timeout, args.cache_prompt)
+                       for clients in levels])
+        for r in rounds[-1]:
+            print(table_row(r), flush=True)
+    if args.rounds > 1:
+        print("\n".join(summary(rounds)))
     return 0
+
+
+def summary(rounds: list) -> list:
+    """Two lines on rounds of run_level results (each round: one per level, in the same order): each
+    level's median tokens/s and range over the rounds, and each round's tokens/s of every later
+    level against the first level's, with their median."""
+    levels = [r["clients"] for r in rounds[0]]
+    rates = [[rnd[i]["tokens_per_s"] for rnd in rounds] for i in range(len(levels))]
+    lines = [f"tokens/s over {len(rounds)} rounds, median (range): " + "; ".join(
+        f"{n} client{'s' * (n > 1)} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+        for n, v in zip(levels, rates))]
+    for n, v in zip(levels[1:], rates[1:]):
+        ratios = [b / a for a, b in zip(rates[0], v)]
+        lines.append(f"{n} clients against {levels[0]}, each round: {' '.join(f'{x:.2f}x' for x in ratios)} "
+                     f"(median {statistics.median(ratios):.2f}x)")
+    return lines
 
 
 def _levels(text: str) -> list:
@@ -162,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-prompt", action="store_true",
                    help="let the server reuse a slot's cached prompt start (its default); without it every "
                         "request sends cache_prompt false and prefills its whole prompt")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the levels in turn this many times; then each level's median and each round's ratios")
     p.add_argument("--give-up", type=float, default=None, metavar="S",
                    help="one burst of --clients clients that leave after S seconds; say how soon the server is idle")
     return run_command("serve_load", run, p.parse_args(argv))

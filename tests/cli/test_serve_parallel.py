@@ -257,6 +257,21 @@ def test_serve_load_reports_throughput_and_the_p50_p99_of_first_text_and_latency
     assert table[0] == serve_load.TABLE_HEAD.splitlines()[0] and len(table) == 4
     assert [row.split("|")[1].strip() for row in table[2:]] == ["1", "2"]
     assert all(len(row.split("|")) == 11 for row in table)
+    # --rounds: the levels in turn, then the medians and each round's ratios (checked by hand below)
+    assert serve_load.main(["--port", str(server.port), "--clients", "1,2", "--requests", "2", "--max-tokens", "4",
+                            "--rounds", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [row.split("|")[1].strip() for row in out[2:6]] == ["1", "2", "1", "2"]
+    assert out[6].startswith("tokens/s over 2 rounds, median (range): 1 client ") and \
+        out[7].startswith("2 clients against 1, each round: ") and len(out) == 8
+    rounds = [[{"clients": 1, "tokens_per_s": 100.0}, {"clients": 16, "tokens_per_s": 350.0}],
+              [{"clients": 1, "tokens_per_s": 120.0}, {"clients": 16, "tokens_per_s": 300.0}],
+              [{"clients": 1, "tokens_per_s": 80.0}, {"clients": 16, "tokens_per_s": 320.0}]]
+    assert serve_load.summary(rounds) == [
+        "tokens/s over 3 rounds, median (range): 1 client 100.0 (80.0-120.0); 16 clients 320.0 (300.0-350.0)",
+        "16 clients against 1, each round: 3.50x 2.50x 4.00x (median 3.50x)"]
+    assert serve_load.main(["--port", str(server.port), "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1, not 0" in capsys.readouterr().err
     # the prompts share the chat template's start: one client's later requests prefill only what differs
     # when they let the server reuse its slot's prompt, the whole prompt each when they say cache_prompt false
     whole = serve_load.run_level(server.port, clients=1, requests=3, max_tokens=2, timeout=60)
