@@ -39,7 +39,11 @@ from pyml.quant.interleaved_pairs import (ZMM_KINDS, _block16, _block_scales16, 
                                          _k_codes16, _k_scales16)
 
 ROWS_MAX = 16  # up to this many rows take rows_kernel (a batched decode of 16 sequences); more: the GEMM
-CHUNKS_PER_THREAD = 4  # groups are shared out in chunks: one accumulator buffer per chunk, not per group
+# The groups are shared out in chunks, one accumulator buffer a chunk, one contiguous chunk a thread:
+# four a thread made a batched step of SmolLM2 (Q4_0, Q4_1, Q8_0) 4-10% slower at 8 and 16 rows
+# (the rows region's products and decode_rows', the chunks claimed in turn), Gemma 3's Q4_K the same
+# either way; a product alone, in cache or not, the same (docs/performance.md, "One chunk a thread").
+CHUNKS_PER_THREAD = 1
 
 
 def serves(T: int) -> bool:
