@@ -110,11 +110,12 @@ class LanguageModel:
     def warm_batch(self, slots: int) -> None:
         """Load the kernels of the steps a batch of `slots` sequences runs (stream_batch's, pyml-serve's
         --parallel) before anything is timed: DecoderModel.warm_batch, once. After the prefill's
-        warm-up (its prompt rows take the prefill's kernels)."""
+        warm-up (its prompt rows take the prefill's kernels). Nothing for a model loaded without a
+        warm-up (load_model's `warmup`: the first steps then show what it costs)."""
         self.warm_up(prefill=True)
         rows = ROWS_REGION_MIN if slots >= ROWS_REGION_MIN else 2  # the steps of more rows take the same kernels
         with self._warm_lock:
-            if slots < 2 or self._batch_warm >= rows:
+            if slots < 2 or not self.runtime.warmup or self._batch_warm >= rows:
                 return
             t0 = perf.clock()
             with compiles.showing(f"{Path(self.source).name}'s batched steps",

@@ -203,3 +203,22 @@ def test_n_larger_than_the_batch_is_refused(lm):
     gen = BatchGenerator(lm.model, 2, max_len=64)
     with pytest.raises(PymlError, match="n=3 completions need as many sequences"):
         gen.submit_choices([1, 2], 4, 3)
+
+
+def test_warm_batch_runs_once_and_not_for_a_model_loaded_without_a_warm_up(smollm2_gguf):
+    """warm_batch's steps count in warmup_s, once for each kind (2 rows; the rows region's from
+    ROWS_REGION_MIN slots); a model loaded with warmup=False is left cold, as its prefill is."""
+    warm = pyml.load_model(gguf=str(smollm2_gguf), threads=2)
+    warm.warm_batch(1)
+    before = warm.warmup_s
+    warm.warm_batch(4)
+    after_two = warm.warmup_s
+    warm.warm_batch(3)
+    assert warm.warmup_s == after_two > before
+    warm.warm_batch(16)
+    after_region = warm.warmup_s
+    warm.warm_batch(9)
+    assert warm.warmup_s == after_region > after_two
+    cold = pyml.load_model(gguf=str(smollm2_gguf), threads=2, warmup=False)
+    cold.warm_batch(16)
+    assert cold.warmup_s == 0.0
